@@ -1,0 +1,1 @@
+"""HTTP face: OpenAI-compatible FastAPI ingress on Ray Serve."""

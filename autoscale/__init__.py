@@ -1,0 +1,1 @@
+"""Controller actor, token-load request router, TBT-SLO autoscaling policy."""

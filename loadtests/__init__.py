@@ -1,0 +1,1 @@
+"""Load tests, workloads, benchmarks and the simulator."""

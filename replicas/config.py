@@ -1,0 +1,68 @@
+"""Engine configuration: one frozen, validated source of truth for every limit."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["static", "dynamic", "stall_free"]
+POLICIES: tuple[str, ...] = ("static", "dynamic", "stall_free")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Budgets and knobs of one engine replica.
+
+    max_batch_prefill_tokens (MBP): tokens one forward pass may process. Under `stall_free`
+        decode tokens count against it too (Sarathi's token budget); under `dynamic` and
+        `static` it caps the prompt tokens prefilled in one pass.
+    max_batch_total_tokens (MBT): tokens that may live in the KV cache at once, over all
+        active requests. None: derived from `kv_cache_memory_bytes` and the model's KV bytes
+        per token.
+    """
+
+    policy: Policy = "stall_free"
+    max_batch_prefill_tokens: int = 512
+    max_batch_total_tokens: int | None = None
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's own context length
+    # Priority aging: a waiting request gains one class of urgency per `priority_aging_s`.
+    priority_aging_s: float = 5.0
+    dtype: str = "auto"
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
+    trust_remote_code: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _positive("max_batch_prefill_tokens", self.max_batch_prefill_tokens)
+        if self.max_batch_total_tokens is not None:
+            _positive("max_batch_total_tokens", self.max_batch_total_tokens)
+            if self.max_batch_total_tokens < self.block_size:
+                raise ValueError("max_batch_total_tokens must hold at least one KV block "
+                                 f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.priority_aging_s <= 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
+
+    def replace(self, **changes: object) -> EngineConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,66 @@
+"""Incremental detokenization that never splits a UTF-8 character, with stop-string hold-back."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from replicas.sampler import find_stop_string
+
+# Trailing prompt tokens decoded as context so the first output token gets its leading
+# space right (sentencepiece-style tokenizers drop it when a token is decoded alone).
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window (prefix_offset..end) and emits only what extends the previous
+    window's text; if the new text ends in U+FFFD the token split a multi-byte character,
+    so nothing is emitted until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
+                 stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all output text decoded so far (cut at a stop string)
+        self.emitted = 0  # characters of `text` already handed out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string if the text now contains one."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset:])
+        if len(new) > len(prefix) and not new.endswith("\ufffd"):
+            before = len(self.text)
+            self.text += new[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self.stop:
+                hit = find_stop_string(self.text, self.stop, before)
+                if hit is not None:
+                    self.text = self.text[:hit[0]]
+                    return hit[1]
+        return None
+
+    def flush(self) -> None:
+        """At finish: take whatever the last tokens decode to, even a partial character."""
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            new = self._decode(self.ids[self.prefix_offset:])
+            self.text += new[len(prefix):]
+            self.read_offset = len(self.ids)
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out, holding back what could still become a stop string."""
+        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,292 @@
+"""The engine loop: schedule -> run -> postprocess, once per forward pass."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from replicas.config import EngineConfig
+from replicas.detokenizer import IncrementalDetokenizer
+from replicas.kv_cache import BlockManager
+from replicas.model_runner import ModelRunner, kv_shape
+from replicas.models import load_model, model_max_length
+from replicas.request import Request, RequestStatus, SamplingParams
+from replicas.sampler import sample, stop_token_hit
+from replicas.scheduler import Scheduler, SchedulerOutput
+
+PRIORITY_RANGE = (-1_000, 1_000)
+
+
+@dataclass
+class RequestOutput:
+    """What one iteration produced for one request (a streaming delta)."""
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    token_times: list[float]  # perf_counter when each generated token was produced
+    arrival_time: float
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+
+@dataclass
+class IterationStats:
+    """One forward pass: what ran and how long it took (for metrics and calibration)."""
+
+    start: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    context_tokens: int  # KV tokens attended over all sequences
+    num_preempted: int = 0
+
+
+@dataclass
+class EngineLoad:
+    """A replica's load, as the router and autoscaler see it."""
+
+    num_running: int
+    num_waiting: int
+    running_tokens: int
+    waiting_tokens: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    kv_usage: float
+    recent_tbt_s: list[float] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model, self.tokenizer = model, tokenizer
+        model_len = model_max_length(model.config)
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        num_blocks = self._num_blocks(model)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(model, self.blocks)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.iterations: deque[IterationStats] = deque(maxlen=100_000)
+        self.recent_tbt: deque[float] = deque(maxlen=512)
+
+    @classmethod
+    def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:
+        """Load an HF causal LM (directory, hub id, or "embedded:tiny|mid") and build an engine."""
+        config = config or EngineConfig()
+        hf_model, tokenizer = load_model(model, dtype=config.dtype, device=config.device,
+                                         trust_remote_code=config.trust_remote_code)
+        return cls(hf_model, tokenizer, config)
+
+    def _num_blocks(self, model: PreTrainedModel) -> int:
+        cfg = self.config
+        if cfg.max_batch_total_tokens is not None:
+            return cfg.max_batch_total_tokens // cfg.block_size
+        layers, kv_heads, head_dim = kv_shape(model.config)
+        elem = next(model.parameters()).element_size()
+        bytes_per_token = 2 * layers * kv_heads * head_dim * elem
+        blocks = cfg.kv_cache_memory_bytes // (bytes_per_token * cfg.block_size)
+        # More blocks than every sequence slot at full length could ever use is waste.
+        most = -(-cfg.max_num_seqs * self.max_model_len // cfg.block_size)
+        return max(1, min(blocks, most))
+
+    @property
+    def max_batch_total_tokens(self) -> int:
+        return self.blocks.capacity_tokens
+
+    # ---- intake ----------------------------------------------------------------------
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
+        """Check a request against every limit; returns its prompt token ids or raises ValueError."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if not isinstance(priority, int) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+            raise ValueError(f"priority must be an integer in {list(PRIORITY_RANGE)}, got {priority!r}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(ids)} in the prompt, {params.max_tokens} for "
+                "max_tokens). Please reduce the prompt or max_tokens.")
+        if total > self.max_batch_total_tokens:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens ({len(ids)} + {params.max_tokens}) exceeds "
+                f"the KV cache capacity (max_batch_total_tokens = {self.max_batch_total_tokens})")
+        mbp = self.config.max_batch_prefill_tokens
+        if self.config.policy == "dynamic" and len(ids) > mbp:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_batch_prefill_tokens = "
+                             f"{mbp}, which the dynamic policy prefills in one pass")
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; nothing is admitted if this raises."""
+        params = params or SamplingParams()
+        ids = self.validate(prompt, params, priority)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = Request(request_id, ids, params, priority,
+                      arrival_time if arrival_time is not None else time.perf_counter())
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks (call from the loop's thread)."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._emit(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run one forward pass, postprocess."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        start = time.perf_counter()
+        logits = self.runner.execute(batch)
+        token_ids = sample(logits, [s.request for s in batch.seqs if s.samples])
+        now = time.perf_counter()
+        self._record(batch, start, now)
+        return self._postprocess(batch, token_ids, now)
+
+    def _postprocess(self, batch: SchedulerOutput, token_ids: list[int], now: float) -> list[RequestOutput]:
+        outputs = []
+        sampled = iter(token_ids)
+        for seq in batch.seqs:
+            req = seq.request
+            req.num_computed_tokens += seq.num_tokens
+            if not seq.samples:
+                continue
+            token = next(sampled)
+            if req.token_times:
+                self.recent_tbt.append(now - req.token_times[-1])
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            outputs.append(self._emit(req))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        detok = self._detok[req.request_id]
+        stop = detok.add_token(token)
+        if stop is not None:
+            req.stop_reason = stop
+            return RequestStatus.FINISHED_STOPPED
+        if stop_token_hit(token, req.params, self.eos_token_ids):
+            req.stop_reason = token if token in req.params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _emit(self, req: Request) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        finished = req.is_finished
+        if finished and not isinstance(req.stop_reason, str):
+            detok.flush()  # a stop string already cut the text; anything else keeps it all
+        out = RequestOutput(req.request_id, detok.take_delta(finished),
+                            req.output_token_ids[req.num_sent_tokens:], finished, req.finish_reason,
+                            req.num_prompt_tokens, len(req.output_token_ids), req.stop_reason)
+        req.num_sent_tokens = len(req.output_token_ids)
+        if finished:
+            del self.requests[req.request_id]
+            del self._detok[req.request_id]
+        return out
+
+    def _record(self, batch: SchedulerOutput, start: float, end: float) -> None:
+        self.iterations.append(IterationStats(
+            start, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
+            len(batch.seqs), sum(s.start + s.num_tokens for s in batch.seqs), len(batch.preempted)))
+
+    # ---- offline API -----------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Run prompts to completion; outputs in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
+        for p, sp in zip(prompts, plist):  # validate all before admitting any
+            self.validate(p, sp)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        texts = {r.request_id: [] for r in reqs}
+        while any(not r.is_finished for r in reqs):
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id].append(out.delta_text)
+        return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
+                                 "".join(texts[r.request_id]), r.finish_reason, list(r.token_times),
+                                 r.arrival_time, r.num_preemptions) for r in reqs]
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(len(s.running), len(s.waiting), s.num_running_tokens, s.num_waiting_tokens,
+                          self.blocks.num_free, self.blocks.num_blocks, self.blocks.block_size,
+                          self.blocks.usage, list(self.recent_tbt)[-64:])
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

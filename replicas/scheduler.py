@@ -1,0 +1,240 @@
+"""Iteration-level scheduler: one interface, three policies, the same token budgets.
+
+Design note. There is no "prefill phase" or "decode phase", only how many tokens each
+request still has to run through the model (`num_tokens_to_compute`): a decoding request
+has one, a prefilling request has a prompt chunk. Every call to `schedule()` picks, for
+the next single forward pass, which requests run and how many tokens each:
+
+- stall_free (Sarathi-Serve): every running decode first, then prompt chunks of one or
+  more requests in what is left of `max_batch_prefill_tokens` (the last chunk cut to fit).
+  Invariant: a running request that is decoding is never skipped, unless it was preempted.
+- dynamic (TGI): admit waiting requests whose whole prompt fits MBP and the KV cache and
+  prefill them in a pass of their own; decodes wait for that pass (the generation stall).
+- static: request-level batching. When nothing runs, admit a batch whose full
+  prompt + max_tokens fit the KV cache, prefill it (MBP per pass), decode it until every
+  member has finished, and only then admit again.
+
+KV blocks are allocated as tokens are scheduled. When a decode needs a block and none is
+free, the least urgent, latest running request is preempted (blocks freed, recomputed
+later) instead of failing. Waiting requests are ordered by priority class (lower is more
+urgent), aged so nothing starves, FCFS inside a class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from replicas.config import EngineConfig
+from replicas.kv_cache import BlockManager
+from replicas.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_tokens` tokens of `request` starting at position `start` run in this pass."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so the pass samples one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[ScheduledSeq]:
+        """Decodes first, then prefill chunks: the packing order of the forward pass."""
+        return self.decodes + self.prefills
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.prefills)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admission order
+        # Keep a little KV headroom when admitting, so running decodes rarely preempt.
+        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Evict a request that finished (or was aborted) and free its blocks."""
+        request.status = status
+        request.finish_time = self.clock()
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_tokens_to_compute for r in self.waiting)
+
+    @property
+    def num_running_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.running)
+
+    def urgency(self, request: Request, now: float) -> tuple[float, float]:
+        """Sort key, smaller first: aged priority class, then arrival (FCFS)."""
+        aged = request.priority - (now - request.arrival_time) / self.config.priority_aging_s
+        return (aged, request.arrival_time)
+
+    # ---- the decision ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self.waiting.sort(key=lambda r: self.urgency(r, now))
+        out = SchedulerOutput()
+        policy = self.config.policy
+        if policy == "stall_free":
+            self._schedule_stall_free(out, now)
+        elif policy == "dynamic":
+            self._schedule_dynamic(out, now)
+        else:
+            self._schedule_static(out, now)
+        for seq in out.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+        return out
+
+    def _schedule_stall_free(self, out: SchedulerOutput, now: float) -> None:
+        self._schedule_decodes(out, now)
+        budget = self.config.max_batch_prefill_tokens - len(out.decodes)
+        # Prompts already started continue before new ones are admitted.
+        for req in [r for r in self.running if r.is_prefilling]:
+            if budget <= 0:
+                return
+            budget -= self._schedule_chunk(out, req, budget, reserve=0)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            reserve = self.watermark_blocks if self.running else 0
+            n = self._fit(req, budget, reserve)
+            if n <= 0:
+                return  # strict order: the most urgent request waits for room
+            self._admit(req)
+            budget -= self._schedule_chunk(out, req, n, reserve=0)
+
+    def _schedule_dynamic(self, out: SchedulerOutput, now: float) -> None:
+        budget = self.config.max_batch_prefill_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens_to_compute
+            # A recompute after preemption may exceed MBP; it is admitted in a pass of its own.
+            alone_ok = not out.prefills and req.num_preemptions > 0
+            reserve = self.watermark_blocks if self.running or out.prefills else 0
+            if (n > budget and not alone_ok) or self._fit(req, n, reserve) < n:
+                break
+            self._admit(req)
+            budget -= self._schedule_chunk(out, req, n, reserve=0)
+        if not out.prefills:
+            self._schedule_decodes(out, now)
+
+    def _schedule_static(self, out: SchedulerOutput, now: float) -> None:
+        if not self.running:
+            # Reserve each member's whole prompt + max_tokens up front, as padded static
+            # batches do, so a static batch never preempts.
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                total = max(req.max_total_tokens, req.num_tokens)
+                if not self.blocks.can_allocate(req.request_id, total):
+                    break
+                self._admit(req)
+                self.blocks.allocate(req.request_id, total)
+        prefilling = [r for r in self.running if r.is_prefilling]
+        if prefilling:
+            budget = self.config.max_batch_prefill_tokens
+            for req in prefilling:
+                if budget <= 0:
+                    break
+                budget -= self._schedule_chunk(out, req, budget, reserve=0)
+        else:
+            self._schedule_decodes(out, now)
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _schedule_decodes(self, out: SchedulerOutput, now: float) -> None:
+        """One token for every decoding request, most urgent first; preempt on KV shortage."""
+        self.running.sort(key=lambda r: self.urgency(r, now))
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if req.is_prefilling:
+                i += 1
+                continue
+            while not self.blocks.allocate(req.request_id, req.num_tokens):
+                victim = self.running[-1]  # least urgent, latest; never one already scheduled
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.decodes.append(ScheduledSeq(req, req.num_computed_tokens, 1))
+                i += 1
+
+    def _schedule_chunk(self, out: SchedulerOutput, req: Request, limit: int, reserve: int) -> int:
+        """Schedule up to `limit` of the request's remaining tokens as one chunk."""
+        n = self._fit(req, limit, reserve)
+        if n <= 0:
+            return 0
+        ok = self.blocks.allocate(req.request_id, req.num_computed_tokens + n)
+        assert ok, "a fitted chunk must allocate"
+        out.prefills.append(ScheduledSeq(req, req.num_computed_tokens, n))
+        return n
+
+    def _fit(self, req: Request, limit: int, reserve: int) -> int:
+        """Largest chunk <= limit whose KV fits in the free blocks minus `reserve`."""
+        bs = self.blocks.block_size
+        have = len(self.blocks.block_table(req.request_id)) * bs
+        room = have + max(0, self.blocks.num_free - reserve) * bs - req.num_computed_tokens
+        return max(0, min(limit, req.num_tokens_to_compute, room))
+
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.append(req)
+        out.preempted.append(req)
+        out.prefills = [s for s in out.prefills if s.request is not req]
