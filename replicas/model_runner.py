@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from replicas.kv_cache import BlockManager
 from replicas.scheduler import SchedulerOutput
@@ -51,7 +52,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attn_meta: AttnMeta | None = None, **_: object) -> tuple[torch.Tensor, None]:
     """query (1, H, T, D), key/value (1, Hkv, T, D) -> out (1, T, H, D)."""
     m = attn_meta
-    assert m is not None, "paged attention needs attn_meta (run through ModelRunner)"
+    if m is None:  # a plain HF call on the same model (e.g. generate): standard attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **_)
     q = query[0].transpose(0, 1)  # (T, H, D)
     k = key[0].transpose(0, 1)  # (T, Hkv, D)
     v = value[0].transpose(0, 1)

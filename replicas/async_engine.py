@@ -1,0 +1,157 @@
+"""Async streaming front of the engine: the batching loop runs on its own thread.
+
+HTTP handling (asyncio) never blocks a forward pass and a forward pass never blocks
+request intake: callers put requests and aborts into an inbox; the loop thread drains it
+between iterations and pushes each delta back onto the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from replicas.engine import Engine, EngineLoad, RequestOutput
+from replicas.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running; the request cannot be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, wedge_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.wedge_timeout_s = wedge_timeout_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._busy_since: float | None = None  # set while a step runs (wedge detection)
+        self.error: BaseException | None = None
+        self.load_snapshot: EngineLoad = engine.load()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) ---------------------------------------
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                          request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Validate now (ValueError before anything is queued), then stream deltas."""
+        self.engine.validate(prompt, params, priority)
+        if not self.is_alive():
+            raise EngineDeadError("engine loop is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("add", (prompt, params, request_id, priority, time.perf_counter()), stream))
+        self._wake.set()
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the caller went away: free its KV blocks at the next iteration
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def is_healthy(self) -> bool:
+        """False when the loop died or one iteration has run longer than the wedge timeout."""
+        busy = self._busy_since
+        wedged = busy is not None and time.monotonic() - busy > self.wedge_timeout_s
+        return self.is_alive() and not wedged
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- loop side (the engine thread) -------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._busy_since = time.monotonic()
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a failed pass must not kill the loop
+                    logger.exception("engine step failed; aborting the requests in flight")
+                    self._fail_all(exc)
+                    outputs = []
+                finally:
+                    self._busy_since = None
+                for out in outputs:
+                    self._deliver(out)
+                self.load_snapshot = self.engine.load()
+        except BaseException as exc:  # pragma: no cover - last resort, reported by health
+            self.error = exc
+            logger.exception("engine loop died")
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload, stream = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                prompt, params, request_id, priority, arrival = payload
+                try:
+                    self.engine.add_request(prompt, params, request_id, priority, arrival)
+                except Exception as exc:  # e.g. a duplicate id: only this request fails
+                    stream.put(exc if isinstance(exc, ValueError) else RuntimeError(str(exc)))
+                    continue
+                self._streams[request_id] = stream
+            else:
+                out = self.engine.abort(payload)
+                if out is not None:
+                    self._deliver(out)
+        self.load_snapshot = self.engine.load()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        for stream in self._streams.values():
+            stream.put(exc)
+        self._streams.clear()

@@ -1,0 +1,183 @@
+"""The engine's greedy output must be token-identical to HF `generate`, under every policy,
+with budgets small enough that prompts are split across iterations and KV runs out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.async_engine import AsyncEngine
+from replicas.models import load_model
+
+POLICIES = ["static", "dynamic", "stall_free"]
+PROMPT_LENS = [5, 17, 40, 3, 64, 9, 33, 100, 1, 70]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("embedded:tiny")
+
+
+def _tiny(cls, config, tokenizer, path):
+    torch.manual_seed(0)
+    cls(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return load_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def gpt2(llama, tmp_path_factory):
+    tok = llama[1]
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=len(tok),
+                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    return _tiny(GPT2LMHeadModel, cfg, tok, tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="module")
+def qwen2(llama, tmp_path_factory):
+    tok = llama[1]
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=512,
+                      eos_token_id=tok.eos_token_id)
+    return _tiny(Qwen2ForCausalLM, cfg, tok, tmp_path_factory.mktemp("qwen2"))
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_for(model_tok, policy: str, **overrides) -> Engine:
+    cfg = dict(policy=policy, max_batch_prefill_tokens=100 if policy == "dynamic" else 24,
+               max_batch_total_tokens=192, block_size=4, max_num_seqs=6)
+    cfg.update(overrides)
+    return Engine(*model_tok, EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_greedy_matches_hf_generate_under_every_policy(arch, request):
+    model_tok = request.getfixturevalue(arch)
+    model = model_tok[0]
+    ps = prompts(min(2000, model.config.vocab_size))
+    refs = [hf_greedy(model, p, MAX_TOKENS) for p in ps]
+    for policy in POLICIES:
+        eng = engine_for(model_tok, policy)
+        outs = eng.generate(ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        for i, (o, ref) in enumerate(zip(outs, refs)):
+            assert o.token_ids == ref, f"{arch}/{policy}: prompt {i} ({len(ps[i])} tokens) diverged"
+            assert o.finish_reason == "length" and len(o.token_times) == MAX_TOKENS
+        chunked = [it for it in eng.iterations if it.num_prefill_tokens and it.num_decode_tokens]
+        if policy == "stall_free":
+            assert chunked, "stall_free never ran a hybrid decode + prefill pass"
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_preemption_keeps_outputs_correct(llama):
+    ps = prompts(2000)[:6]
+    refs = [hf_greedy(llama[0], p, 20) for p in ps]
+    for policy in ["stall_free", "dynamic"]:
+        # 24 blocks of 4 tokens: a few requests at once, then KV runs out mid-generation.
+        eng = engine_for(llama, policy, max_batch_total_tokens=96, max_batch_prefill_tokens=96)
+        outs = eng.generate(ps, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == refs
+        assert sum(o.num_preemptions for o in outs) > 0, f"{policy}: preemption path not exercised"
+        assert sum(it.num_preempted for it in eng.iterations) > 0
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_sampling_is_reproducible_with_a_seed(llama):
+    eng = engine_for(llama, "stall_free")
+    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = eng.generate(["the quick brown fox"] * 3, p)
+    b = eng.generate(["the quick brown fox"], p)
+    assert a[0].token_ids == a[1].token_ids == a[2].token_ids == b[0].token_ids
+    other = eng.generate(["the quick brown fox"], SamplingParams(**{**p.__dict__, "seed": 99}))
+    assert other[0].token_ids != a[0].token_ids
+
+
+def test_stop_strings_token_ids_and_text(llama):
+    eng = engine_for(llama, "stall_free")
+    full = eng.generate(["hello there"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    assert full.text == llama[1].decode(full.token_ids, skip_special_tokens=True)
+    stop = full.text[10:13]
+    cut = eng.generate(["hello there"], SamplingParams(max_tokens=30, temperature=0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+    tid = full.token_ids[4]
+    by_id = eng.generate(["hello there"], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[tid]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[:full.token_ids.index(tid) + 1]
+    eos = llama[1].eos_token_id
+    forced = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[]))[0]
+    assert forced.finish_reason in ("length", "stop") and (forced.finish_reason == "length") != (eos in forced.token_ids)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[1, 10**9]), "token ids"),
+    (dict(max_tokens=10_000), "context length"),
+    (dict(max_tokens=300), "KV cache capacity"),
+    (dict(priority=10**6), "priority"),
+])
+def test_bad_input_is_a_value_error_and_nothing_is_admitted(llama, bad, field):
+    eng = engine_for(llama, "stall_free", max_batch_total_tokens=256)
+    prompt = bad.pop("prompt", "hi")
+    priority = bad.pop("priority", 0)
+    with pytest.raises(ValueError, match=field):
+        eng.add_request(prompt, SamplingParams(temperature=0, **bad), priority=priority)
+    assert not eng.has_unfinished() and not eng.requests
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"), (dict(seed=-5), "seed"),
+    (dict(stop=[""]), "stop"), (dict(stop=["x"] * 17), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_absurd_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_dynamic_refuses_prompts_longer_than_mbp(llama):
+    eng = engine_for(llama, "dynamic", max_batch_prefill_tokens=32)
+    with pytest.raises(ValueError, match="max_batch_prefill_tokens"):
+        eng.add_request(list(range(5, 45)), SamplingParams(max_tokens=4))
+    batch = eng.generate([[5, 6, 7], list(range(5, 35))], SamplingParams(max_tokens=2, temperature=0))
+    assert all(len(o.token_ids) >= 1 for o in batch)
+
+
+async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
+    eng = engine_for(llama, "stall_free", max_batch_total_tokens=512)
+    ae = AsyncEngine(eng)
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        stream = await ae.add_request([5, 6, 7, 8], params, "gone")
+        got = 0
+        async for out in stream:
+            got += len(out.delta_token_ids)
+            if got >= 3:
+                break
+        await stream.aclose()  # the client went away
+        with pytest.raises(ValueError):
+            await ae.add_request("", params, "bad")
+        finished = [o async for o in await ae.add_request([9, 10], SamplingParams(max_tokens=5, temperature=0,
+                                                                                  ignore_eos=True), "ok")]
+        assert sum(len(o.delta_token_ids) for o in finished) == 5 and finished[-1].finish_reason == "length"
+        for _ in range(100):
+            if eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests:
+                break
+            await asyncio.sleep(0.02)
+        assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests
+        assert ae.is_healthy()
+    finally:
+        ae.shutdown()

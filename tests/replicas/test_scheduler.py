@@ -1,0 +1,195 @@
+"""Scheduler decisions, without a model: exact tokens per request per iteration under the budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from replicas.config import EngineConfig
+from replicas.kv_cache import BlockManager
+from replicas.request import Request, RequestStatus, SamplingParams
+from replicas.scheduler import Scheduler, SchedulerOutput
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(policy: str, mbp: int = 16, mbt: int = 256, block_size: int = 4, max_num_seqs: int = 64,
+         aging: float = 1000.0) -> tuple[Scheduler, FakeClock]:
+    cfg = EngineConfig(policy=policy, max_batch_prefill_tokens=mbp, max_batch_total_tokens=mbt,
+                       block_size=block_size, max_num_seqs=max_num_seqs, priority_aging_s=aging)
+    clock = FakeClock()
+    return Scheduler(cfg, BlockManager(mbt // block_size, block_size), clock), clock
+
+
+def req(rid: str, prompt_len: int, max_tokens: int, clock: FakeClock, priority: int = 0) -> Request:
+    r = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0),
+                priority=priority, arrival_time=clock.t)
+    clock.t += 0.001
+    return r
+
+
+def step(s: Scheduler) -> SchedulerOutput:
+    """Schedule, then do what the engine's postprocess does (sampled token = 7)."""
+    out = s.schedule()
+    for seq in out.seqs:
+        r = seq.request
+        r.num_computed_tokens += seq.num_tokens
+        if seq.samples:
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+    b = s.blocks
+    assert b.num_used + b.num_free == b.num_blocks
+    return out
+
+
+def tokens(out: SchedulerOutput) -> dict[str, int]:
+    return {seq.request.request_id: seq.num_tokens for seq in out.seqs}
+
+
+def test_stall_free_hybrid_batch_holds_decodes_and_a_cut_chunk():
+    s, clock = make("stall_free", mbp=16)
+    a, b = req("a", 10, 5, clock), req("b", 30, 5, clock)
+    s.add(a)
+    s.add(b)
+    assert tokens(step(s)) == {"a": 10, "b": 6}  # a's whole prompt, b's first chunk cut to fit
+    out = step(s)
+    assert tokens(out) == {"a": 1, "b": 15}  # a decodes first; b's chunk fills the rest
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 15
+    assert tokens(step(s)) == {"a": 1, "b": 9}  # b's prompt completes (and samples)
+    assert tokens(step(s)) == {"a": 1, "b": 1}
+
+
+def test_stall_free_never_skips_a_decoding_request():
+    s, clock = make("stall_free", mbp=8, mbt=1024)
+    for i in range(4):
+        s.add(req(f"d{i}", 4, 40, clock))
+    for _ in range(3):  # 8, then 2 decodes + 6 prompt tokens, then 3 decodes + 2
+        step(s)
+    assert all(not r.is_prefilling for r in s.running)
+    for i in range(3):
+        s.add(req(f"long{i}", 100, 3, clock))
+    for _ in range(30):
+        decoding = {r.request_id for r in s.running if not r.is_prefilling}
+        out = step(s)
+        assert decoding <= set(tokens(out)), "a decoding request was skipped"
+        assert out.num_tokens <= 8
+        assert out.num_decode_tokens >= len(decoding)
+
+
+def test_dynamic_admission_pass_has_no_decode_tokens():
+    s, clock = make("dynamic", mbp=64)
+    a = req("a", 8, 10, clock)
+    s.add(a)
+    assert tokens(step(s)) == {"a": 8}
+    assert tokens(step(s)) == {"a": 1}
+    s.add(req("long", 60, 3, clock))
+    out = step(s)
+    assert tokens(out) == {"long": 60}  # whole prompt; a's decode stalls this pass
+    assert out.num_decode_tokens == 0
+    assert tokens(step(s)) == {"a": 1, "long": 1}
+
+
+def test_dynamic_packs_whole_prompts_up_to_mbp():
+    s, clock = make("dynamic", mbp=20)
+    for rid, n in [("a", 8), ("b", 10), ("c", 5)]:
+        s.add(req(rid, n, 4, clock))
+    assert tokens(step(s)) == {"a": 8, "b": 10}  # c would exceed 20 prompt tokens
+    assert tokens(step(s)) == {"c": 5}
+    assert tokens(step(s)) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_static_admits_only_when_the_batch_is_done():
+    s, clock = make("static", mbp=16)
+    s.add(req("a", 6, 2, clock))
+    s.add(req("b", 6, 4, clock))
+    assert tokens(step(s)) == {"a": 6, "b": 6}
+    s.add(req("c", 3, 2, clock))
+    assert tokens(step(s)) == {"a": 1, "b": 1}  # c waits although budget is free; a finishes
+    assert tokens(step(s)) == {"b": 1}
+    assert tokens(step(s)) == {"b": 1}  # b done
+    assert tokens(step(s)) == {"c": 3}
+
+
+def test_static_chunks_prompts_longer_than_mbp_before_decoding():
+    s, clock = make("static", mbp=16)
+    s.add(req("a", 20, 2, clock))
+    s.add(req("b", 4, 2, clock))
+    assert tokens(step(s)) == {"a": 16}
+    assert tokens(step(s)) == {"a": 4, "b": 4}
+    assert tokens(step(s)) == {"a": 1, "b": 1}
+
+
+def test_mbt_limits_admission_and_blocks_return_to_free():
+    s, clock = make("stall_free", mbp=64, mbt=32, block_size=4)  # 8 blocks
+    a, b = req("a", 20, 4, clock), req("b", 20, 4, clock)
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    # a takes 5 blocks; b is cut to what is left after the 1-block admission watermark.
+    assert tokens(out) == {"a": 20, "b": 8}
+    assert s.blocks.num_free == 1
+    while s.has_unfinished():
+        step(s)
+    assert s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_preemption_picks_least_urgent_latest_and_recomputes():
+    s, clock = make("stall_free", mbp=64, mbt=24, block_size=4)  # 6 blocks
+    a = req("a", 8, 8, clock, priority=0)
+    b = req("b", 8, 8, clock, priority=1)
+    s.add(a)
+    s.add(b)
+    step(s)
+    preempted = []
+    while s.has_unfinished():
+        out = step(s)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and set(preempted) == {"b"}  # the lower-priority request yields
+    assert b.num_preemptions >= 1
+    assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
+    assert s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_priority_orders_admission_and_aging_prevents_starvation():
+    s, clock = make("dynamic", mbp=8, aging=1.0)
+    low = req("low", 8, 2, clock, priority=3)
+    high = req("high", 8, 2, clock, priority=0)
+    s.add(low)
+    s.add(high)
+    assert tokens(step(s)) == {"high": 8}  # lower number first despite arriving later
+    s2, clock2 = make("dynamic", mbp=8, aging=1.0)
+    old = req("old", 8, 2, clock2, priority=3)
+    clock2.t += 5.0  # old has waited 5 s: aged to class -2
+    new = req("new", 8, 2, clock2, priority=0)
+    s2.add(old)
+    s2.add(new)
+    assert tokens(step(s2)) == {"old": 8}
+
+
+def test_max_num_seqs_caps_running_requests():
+    s, clock = make("stall_free", mbp=64, max_num_seqs=2)
+    for i in range(4):
+        s.add(req(f"r{i}", 4, 3, clock))
+    assert tokens(step(s)) == {"r0": 4, "r1": 4}
+    assert len(s.running) == 2 and len(s.waiting) == 2
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic", "stall_free"])
+def test_abort_frees_blocks_from_any_state(policy):
+    s, clock = make(policy, mbp=16)
+    a, b = req("a", 12, 50, clock), req("b", 30, 50, clock)
+    s.add(a)
+    s.add(b)
+    step(s)
+    step(s)
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished()
+    assert s.blocks.num_free == s.blocks.num_blocks
+    assert a.finish_reason == "abort"
