@@ -65,8 +65,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     b = m.num_decodes
     if b:
         qd = q[:b].unsqueeze(2)  # (B, H, 1, D)
-        kd = kc[m.decode_slots].transpose(1, 2)  # (B, Hkv, Lmax, D)
-        vd = vc[m.decode_slots].transpose(1, 2)
+        shape = (*m.decode_slots.shape, *kc.shape[1:])  # (B, Lmax, Hkv, D)
+        flat = m.decode_slots.flatten()  # index_select is far faster than 2-D fancy indexing on CPU
+        kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # (B, Hkv, Lmax, D)
+        vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask,
                                             scale=scaling, enable_gqa=True)
         out[:b] = od.squeeze(2)
@@ -76,7 +78,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         if p.ctx_slots is None:  # first chunk: its own k/v are the whole context
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = kc[p.ctx_slots], vc[p.ctx_slots]  # (ctx, Hkv, D)
+            kp, vp = kc.index_select(0, p.ctx_slots), vc.index_select(0, p.ctx_slots)  # (ctx, Hkv, D)
         kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
         vp = vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scaling,
@@ -114,45 +116,55 @@ class ModelRunner:
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._arange_bs = torch.arange(blocks.block_size, device=self.device)
 
-    def _context_slots(self, request_id: str, ctx_len: int) -> torch.Tensor:
-        table = torch.tensor(self.blocks.block_table(request_id), device=self.device)
-        return (table[:, None] * self.blocks.block_size + self._arange_bs).flatten()[:ctx_len]
+    def _context_slots(self, request_ids: list[str], ctx_lens: list[int]) -> torch.Tensor:
+        """(N, max ctx) cache slots of each request's first ctx_len positions, zero padded."""
+        tables = [self.blocks.block_table(r) for r in request_ids]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+        slots = (padded[:, :, None] * self.blocks.block_size + self._arange_bs).flatten(1)  # (N, width*bs)
+        return slots[:, :max(ctx_lens)]
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
         """Run the pass; returns logits (N, V) for the sequences that sample, in batch order."""
         ids: list[int] = []
-        positions: list[int] = []
         slots: list[int] = []
+        positions: list[int] = []
         sample_rows: list[int] = []
-        prefills: list[PrefillMeta] = []
+        bs = self.blocks.block_size
         for seq in batch.seqs:
             req, start, n = seq.request, seq.start, seq.num_tokens
-            row = len(ids)
-            ids.extend(req.token_at(p) for p in range(start, start + n))
-            positions.extend(range(start, start + n))
-            slots.extend(self.blocks.slots(req.request_id, start, start + n))
+            table = self.blocks.block_table(req.request_id)
+            if n == 1:
+                ids.append(req.token_at(start))
+                slots.append(table[start // bs] * bs + start % bs)
+                positions.append(start)
+            else:
+                ids.extend((req.prompt_token_ids + req.output_token_ids)[start:start + n])
+                slots.extend(self.blocks.slots(req.request_id, start, start + n))
+                positions.extend(range(start, start + n))
             if seq.samples:
-                sample_rows.append(row + n - 1)
+                sample_rows.append(len(ids) - 1)
+        prefills: list[PrefillMeta] = []
+        row = len(batch.decodes)
         for seq in batch.prefills:
             start, n = seq.start, seq.num_tokens
-            row = len(batch.decodes) + sum(p.q_len for p in prefills)
             if start == 0:
                 prefills.append(PrefillMeta(row, n, None, None))
-                continue
-            ctx = start + n
-            q_pos = torch.arange(start, ctx, device=self.device)
-            mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # (n, ctx)
-            prefills.append(PrefillMeta(row, n, self._context_slots(seq.request.request_id, ctx), mask))
+            else:
+                ctx = start + n
+                q_pos = torch.arange(start, ctx, device=self.device)
+                mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # (n, ctx)
+                ctx_slots = self._context_slots([seq.request.request_id], [ctx])[0]
+                prefills.append(PrefillMeta(row, n, ctx_slots, mask))
+            row += n
         decode_slots = decode_mask = None
         if batch.decodes:
             lens = [s.start + 1 for s in batch.decodes]
-            lmax = max(lens)
-            decode_slots = torch.stack([
-                F.pad(self._context_slots(s.request.request_id, n), (0, lmax - n))
-                for s, n in zip(batch.decodes, lens)])  # (B, Lmax)
+            decode_slots = self._context_slots([s.request.request_id for s in batch.decodes], lens)  # (B, Lmax)
             lens_t = torch.tensor(lens, device=self.device)
-            decode_mask = (torch.arange(lmax, device=self.device)[None, :] < lens_t[:, None])[:, None, None, :]
+            arange = torch.arange(decode_slots.shape[1], device=self.device)
+            decode_mask = (arange[None, :] < lens_t[:, None])[:, None, None, :]  # (B, 1, 1, Lmax)
         meta = AttnMeta(self.k_cache, self.v_cache, torch.tensor(slots, device=self.device),
                         len(batch.decodes), decode_slots, decode_mask, prefills)
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)

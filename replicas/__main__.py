@@ -1,0 +1,52 @@
+"""Try the engine without Ray: `python -m replicas --prompt "..." --max-tokens N` streams text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from replicas.config import POLICIES, EngineConfig
+from replicas.engine import Engine
+from replicas.models import DEFAULT_MODEL
+from replicas.request import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m replicas", description=__doc__)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, hub id, or embedded:tiny|mid")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--stop", action="append", default=[])
+    ap.add_argument("--policy", choices=POLICIES, default="stall_free")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    args = ap.parse_args(argv)
+    try:
+        engine = Engine.from_pretrained(args.model, EngineConfig(policy=args.policy))
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+        req = engine.add_request(prompt, params)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    n = len(req.output_token_ids)
+    print(f"\n[{n} tokens in {elapsed:.2f}s, finish_reason={req.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
