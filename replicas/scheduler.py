@@ -22,6 +22,7 @@ urgent), aged so nothing starves, FCFS inside a class.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,8 +80,9 @@ class Scheduler:
         self.config = config
         self.blocks = block_manager
         self.clock = clock
+        # Both queues stay sorted by `urgency` (most urgent first); see its docstring.
         self.waiting: list[Request] = []
-        self.running: list[Request] = []  # admission order
+        self.running: list[Request] = []
         # Keep a little KV headroom when admitting, so running decodes rarely preempt.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -88,7 +90,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=self.urgency)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Evict a request that finished (or was aborted) and free its blocks."""
@@ -111,31 +113,35 @@ class Scheduler:
     def num_running_tokens(self) -> int:
         return sum(r.num_tokens for r in self.running)
 
-    def urgency(self, request: Request, now: float) -> tuple[float, float]:
-        """Sort key, smaller first: aged priority class, then arrival (FCFS)."""
-        aged = request.priority - (now - request.arrival_time) / self.config.priority_aging_s
-        return (aged, request.arrival_time)
+    def urgency(self, request: Request) -> tuple[float, float]:
+        """Sort key, smaller first: aged priority class, then arrival (FCFS).
+
+        A request's aged class at time t is priority - (t - arrival) / aging_s. Every request
+        ages at the same rate, so ordering by priority + arrival / aging_s is the same order
+        at every t: the key never changes and the queues stay sorted without re-sorting.
+        """
+        return (request.priority + request.arrival_time / self.config.priority_aging_s,
+                request.arrival_time)
 
     # ---- the decision ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        self.waiting.sort(key=lambda r: self.urgency(r, now))
         out = SchedulerOutput()
         policy = self.config.policy
         if policy == "stall_free":
-            self._schedule_stall_free(out, now)
+            self._schedule_stall_free(out)
         elif policy == "dynamic":
-            self._schedule_dynamic(out, now)
+            self._schedule_dynamic(out)
         else:
-            self._schedule_static(out, now)
+            self._schedule_static(out)
         for seq in out.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
         return out
 
-    def _schedule_stall_free(self, out: SchedulerOutput, now: float) -> None:
-        self._schedule_decodes(out, now)
+    def _schedule_stall_free(self, out: SchedulerOutput) -> None:
+        self._schedule_decodes(out)
         budget = self.config.max_batch_prefill_tokens - len(out.decodes)
         # Prompts already started continue before new ones are admitted.
         for req in [r for r in self.running if r.is_prefilling]:
@@ -151,7 +157,7 @@ class Scheduler:
             self._admit(req)
             budget -= self._schedule_chunk(out, req, n, reserve=0)
 
-    def _schedule_dynamic(self, out: SchedulerOutput, now: float) -> None:
+    def _schedule_dynamic(self, out: SchedulerOutput) -> None:
         budget = self.config.max_batch_prefill_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -164,9 +170,9 @@ class Scheduler:
             self._admit(req)
             budget -= self._schedule_chunk(out, req, n, reserve=0)
         if not out.prefills:
-            self._schedule_decodes(out, now)
+            self._schedule_decodes(out)
 
-    def _schedule_static(self, out: SchedulerOutput, now: float) -> None:
+    def _schedule_static(self, out: SchedulerOutput) -> None:
         if not self.running:
             # Reserve each member's whole prompt + max_tokens up front, as padded static
             # batches do, so a static batch never preempts.
@@ -185,13 +191,12 @@ class Scheduler:
                     break
                 budget -= self._schedule_chunk(out, req, budget, reserve=0)
         else:
-            self._schedule_decodes(out, now)
+            self._schedule_decodes(out)
 
     # ---- helpers ---------------------------------------------------------------------
 
-    def _schedule_decodes(self, out: SchedulerOutput, now: float) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token for every decoding request, most urgent first; preempt on KV shortage."""
-        self.running.sort(key=lambda r: self.urgency(r, now))
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -226,7 +231,7 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         self.waiting.remove(req)
-        self.running.append(req)
+        bisect.insort(self.running, req, key=self.urgency)
         req.status = RequestStatus.RUNNING
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -235,6 +240,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        self.waiting.append(req)
+        bisect.insort(self.waiting, req, key=self.urgency)
         out.preempted.append(req)
         out.prefills = [s for s in out.prefills if s.request is not req]
