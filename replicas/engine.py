@@ -7,6 +7,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -66,6 +67,7 @@ class IterationStats:
     num_seqs: int
     context_tokens: int  # KV tokens attended over all sequences
     num_preempted: int = 0
+    num_stalled: int = 0  # running requests that were decoding but got no token this pass
 
 
 @dataclass
@@ -81,6 +83,11 @@ class EngineLoad:
     block_size: int
     kv_usage: float
     recent_tbt_s: list[float] = field(default_factory=list)
+
+
+class EngineObserver(Protocol):
+    def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
+        """After postprocess: batch.seqs' requests carry their new tokens and finish state."""
 
 
 class Engine:
@@ -103,6 +110,8 @@ class Engine:
         self._ids = itertools.count()
         self.iterations: deque[IterationStats] = deque(maxlen=100_000)
         self.recent_tbt: deque[float] = deque(maxlen=512)
+        # Called after every iteration with (stats, batch, engine): metrics, load reports.
+        self.observers: list[EngineObserver] = []
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:
@@ -198,8 +207,11 @@ class Engine:
         logits = self.runner.execute(batch)
         token_ids = sample(logits, [s.request for s in batch.seqs if s.samples])
         now = time.perf_counter()
-        self._record(batch, start, now)
-        return self._postprocess(batch, token_ids, now)
+        stats = self._record(batch, start, now)
+        outputs = self._postprocess(batch, token_ids, now)
+        for observer in self.observers:
+            observer.on_iteration(stats, batch, self)
+        return outputs
 
     def _postprocess(self, batch: SchedulerOutput, token_ids: list[int], now: float) -> list[RequestOutput]:
         outputs = []
@@ -247,10 +259,14 @@ class Engine:
             del self._detok[req.request_id]
         return out
 
-    def _record(self, batch: SchedulerOutput, start: float, end: float) -> None:
-        self.iterations.append(IterationStats(
+    def _record(self, batch: SchedulerOutput, start: float, end: float) -> IterationStats:
+        decoding = sum(1 for r in self.scheduler.running if not r.is_prefilling)
+        stats = IterationStats(
             start, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
-            len(batch.seqs), sum(s.start + s.num_tokens for s in batch.seqs), len(batch.preempted)))
+            len(batch.seqs), sum(s.start + s.num_tokens for s in batch.seqs), len(batch.preempted),
+            num_stalled=decoding - len(batch.decodes))
+        self.iterations.append(stats)
+        return stats
 
     # ---- offline API -----------------------------------------------------------------
 

@@ -181,3 +181,22 @@ async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
         assert ae.is_healthy()
     finally:
         ae.shutdown()
+
+
+@pytest.mark.parametrize("policy, stalls", [("dynamic", True), ("stall_free", False)])
+def test_generation_stalls_are_counted_only_where_they_happen(llama, policy, stalls):
+    """A long prompt arriving while others decode stalls them under dynamic, never under stall_free."""
+    eng = engine_for(llama, policy, max_batch_prefill_tokens=64, max_batch_total_tokens=512)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    short = [eng.add_request([5 + i, 6, 7], params) for i in range(3)]
+    for _ in range(3):
+        eng.step()
+    eng.add_request(list(range(5, 65)), params)
+    while eng.has_unfinished():
+        eng.step()
+    stalled = [it.num_stalled for it in eng.iterations]
+    if stalls:
+        assert 3 in stalled  # the long prompt's pass gave the 3 streams nothing
+    else:
+        assert set(stalled) == {0}
+    assert all(len(r.output_token_ids) == 10 for r in short)
