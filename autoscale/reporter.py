@@ -1,0 +1,248 @@
+"""The replica side of load reporting: throttled, fire-and-forget pushes to the controller.
+
+A `LoadReporter` lives inside a replica (it is not an actor). Feed it the engine's latest
+`EngineLoad` (or the replica's `load()` dict) as often as you like, e.g. after every iteration
+or from a 20 ms poll; it sends at most every `interval_s` (~100 ms), sooner (but not within
+`min_interval_s`) when the token load jumps. Between sends it collects the TBT samples that are
+new since the last call, so the controller's window sees (nearly) every sample even though the
+engine's snapshot only carries the last 64. Sending never raises and never blocks on the
+controller: a dead or missing controller is looked up again later, and routing falls back to
+its local view meanwhile.
+
+Integration in the deployment (`replicas/deployment.py`):
+
+    self._reporter = LoadReporter()                  # replica id from Serve's replica context
+    self._reporter.start(self.load, lambda: self.engine.engine.iterations)
+    def record_autoscaling_stats(self): return self._reporter.autoscaling_stats()
+    # on shutdown: self._reporter.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, current_replica_key,
+                                  get_or_create_controller)
+from autoscale.load import ReplicaLoad, SlidingWindow, percentile
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_SAMPLES = 2048
+LOOKUP_RETRY_S = 2.0
+
+
+def new_tbt_samples(previous: Sequence[float], current: Sequence[float]) -> list[float]:
+    """Samples in `current` (the engine's last-N TBT list) that `previous` did not have.
+
+    Both are tails of one append-only sequence, so the longest suffix of `previous` that is a
+    prefix of `current` is the overlap; what follows it is new. No overlap: all of `current`
+    is new (more than N samples arrived in between, the rest are lost).
+    """
+    for k in range(min(len(previous), len(current)), 0, -1):
+        if list(previous[len(previous) - k:]) == list(current[:k]):
+            return list(current[k:])
+    return list(current)
+
+
+def _get(load: Any, key: str, default: Any = None) -> Any:
+    return load.get(key, default) if isinstance(load, Mapping) else getattr(load, key, default)
+
+
+class LoadReporter:
+    """Throttled load reports from one replica to the controller."""
+
+    def __init__(self, replica_id: str | None = None, *, controller: Any = None,
+                 controller_name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,
+                 interval_s: float = 0.1, min_interval_s: float = 0.02, change_tokens: int = 256,
+                 change_fraction: float = 0.25, tbt_window_s: float = 30.0,
+                 clock: Callable[[], float] = time.time,
+                 send: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self._replica_id = replica_id
+        self._controller = controller
+        self.controller_name, self.namespace = controller_name, namespace
+        self.interval_s, self.min_interval_s = interval_s, min_interval_s
+        self.change_tokens, self.change_fraction = change_tokens, change_fraction
+        self._clock = clock
+        self._send_fn = send
+        self._window = SlidingWindow(tbt_window_s)  # local TBT window for record_autoscaling_stats
+        self._prev_tbt: list[float] = []
+        self._pending_tbt: deque[float] = deque(maxlen=MAX_PENDING_SAMPLES)
+        self._last_iter_start = float("-inf")
+        self._iter_durations: list[float] = []
+        self._last_sent = float("-inf")
+        self._last_tokens = 0
+        self._last_load: ReplicaLoad | None = None
+        self._last_future: Any = None
+        self._lookup_after = 0.0
+        self._stop = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._no_context = False
+        self.num_sent = 0
+        self.num_failed = 0
+
+    @property
+    def replica_id(self) -> str | None:
+        """Given, or Serve's key for the replica we run in; None outside a replica (then the
+        reporter stays idle: an engine built in a plain test must not start reporting)."""
+        if self._replica_id is None and not self._no_context:
+            try:
+                self._replica_id = current_replica_key()
+            except Exception:
+                self._no_context = True
+                logger.info("not inside a Serve replica: load reports disabled")
+        return self._replica_id
+
+    # ---- feeding --------------------------------------------------------------------------
+
+    def maybe_report(self, load: Any, now: float | None = None,
+                     iterations: Sequence[Any] | None = None) -> bool:
+        """Take the latest load; send a report if one is due. True when one was sent."""
+        replica_id = self.replica_id
+        if replica_id is None:
+            return False
+        now = self._clock() if now is None else now
+        current = list(_get(load, "recent_tbt_s", None) or [])
+        fresh = new_tbt_samples(self._prev_tbt, current)
+        self._prev_tbt = current
+        self._pending_tbt.extend(fresh)
+        self._window.extend(fresh, now)
+        if iterations is not None:
+            self._collect_iterations(iterations)
+
+        tokens = ReplicaLoad.from_engine_load(replica_id, load, now).token_load
+        elapsed = now - self._last_sent + 1e-9  # float clocks: 0.3 - 0.2 < 0.1
+        jump = abs(tokens - self._last_tokens) >= max(self.change_tokens, self.change_fraction * self._last_tokens)
+        if elapsed < self.interval_s and not (jump and elapsed >= self.min_interval_s):
+            return False
+
+        durations, self._iter_durations = self._iter_durations, []
+        entry = ReplicaLoad.from_engine_load(
+            replica_id, load, now, tuple(self._pending_tbt), len(durations),
+            sum(durations) / len(durations) if durations else 0.0, max(durations, default=0.0))
+        self._pending_tbt.clear()
+        self._last_sent, self._last_tokens, self._last_load = now, tokens, entry
+        self._send(replica_id, entry.to_dict())
+        return True
+
+    def _collect_iterations(self, iterations: Sequence[Any]) -> None:
+        """Durations of iterations newer than the last seen, read from the deque's tail.
+
+        The engine thread may append meanwhile; reading by negative index and keying on start
+        time tolerates that (a shifted index re-reads an entry, which the start check skips).
+        """
+        seen: dict[float, float] = {}
+        for k in range(1, min(len(iterations), 1024) + 1):
+            try:
+                it = iterations[-k]
+            except IndexError:
+                break
+            if it.start <= self._last_iter_start:
+                break
+            seen[it.start] = it.duration
+        if seen:
+            self._last_iter_start = max(seen)
+            self._iter_durations.extend(seen[s] for s in sorted(seen))
+
+    # ---- sending --------------------------------------------------------------------------
+
+    def _send(self, replica_id: str, payload: dict[str, Any]) -> None:
+        try:
+            if self._send_fn is not None:
+                self._send_fn(replica_id, payload)
+            else:
+                handle = self._handle()
+                if handle is None:
+                    return
+                self._last_future = handle.report.remote(replica_id, payload).future()
+            self.num_sent += 1
+        except Exception as exc:  # reporting must never hurt serving
+            self.num_failed += 1
+            self._controller = None
+            self._lookup_after = self._clock() + LOOKUP_RETRY_S
+            logger.debug("load report failed: %r", exc)
+
+    def _handle(self) -> Any:
+        """The controller handle; re-looked-up after the previous report failed."""
+        last = self._last_future
+        if last is not None and last.done() and last.exception() is not None:
+            self.num_failed += 1
+            self._controller, self._last_future = None, None
+            self._lookup_after = self._clock() + LOOKUP_RETRY_S
+        if self._controller is None and self._clock() >= self._lookup_after:
+            if not ray.is_initialized():  # never start Ray from a report
+                return None
+            try:
+                self._controller = get_or_create_controller(self.controller_name, self.namespace)
+            except Exception as exc:
+                self._lookup_after = self._clock() + LOOKUP_RETRY_S
+                logger.debug("controller lookup failed: %r", exc)
+        return self._controller
+
+    # ---- what the replica exposes ------------------------------------------------------------
+
+    def autoscaling_stats(self, now: float | None = None) -> dict[str, float]:
+        """Metrics for Serve's `record_autoscaling_stats` (the policy's fallback input)."""
+        now = self._clock() if now is None else now
+        samples = self._window.values(now)
+        load = self._last_load
+        return {
+            "tbt_p50_s": percentile(samples, 50) or 0.0,
+            "tbt_p99_s": percentile(samples, 99) or 0.0,
+            "num_tbt_samples": float(len(samples)),
+            "running_tokens": float(load.running_tokens if load else 0),
+            "waiting_tokens": float(load.waiting_tokens if load else 0),
+        }
+
+    # ---- polling ----------------------------------------------------------------------------
+
+    def start(self, get_load: Callable[[], Any],
+              get_iterations: Callable[[], Sequence[Any]] | None = None, poll_s: float = 0.02) -> None:
+        """Poll `get_load()` every `poll_s`: an asyncio task on the running loop, else a thread."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            self._task = loop.create_task(self.run(get_load, get_iterations, poll_s))
+        else:
+            self._thread = threading.Thread(target=self._run_thread, args=(get_load, get_iterations, poll_s),
+                                            name="load-reporter", daemon=True)
+            self._thread.start()
+
+    async def run(self, get_load: Callable[[], Any],
+                  get_iterations: Callable[[], Sequence[Any]] | None = None, poll_s: float = 0.02) -> None:
+        """The polling loop as a coroutine (until `stop`)."""
+        while not self._stop.is_set():
+            self._poll_once(get_load, get_iterations)
+            await asyncio.sleep(poll_s)
+
+    def _run_thread(self, get_load: Callable[[], Any],
+                    get_iterations: Callable[[], Sequence[Any]] | None, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            self._poll_once(get_load, get_iterations)
+
+    def _poll_once(self, get_load: Callable[[], Any], get_iterations: Callable[[], Sequence[Any]] | None) -> None:
+        try:
+            self.maybe_report(get_load(), iterations=get_iterations() if get_iterations else None)
+        except Exception:  # a bad poll must not end reporting
+            logger.exception("load report poll failed")
+
+    def stop(self, deregister: bool = True) -> None:
+        """Stop polling and (by default) tell the controller this replica is gone."""
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+        if deregister and self._send_fn is None and self._controller is not None and self._replica_id:
+            try:
+                self._controller.remove.remote(self._replica_id)
+            except Exception:
+                pass

@@ -1,0 +1,166 @@
+"""`TokenLoadRouter`: a Ray Serve 2.60 request router that balances predicted token load.
+
+Each request goes to the replica with the lowest predicted token load after adding it: the
+load replicas last reported to the controller (fresh, ~100 ms old, not Serve's 10 s routing
+stats) plus what this router sent them that no report shows yet (`InFlightBook`), never to a
+replica whose KV cache cannot hold it while another can. The ranking is `routing.choose_replica`.
+
+Serve calls `choose_replicas` from its routing tasks; we return one replica per rank, so Serve
+probes them in our order and takes the first that accepts (a full `max_ongoing_requests` queue
+rejects). The controller snapshot is refreshed in the background at most every
+`refresh_interval_s` while requests arrive. After a quiet spell the cached one is stale (older
+than `stale_after_s`), so the first request waits for the refresh already under way, at most
+`stale_wait_s`; a burst that follows then ranks on fresh loads plus the ledger. An unreachable
+controller only means the router ranks by its own in-flight ledger (local view); a request
+never fails for it.
+
+Why no `FIFOMixin`: with it, a routing task may hand the replica it chose for one request to
+another pending request (FIFO order), so the choice made for a 4k-token prompt could serve a
+10-token one. The base class matches the chosen replica to the exact request it was chosen for.
+
+Configure it per deployment (see `serve_options.request_router_config`):
+
+    RequestRouterConfig(request_router_class="autoscale.router.TokenLoadRouter",
+                        request_router_kwargs={"controller_name": ..., "namespace": ...})
+
+Handle calls are expected as `generate(prompt_token_ids, params, ...)` (see
+`routing.request_cost` for the accepted shapes); other methods cost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
+from autoscale.inflight import InFlightBook
+from autoscale.load import ReplicaLoad
+from autoscale.routing import RequestCost, choose_replica, request_cost
+
+logger = logging.getLogger(__name__)
+
+
+class TokenLoadRouter(RequestRouter):
+    """Least predicted token load with KV headroom; falls back to its own ledger."""
+
+    def initialize_state(self, controller_name: str = DEFAULT_CONTROLLER_NAME,
+                         namespace: str = DEFAULT_NAMESPACE, refresh_interval_s: float = 0.05,
+                         stale_after_s: float = 0.2, stale_wait_s: float = 0.1,
+                         snapshot_timeout_s: float = 1.0, max_snapshot_age_s: float = 2.0,
+                         reflect_grace_s: float = 0.05, default_max_tokens: int = 0,
+                         seed: int | None = None, **_: Any) -> None:
+        """Serve passes `RequestRouterConfig.request_router_kwargs` here."""
+        self._controller_name, self._namespace = controller_name, namespace
+        self._refresh_interval_s = refresh_interval_s
+        self._stale_after_s, self._stale_wait_s = stale_after_s, stale_wait_s
+        self._snapshot_timeout_s = snapshot_timeout_s
+        self._max_snapshot_age_s = max_snapshot_age_s  # older than this: local view only
+        self._default_max_tokens = default_max_tokens
+        self._rng = random.Random(seed)
+        self._book = InFlightBook(reflect_grace_s=reflect_grace_s)
+        self._keys: dict[ReplicaID, str] = {}
+        self._controller: Any = None
+        self._loads: dict[str, ReplicaLoad] = {}
+        self._loads_at = float("-inf")  # router clock when the cached snapshot arrived
+        self._last_refresh = float("-inf")
+        self._refresh_task: asyncio.Task[None] | None = None
+        self.num_local_view = 0  # routings done without a fresh snapshot (for tests and metrics)
+
+    # ---- Serve hooks --------------------------------------------------------------------------
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Rank every candidate by predicted token load after adding this request."""
+        if pending_request is not None:
+            # Back off between full rounds when every replica rejects (queues full); without
+            # this flag Serve's routing loop would spin on choose_replicas.
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        await self._refresh_if_stale(time.time())
+        now = time.time()
+        cost = self._cost(pending_request)
+        by_key = {self._key(r.replica_id): r for r in candidate_replicas}
+        loads = self._fresh_loads(now)
+        self._book.prune(now)
+        in_flight, in_flight_kv = self._book.unreflected(loads)
+        ranked = choose_replica(cost.tokens, cost.kv_tokens, loads, in_flight, candidates=list(by_key),
+                                in_flight_kv=in_flight_kv, rng=self._rng)
+        if pending_request is not None and cost.tokens:
+            self._book.tentative(pending_request.metadata.internal_request_id, ranked[0], cost, now)
+        return [[by_key[k]] for k in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Serve sent the request: count it on the replica that accepted it."""
+        cost = self._cost(pending_request)
+        if cost.tokens:
+            self._book.routed(pending_request.metadata.internal_request_id, self._key(replica_id),
+                              time.time(), cost)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """The response finished (a stream's end, an error or a cancel)."""
+        self._book.completed(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._book.forget_replica(self._key(replica_id))
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _key(self, replica_id: ReplicaID) -> str:
+        key = self._keys.get(replica_id)
+        if key is None:
+            key = self._keys[replica_id] = replica_key(replica_id)
+        return key
+
+    def _cost(self, pending_request: PendingRequest | None) -> RequestCost:
+        if pending_request is None:
+            return RequestCost(0, 0)
+        try:
+            return request_cost(pending_request.args, pending_request.kwargs, self._default_max_tokens)
+        except Exception:  # an odd call shape must not break routing
+            return RequestCost(0, 0)
+
+    def _fresh_loads(self, now: float) -> dict[str, ReplicaLoad]:
+        if now - self._loads_at > self._max_snapshot_age_s:
+            self.num_local_view += 1
+            return {}
+        return self._loads
+
+    async def _refresh_if_stale(self, now: float) -> None:
+        """Start a refresh when due; if the cache is stale, wait for it (bounded, never raises)."""
+        self._maybe_refresh(now)
+        task = self._refresh_task
+        if now - self._loads_at > self._stale_after_s and task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self._stale_wait_s)
+            except Exception:  # timeout or failure: rank on what we have
+                pass
+
+    def _maybe_refresh(self, now: float) -> None:
+        """Start a background snapshot fetch if the cached one is older than the interval."""
+        if now - self._last_refresh < self._refresh_interval_s:
+            return
+        if self._refresh_task is not None and not self._refresh_task.done():
+            return
+        self._last_refresh = now
+        self._refresh_task = asyncio.get_running_loop().create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        try:
+            if self._controller is None:
+                self._controller = get_or_create_controller(self._controller_name, self._namespace)
+            ids = [self._key(r) for r in self.curr_replicas]
+            ref = self._controller.snapshot.remote(ids, with_tbt=False)
+            snap = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._snapshot_timeout_s)
+            self._loads = {k: ReplicaLoad.from_dict(v) for k, v in snap["replicas"].items()}
+            self._loads_at = time.time()
+        except Exception as exc:  # controller gone or slow: keep routing on the local view
+            logger.debug("controller snapshot failed: %r", exc)
+            self._controller = None
+            self._last_refresh = time.time() + 1.0  # retry the lookup in about a second

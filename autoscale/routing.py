@@ -1,0 +1,119 @@
+"""Routing choices as pure functions of a load view: token-load, power-of-two, round-robin.
+
+`choose_replica` is the policy the Serve router runs; the other two are the baselines it is
+compared against (Serve's default is power-of-two on ongoing-request counts). The simulator
+calls the same functions, so a routing experiment there measures exactly what Serve runs.
+
+Token-load ranking. For each candidate replica r:
+
+    predicted(r) = reported token load(r) + tokens routed to r not yet in a report + request
+
+Replicas whose KV cache cannot hold the request (prompt + max_tokens) are ranked after every
+replica that can; a replica we have no report for counts as empty with unknown (unbounded)
+headroom, so a fresh replica takes traffic at once. Equal predictions are ordered at random, so
+a burst of equal requests spreads evenly instead of piling onto the first replica in the list.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoscale.load import ReplicaLoad
+
+CHARS_PER_TOKEN = 4  # a text prompt's token estimate when the caller did not tokenize
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    """What one request adds: `tokens` to the token load, `kv_tokens` of KV it may need."""
+
+    tokens: int
+    kv_tokens: int
+
+
+def request_cost(args: Sequence[Any], kwargs: Mapping[str, Any], default_max_tokens: int = 0) -> RequestCost:
+    """Estimate a handle call's cost from its arguments, tolerating any call shape.
+
+    Expected shape (the replica's `generate(prompt_token_ids, params, ...)`): the prompt as the
+    first positional argument or `prompt_token_ids=` (a list of ids, or a string, estimated at
+    4 characters per token), and sampling params as the second positional argument or
+    `params=` / `sampling_params=` (a dict or an object with `max_tokens`). Anything else, e.g.
+    `model_info()`, costs zero tokens.
+    """
+    prompt = kwargs.get("prompt_token_ids", kwargs.get("prompt", args[0] if args else None))
+    if isinstance(prompt, (list, tuple)):
+        tokens = len(prompt)
+    elif isinstance(prompt, str):
+        tokens = math.ceil(len(prompt) / CHARS_PER_TOKEN)
+    else:
+        tokens = 0
+    params = kwargs.get("params", kwargs.get("sampling_params", args[1] if len(args) > 1 else None))
+    if isinstance(params, Mapping):
+        max_tokens = params.get("max_tokens")
+    else:
+        max_tokens = getattr(params, "max_tokens", None)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        max_tokens = default_max_tokens
+    return RequestCost(tokens, tokens + max_tokens if tokens else 0)
+
+
+def predicted_load(load: ReplicaLoad | None, in_flight_tokens: int = 0) -> int:
+    """Token load a replica will have once the tokens routed to it show up in its report."""
+    return (load.token_load if load is not None else 0) + in_flight_tokens
+
+
+def kv_headroom(load: ReplicaLoad | None, in_flight_kv_tokens: int = 0) -> float:
+    """KV tokens still free after the queued prompts and unreported requests take theirs.
+
+    Unknown (no report, or a report without a KV size) is unbounded: never excluded.
+    """
+    if load is None or load.total_blocks <= 0:
+        return math.inf
+    return load.free_kv_tokens - load.waiting_tokens - in_flight_kv_tokens
+
+
+def choose_replica(request_tokens: int, request_kv_tokens: int, loads: Mapping[str, ReplicaLoad],
+                   in_flight: Mapping[str, int], *, candidates: Sequence[str] | None = None,
+                   in_flight_kv: Mapping[str, int] | None = None,
+                   rng: random.Random | None = None) -> list[str]:
+    """Rank candidates, best first, by predicted token load after adding this request.
+
+    `in_flight[r]`: tokens routed to r that r's report does not reflect yet (KV needs of those in
+    `in_flight_kv`, default the same numbers). `candidates` defaults to every replica named in
+    `loads` or `in_flight`. Replicas without KV headroom for `request_kv_tokens` come last
+    (still ranked, so the request is never refused while any replica exists).
+    """
+    if candidates is None:
+        candidates = sorted(set(loads) | set(in_flight))
+    in_flight_kv = in_flight if in_flight_kv is None else in_flight_kv
+    rng = rng or random.Random()
+
+    def key(replica: str) -> tuple[bool, int, float]:
+        load = loads.get(replica)
+        fits = kv_headroom(load, in_flight_kv.get(replica, 0)) >= request_kv_tokens
+        after = predicted_load(load, in_flight.get(replica, 0)) + request_tokens
+        return (not fits, after, rng.random())
+
+    return sorted(candidates, key=key)
+
+
+def power_of_two(candidates: Sequence[str], queue_lens: Mapping[str, float],
+                 rng: random.Random | None = None) -> list[str]:
+    """Serve's default idea: sample two replicas, the shorter queue (ongoing requests) first."""
+    rng = rng or random.Random()
+    if len(candidates) <= 1:
+        return list(candidates)
+    pair = rng.sample(list(candidates), 2)  # random order, so equal queues split evenly
+    return sorted(pair, key=lambda r: queue_lens.get(r, 0))
+
+
+def round_robin(candidates: Sequence[str], turn: int) -> list[str]:
+    """Rotate through candidates: the caller increments `turn` once per request."""
+    if not candidates:
+        return []
+    start = turn % len(candidates)
+    return list(candidates[start:]) + list(candidates[:start])
