@@ -39,17 +39,14 @@ MAX_PENDING_SAMPLES = 2048
 LOOKUP_RETRY_S = 2.0
 
 
-def new_tbt_samples(previous: Sequence[float], current: Sequence[float]) -> list[float]:
-    """Samples in `current` (the engine's last-N TBT list) that `previous` did not have.
+def new_tbt_samples(seen: int, total: int, tail: Sequence[float]) -> list[float]:
+    """Samples of `tail` (the engine's latest TBT samples) taken after the first `seen`.
 
-    Both are tails of one append-only sequence, so the longest suffix of `previous` that is a
-    prefix of `current` is the overlap; what follows it is new. No overlap: all of `current`
-    is new (more than N samples arrived in between, the rest are lost).
+    `total` counts every sample the engine ever took, so the last `total - seen` of the tail
+    are new; if more than the tail arrived in between, the older ones are lost.
     """
-    for k in range(min(len(previous), len(current)), 0, -1):
-        if list(previous[len(previous) - k:]) == list(current[:k]):
-            return list(current[k:])
-    return list(current)
+    fresh = max(0, total - seen)
+    return list(tail[len(tail) - min(fresh, len(tail)):])
 
 
 def _get(load: Any, key: str, default: Any = None) -> Any:
@@ -73,7 +70,7 @@ class LoadReporter:
         self._clock = clock
         self._send_fn = send
         self._window = SlidingWindow(tbt_window_s)  # local TBT window for record_autoscaling_stats
-        self._prev_tbt: list[float] = []
+        self._seen_tbt = 0  # engine TBT samples already taken in
         self._pending_tbt: deque[float] = deque(maxlen=MAX_PENDING_SAMPLES)
         self._last_iter_start = float("-inf")
         self._iter_durations: list[float] = []
@@ -110,9 +107,9 @@ class LoadReporter:
         if replica_id is None:
             return False
         now = self._clock() if now is None else now
-        current = list(_get(load, "recent_tbt_s", None) or [])
-        fresh = new_tbt_samples(self._prev_tbt, current)
-        self._prev_tbt = current
+        total = int(_get(load, "num_tbt_samples", 0) or 0)
+        fresh = new_tbt_samples(self._seen_tbt, total, _get(load, "recent_tbt_s", None) or [])
+        self._seen_tbt = total
         self._pending_tbt.extend(fresh)
         self._window.extend(fresh, now)
         if iterations is not None:

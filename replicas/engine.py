@@ -82,7 +82,8 @@ class EngineLoad:
     total_blocks: int
     block_size: int
     kv_usage: float
-    recent_tbt_s: list[float] = field(default_factory=list)
+    recent_tbt_s: list[float] = field(default_factory=list)  # the latest TBT samples, oldest first
+    num_tbt_samples: int = 0  # TBT samples ever taken: tells a reader which of the tail are new
 
 
 class EngineObserver(Protocol):
@@ -110,6 +111,7 @@ class Engine:
         self._ids = itertools.count()
         self.iterations: deque[IterationStats] = deque(maxlen=100_000)
         self.recent_tbt: deque[float] = deque(maxlen=512)
+        self.num_tbt_samples = 0
         # Called after every iteration with (stats, batch, engine): metrics, load reports.
         self.observers: list[EngineObserver] = []
 
@@ -224,6 +226,7 @@ class Engine:
             token = next(sampled)
             if req.token_times:
                 self.recent_tbt.append(now - req.token_times[-1])
+                self.num_tbt_samples += 1
             req.output_token_ids.append(token)
             req.token_times.append(now)
             status = self._check_stop(req, token)
@@ -294,7 +297,7 @@ class Engine:
         s = self.scheduler
         return EngineLoad(len(s.running), len(s.waiting), s.num_running_tokens, s.num_waiting_tokens,
                           self.blocks.num_free, self.blocks.num_blocks, self.blocks.block_size,
-                          self.blocks.usage, list(self.recent_tbt)[-64:])
+                          self.blocks.usage, list(self.recent_tbt), self.num_tbt_samples)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
