@@ -90,6 +90,9 @@ class EngineObserver(Protocol):
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
         """After postprocess: batch.seqs' requests carry their new tokens and finish state."""
 
+    def on_abort(self, request: Request) -> None:
+        """A request was aborted between iterations (client gone, shutdown)."""
+
 
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
@@ -193,6 +196,8 @@ class Engine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        for observer in self.observers:
+            observer.on_abort(req)
         return self._emit(req)
 
     def has_unfinished(self) -> bool:

@@ -39,11 +39,12 @@ class ScheduledSeq:
     request: Request
     start: int
     num_tokens: int
+    # The chunk reaches the end of the request's tokens, so the pass samples one. Fixed at
+    # scheduling time: it stays true after postprocess appends the sampled token.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the request's tokens, so the pass samples one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass

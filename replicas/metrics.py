@@ -1,0 +1,161 @@
+"""Engine metrics with names a vLLM user recognises, under our `stallfree_` prefix.
+
+`EngineMetrics` is an engine observer: after every iteration it records what the pass did.
+The metric objects come from a backend: `ray.serve.metrics` inside a replica (exported with
+Ray's `ray_` prefix on the node's metrics export port), or a prometheus_client registry (tests,
+the controller's endpoint, anything outside Serve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from replicas.engine import Engine, IterationStats
+from replicas.scheduler import SchedulerOutput
+
+PREFIX = "stallfree_"
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metric(Protocol):
+    def record(self, value: float, tags: dict[str, str]) -> None: ...
+
+
+class Backend(Protocol):
+    def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric: ...
+    def gauge(self, name: str, doc: str, tags: Sequence[str]) -> Metric: ...
+    def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric: ...
+
+
+class _Wrap:
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def record(self, value: float, tags: dict[str, str]) -> None:
+        self._fn(value, tags)
+
+
+class RayBackend:
+    """`ray.serve.metrics`: Serve adds deployment/replica/application tags."""
+
+    def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
+        from ray.serve.metrics import Counter
+        m = Counter(name, doc, tag_keys=tuple(tags))
+        return _Wrap(lambda v, t: m.inc(v, tags=t))
+
+    def gauge(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
+        from ray.serve.metrics import Gauge
+        m = Gauge(name, doc, tag_keys=tuple(tags))
+        return _Wrap(lambda v, t: m.set(v, tags=t))
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
+        from ray.serve.metrics import Histogram
+        m = Histogram(name, doc, boundaries=list(buckets), tag_keys=tuple(tags))
+        return _Wrap(lambda v, t: m.observe(v, tags=t))
+
+
+class PrometheusBackend:
+    """A prometheus_client registry (it only sees its own process)."""
+
+    def __init__(self, registry: Any = None) -> None:
+        import prometheus_client
+        self.prom = prometheus_client
+        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+
+    def _make(self, cls: Any, name: str, doc: str, tags: Sequence[str], method: str, **kw: Any) -> Metric:
+        m = cls(name, doc, labelnames=list(tags), registry=self.registry, **kw)
+        return _Wrap(lambda v, t: getattr(m.labels(**t) if tags else m, method)(v))
+
+    def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
+        # prometheus_client appends _total to counters itself.
+        return self._make(self.prom.Counter, name.removesuffix("_total"), doc, tags, "inc")
+
+    def gauge(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
+        return self._make(self.prom.Gauge, name, doc, tags, "set")
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
+        return self._make(self.prom.Histogram, name, doc, tags, "observe", buckets=list(buckets))
+
+
+class EngineMetrics:
+    """Records per-iteration and per-request engine metrics (an `Engine` observer)."""
+
+    def __init__(self, backend: Backend, model: str, tbt_slo_s: float | None = None) -> None:
+        self.tags = {"model_name": model}
+        self.tbt_slo_s = tbt_slo_s
+        t = ("model_name",)
+        p = PREFIX
+        h = backend.histogram
+        self.ttft = h(p + "time_to_first_token_seconds", "Time to first token (arrival to first token).", LATENCY_BUCKETS, t)
+        self.itl = h(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request (TBT).", LATENCY_BUCKETS, t)
+        self.e2e = h(p + "e2e_request_latency_seconds", "Arrival to last token of finished requests.", LATENCY_BUCKETS, t)
+        self.queue = h(p + "request_queue_time_seconds", "Arrival to first scheduled forward pass.", LATENCY_BUCKETS, t)
+        self.iter_time = h(p + "iteration_duration_seconds", "Wall time of one forward pass + sampling.", LATENCY_BUCKETS, t)
+        self.iter_tokens = h(p + "iteration_tokens", "Tokens in one forward pass, by phase.", TOKEN_BUCKETS, (*t, "phase"))
+        g = backend.gauge
+        self.running = g(p + "num_requests_running", "Requests in the running batch.", t)
+        self.waiting = g(p + "num_requests_waiting", "Requests waiting to be admitted.", t)
+        self.kv_usage = g(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", t)
+        self.token_load = g(p + "token_load", "Tokens held by running requests plus waiting prompt tokens.", t)
+        c = backend.counter
+        self.finished = c(p + "request_success_total", "Finished requests by finish reason.", (*t, "finished_reason"))
+        self.preemptions = c(p + "num_preemptions_total", "Requests preempted (KV ran out; recomputed later).", t)
+        self.stalls = c(p + "generation_stalls_total", "Passes in which a running request got no token, "
+                        "or that took longer than the TBT SLO.", (*t, "cause"))
+        self.slo_tokens = c(p + "tbt_slo_tokens_total", "Generated tokens by whether their gap met the TBT SLO.",
+                            (*t, "within_slo"))
+        self.gen_tokens = c(p + "generation_tokens_total", "Generated tokens.", t)
+        self.prompt_tokens = c(p + "prompt_tokens_total", "Prompt tokens computed (recompute included).", t)
+
+    def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
+        tags = self.tags
+        self.iter_time.record(stats.duration, tags)
+        if stats.num_prefill_tokens:
+            self.iter_tokens.record(stats.num_prefill_tokens, {**tags, "phase": "prefill"})
+            self.prompt_tokens.record(stats.num_prefill_tokens, tags)
+        if stats.num_decode_tokens:
+            self.iter_tokens.record(stats.num_decode_tokens, {**tags, "phase": "decode"})
+        if stats.num_preempted:
+            self.preemptions.record(stats.num_preempted, tags)
+        if stats.num_stalled:
+            self.stalls.record(1, {**tags, "cause": "skipped"})
+        slo = self.tbt_slo_s
+        if slo is not None and stats.duration > slo:
+            self.stalls.record(1, {**tags, "cause": "slow_iteration"})
+        within = late = generated = 0
+        for seq in batch.seqs:
+            if not seq.samples:
+                continue
+            req = seq.request
+            times = req.token_times
+            generated += 1
+            if len(times) == 1:
+                self.ttft.record(times[0] - req.arrival_time, tags)
+                if req.first_scheduled_time is not None:
+                    self.queue.record(req.first_scheduled_time - req.arrival_time, tags)
+            else:
+                gap = times[-1] - times[-2]
+                self.itl.record(gap, tags)
+                if slo is not None:
+                    within, late = (within + 1, late) if gap <= slo else (within, late + 1)
+            if req.is_finished:
+                self.e2e.record(times[-1] - req.arrival_time, tags)
+                self.finished.record(1, {**tags, "finished_reason": req.finish_reason or "unknown"})
+        if generated:
+            self.gen_tokens.record(generated, tags)
+        if within:
+            self.slo_tokens.record(within, {**tags, "within_slo": "true"})
+        if late:
+            self.slo_tokens.record(late, {**tags, "within_slo": "false"})
+        load = engine.load()
+        self.running.record(load.num_running, tags)
+        self.waiting.record(load.num_waiting, tags)
+        self.kv_usage.record(load.kv_usage, tags)
+        self.token_load.record(load.running_tokens + load.waiting_tokens, tags)
+
+    def on_abort(self, request: Any) -> None:
+        self.finished.record(1, {**self.tags, "finished_reason": "abort"})

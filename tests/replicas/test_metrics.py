@@ -1,0 +1,58 @@
+"""Engine metrics move by exactly what the engine did (prometheus_client backend, no Ray)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.metrics import EngineMetrics, PrometheusBackend
+
+
+def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    v = reg.get_sample_value(name, {"model_name": "m", **labels})
+    return 0.0 if v is None else v
+
+
+def test_counts_follow_the_engine():
+    reg = CollectorRegistry()
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig(policy="dynamic", max_batch_prefill_tokens=64,
+                                                                max_batch_total_tokens=512))
+    eng.observers.append(EngineMetrics(PrometheusBackend(reg), "m", tbt_slo_s=10.0))
+    outs = eng.generate([[5, 6, 7], [8, 9], list(range(10, 40))],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    p = "stallfree_"
+    assert value(reg, p + "request_success_total", finished_reason="length") == 3
+    assert value(reg, p + "time_to_first_token_seconds_count") == 3
+    assert value(reg, p + "request_queue_time_seconds_count") == 3
+    assert value(reg, p + "e2e_request_latency_seconds_count") == 3
+    assert value(reg, p + "inter_token_latency_seconds_count") == 3 * 5
+    assert value(reg, p + "generation_tokens_total") == 18
+    assert value(reg, p + "prompt_tokens_total") == 3 + 2 + 30
+    assert value(reg, p + "iteration_duration_seconds_count") == len(eng.iterations)
+    assert value(reg, p + "iteration_tokens_sum", phase="prefill") == 35
+    assert value(reg, p + "iteration_tokens_sum", phase="decode") == 15
+    assert value(reg, p + "tbt_slo_tokens_total", within_slo="true") == 15  # a 10 s SLO: all within
+    assert value(reg, p + "num_requests_running") == 0 and value(reg, p + "kv_cache_usage_perc") == 0
+    # Aborts are counted too.
+    req = eng.add_request([5, 6], SamplingParams(max_tokens=50))
+    eng.step()
+    eng.abort(req.request_id)
+    assert value(reg, p + "request_success_total", finished_reason="abort") == 1
+
+
+def test_stalls_are_counted_under_dynamic():
+    reg = CollectorRegistry()
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig(policy="dynamic", max_batch_prefill_tokens=64,
+                                                                max_batch_total_tokens=512))
+    eng.observers.append(EngineMetrics(PrometheusBackend(reg), "m", tbt_slo_s=1e-9))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    eng.add_request([5, 6, 7], params)
+    eng.step()
+    eng.step()
+    eng.add_request(list(range(5, 60)), params)  # its admission pass stalls the first stream
+    while eng.has_unfinished():
+        eng.step()
+    assert value(reg, "stallfree_generation_stalls_total", cause="skipped") == 1
+    assert value(reg, "stallfree_generation_stalls_total", cause="slow_iteration") == len(eng.iterations)
+    assert value(reg, "stallfree_tbt_slo_tokens_total", within_slo="false") == 14
