@@ -1,0 +1,135 @@
+"""Serve the OpenAI app on a private Ray instance, for load tests and the policy sweep.
+
+    python -m loadtests.serve_local --port 8123 --policy dynamic --set max_batch_prefill_tokens=2048
+
+Starts its OWN local Ray cluster (`address="local"`: never joins a cluster that another job or
+a pytest session already runs on this machine), Serve with HTTP on 127.0.0.1:PORT, and the app
+`app.builder.build_app(args)`; then blocks until SIGTERM/SIGINT and shuts both down. Every
+`--set key=value` is a field of `app.args.AppArgs` (values parsed as JSON when they parse).
+Readiness: poll `GET /health` (see `wait_healthy`), or wait for the READY line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+
+READY = "SERVE_LOCAL_READY"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """`["a=1", "b=x"]` -> `{"a": 1, "b": "x"}` (JSON values where they parse)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set wants key=value, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int) -> None:
+    """Start Ray + Serve + the app; block until a termination signal."""
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+
+    stop = threading.Event()
+    ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False,
+             configure_logging=False, log_to_driver=False)
+    # After ray.init: Ray installs a SIGTERM handler of its own that exits without cleanup.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args), name="llm", route_prefix="/")
+        print(f"{READY} http://127.0.0.1:{port}", flush=True)
+        stop.wait()
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+# ---- helpers for parents (tests, sweep) -----------------------------------------------------
+
+
+def launch(port: int, app_args: dict[str, Any], *, ray_cpus: int = 4,
+           log_path: str | None = None) -> subprocess.Popen:
+    """Start this module in a subprocess (its own process group); returns the Popen."""
+    cmd = [sys.executable, "-m", "loadtests.serve_local", "--port", str(port), "--ray-cpus",
+           str(ray_cpus)] + [a for k, v in app_args.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RAY_ADDRESS", None)  # never attach to someone else's cluster
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180.0) -> None:
+    """Poll GET /health until it answers 200; raise if `proc` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url}/health not healthy after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM the launcher (it shuts Serve and Ray down); SIGKILL its group if it hangs."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m loadtests.serve_local", description=__doc__.split("\n")[0])
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", choices=("stall_free", "dynamic", "static"))
+    p.add_argument("--model")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="an app.args.AppArgs field (repeatable)")
+    p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the private Ray instance")
+    args = p.parse_args(argv)
+    app_args = parse_sets(args.sets)
+    for key in ("policy", "model"):
+        if getattr(args, key) is not None:
+            app_args[key] = getattr(args, key)
+    serve_forever(args.port, app_args, args.ray_cpus)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""A short Locust run against a live server ends with zero failures and TTFT/TBT/E2E entries;
+the summary's numbers (percentiles, goodput, censored TTFTs) are computed as documented.
+
+The server runs in a subprocess on its own Ray instance (`loadtests/serve_local.py`), so this
+test may share a pytest session with tests/app, whose Ray lives in the pytest process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtests import serve_local
+from loadtests.loadtest import main as loadtest_main
+from loadtests.loadtest import parse_duration, summarize
+from loadtests.mix import MixSpec, mixed_requests
+from loadtests.sweep import whole_prompt_mbp
+
+SERVER_ARGS = {"model": "embedded:tiny", "policy": "stall_free", "max_batch_prefill_tokens": 256,
+               "max_batch_total_tokens": 8192, "max_num_seqs": 32, "num_cpus": 1,
+               "ingress_num_cpus": 0.1}
+SMOKE_MIX = ["--prompt-median", "24", "--output-median", "12", "--long-share", "0.2",
+             "--long-min", "200", "--long-max", "300", "--seed", "3"]
+
+
+# ---- pure parts --------------------------------------------------------------------------
+
+
+def _req(ttft: float | None, gaps: list[float], *, finished: bool = True, error: str | None = None,
+         start: float = 0.0, end: float = 10.0, tokens: int | None = None, kind: str = "short") -> dict:
+    return {"kind": kind, "ttft_s": ttft, "gaps_s": gaps, "finished": finished, "error": error,
+            "start_s": start, "end_s": end, "e2e_s": end - start if finished else None,
+            "completion_tokens": tokens if tokens is not None else len(gaps) + 1,
+            "num_chunks": len(gaps) + (ttft is not None)}
+
+
+def test_summary_counts_goodput_errors_and_censored_ttft() -> None:
+    reqs = [_req(0.5, [0.1, 0.1], end=4.0),             # meets both SLOs
+            _req(0.5, [0.1, 0.9], end=5.0),             # one gap over the TBT SLO
+            _req(3.0, [0.1], end=6.0),                  # TTFT over the SLO
+            _req(None, [], finished=False, start=2.0),  # never got a token: TTFT >= 8 s
+            _req(None, [], finished=False, error="HTTP 429: full", end=2.5)]
+    s = summarize(reqs, ttft_slo_s=1.0, tbt_slo_s=0.5)
+    assert (s["requests"], s["finished"], s["errors"], s["unfinished"]) == (5, 3, 1, 1)
+    assert s["good"] == 1 and s["goodput_req_s"] == pytest.approx(1 / 10)
+    assert s["slo_attainment"] == pytest.approx(1 / 5)
+    assert s["window_s"] == pytest.approx(10.0)
+    assert s["ttft_p50_s"] == pytest.approx(1.75)  # of 0.5, 0.5, 3.0 and the censored 8.0
+    assert s["tbt_max_s"] == pytest.approx(0.9) and s["num_tbt"] == 5
+    assert s["output_tokens"] == 3 + 3 + 2
+    assert s["error_messages"] == {"HTTP 429: full": 1}
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(x) for x in ("60s", "2m", "1m30s", "90", "1h")] == [60, 120, 90, 90, 3600]
+    with pytest.raises(Exception, match="not a duration"):
+        parse_duration("soon")
+
+
+def test_mix_is_the_same_sequence_at_every_rate() -> None:
+    slow = [r for r, _ in zip(mixed_requests(MixSpec(rps=0.5, seed=7)), range(150))]
+    fast = [r for r, _ in zip(mixed_requests(MixSpec(rps=2.0, seed=7)), range(150))]
+    assert [r.prompt_token_ids for r in slow] == [r.prompt_token_ids for r in fast]
+    assert [r.max_tokens for r in slow] == [r.max_tokens for r in fast]
+    assert [4 * f.arrival_s for f in fast] == pytest.approx([s.arrival_s for s in slow])
+    longs = [r for r in slow if r.kind == "long"]
+    assert 0.03 < len(longs) / len(slow) < 0.2  # long_share 0.1
+    assert all(1024 <= r.prompt_len <= 1536 for r in longs)
+    assert all(min(r.prompt_token_ids) > 2 and max(r.prompt_token_ids) < 2048 for r in slow)
+
+
+def test_whole_prompt_budget_admits_the_longest_prompt() -> None:
+    mix = MixSpec(long_max=1300)
+    assert whole_prompt_mbp(mix) == 1536 >= mix.long_max
+
+
+# ---- against a live server ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = serve_local.free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc = serve_local.launch(port, SERVER_ARGS, log_path=str(log))
+    try:
+        serve_local.wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=150)
+        yield f"http://127.0.0.1:{port}"
+    except Exception:
+        print(log.read_text()[-4000:])
+        raise
+    finally:
+        serve_local.stop(proc)
+
+
+def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: str, tmp_path: Path) -> None:
+    code = loadtest_main(["--host", live_server, "--duration", "5s", "--drain", "30s", "--rps", "2",
+                          "--out", str(tmp_path), *SMOKE_MIX])
+    assert code == 0
+    with open(tmp_path / "loadtest_stats.csv") as f:
+        stats = {row["Type"]: row for row in csv.DictReader(f) if row["Type"]}
+    assert {"POST", "TTFT", "TBT", "E2E"} <= set(stats)
+    assert all(int(row["Failure Count"]) == 0 for row in stats.values())
+    sent = int(stats["POST"]["Request Count"])
+    assert sent > 0
+    assert int(stats["TTFT"]["Request Count"]) == int(stats["E2E"]["Request Count"]) == sent
+    assert int(stats["TBT"]["Request Count"]) > sent  # outputs are >= 4 tokens each
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["requests"] == summary["finished"] == sent
+    assert summary["errors"] == summary["unfinished"] == 0
+    assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"]
+    assert 0 < summary["tbt_p50_s"] <= summary["tbt_p99_s"] <= summary["tbt_max_s"]
+    assert summary["output_tok_s"] > 0 and summary["num_tbt"] == int(stats["TBT"]["Request Count"])
+    samples = [json.loads(line) for line in (tmp_path / "loadtest_samples.jsonl").read_text().splitlines()]
+    assert samples[0]["type"] == "meta" and samples[0]["mix"]["long_min"] == 200
+    assert all(r["completion_tokens"] == r["max_tokens"] for r in samples[1:])  # ignore_eos: exact
+    assert (tmp_path / "loadtest.html").stat().st_size > 0
