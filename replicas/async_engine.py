@@ -33,7 +33,10 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
 
 
 class AsyncEngine:
@@ -113,9 +116,11 @@ class AsyncEngine:
                     outputs = []
                 finally:
                     self._busy_since = None
+                # Refresh the load before delivering, so no caller holds a token that the
+                # snapshot still shows as waiting.
+                self.load_snapshot = self.engine.load()
                 for out in outputs:
                     self._deliver(out)
-                self.load_snapshot = self.engine.load()
         except BaseException as exc:  # pragma: no cover - last resort, reported by health
             self.error = exc
             logger.exception("engine loop died")

@@ -1,0 +1,111 @@
+"""Application arguments: one pydantic model, validated when the app is built.
+
+`serve_config.yaml` sets these under `applications[].args`; tests pass a dict to
+`app.builder.build_app`. Engine fields mirror `EngineConfig` and are checked by building one,
+so a limit is defined (and validated) in exactly one place.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from replicas.config import EngineConfig
+from replicas.deployment import ReplicaConfig
+from replicas.models import DEFAULT_MODEL
+
+
+class AppArgs(BaseModel):
+    """Everything `serve run serve_config.yaml` can set for one model application."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- model -----------------------------------------------------------------------
+    model: str = Field(DEFAULT_MODEL, min_length=1,
+                       description="HF model directory, hub id, or embedded:tiny / embedded:mid")
+    served_model_name: str | None = Field(None, description="name clients send; default: model")
+    trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="auto: cuda when num_gpus > 0, else cpu")
+
+    # ---- engine budgets (EngineConfig) -----------------------------------------------
+    policy: Literal["stall_free", "dynamic", "static"] = "stall_free"
+    max_batch_prefill_tokens: int = Field(512, description="token budget of one forward pass "
+                                          "(the prefill chunk size under stall_free)")
+    max_batch_total_tokens: int | None = Field(None, description="KV capacity in tokens; "
+                                               "None: from kv_cache_memory_bytes")
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, lt=1, description="KV cache as a "
+                                                   "fraction of the memory free after the weights "
+                                                   "load (GPU memory, or RAM on CPU); replaces "
+                                                   "kv_cache_memory_bytes")
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    priority_aging_s: float = 5.0
+    seed: int = 0
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per "
+                                      "replica; None: the replica's num_cpus (at least 1)")
+
+    # ---- replica behaviour -----------------------------------------------------------
+    max_queued_tokens: int = Field(32_768, ge=1, description="prompt tokens a replica may hold "
+                                   "waiting; beyond it requests get 429 + Retry-After")
+    tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens SLO")
+    wedge_timeout_s: float = Field(60.0, gt=0, description="one iteration longer than this "
+                                   "fails the health check")
+
+    # ---- Serve deployment --------------------------------------------------------------
+    num_replicas: int = Field(1, ge=1)
+    min_replicas: int | None = Field(None, ge=0)
+    max_replicas: int | None = Field(None, ge=1)
+    target_ongoing_requests: float = Field(32.0, gt=0)
+    max_ongoing_requests: int = Field(256, ge=1, description="per replica; admission is by "
+                                      "tokens in the engine, so keep this well above 5")
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.1, ge=0)
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger bodies get 413")
+
+    @model_validator(mode="after")
+    def _check(self) -> AppArgs:
+        self.engine_config()  # EngineConfig's ValueError becomes a ValidationError naming it
+        if self.min_replicas is not None and self.max_replicas is None:
+            raise ValueError("min_replicas needs max_replicas (autoscaling) as well")
+        if self.max_replicas is not None and (self.min_replicas or 0) > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.resolved_device.startswith("cuda") and self.num_gpus <= 0:
+            raise ValueError("device is cuda but num_gpus is 0: give each replica a GPU")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The model name clients use in requests and see in /v1/models."""
+        return self.served_model_name or self.model
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
+    @property
+    def resolved_torch_threads(self) -> int:
+        """Set deliberately: Ray sets OMP_NUM_THREADS from num_cpus, which may be fractional."""
+        return self.torch_threads or max(1, int(self.num_cpus))
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            policy=self.policy, max_batch_prefill_tokens=self.max_batch_prefill_tokens,
+            max_batch_total_tokens=self.max_batch_total_tokens,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            priority_aging_s=self.priority_aging_s, dtype=self.dtype, device=self.resolved_device,
+            num_threads=self.resolved_torch_threads, trust_remote_code=self.trust_remote_code,
+            seed=self.seed)
+
+    def replica_config(self) -> ReplicaConfig:
+        return ReplicaConfig(self.model, self.engine_config(), self.max_queued_tokens,
+                             self.wedge_timeout_s, self.tbt_slo_ms, self.kv_cache_memory_fraction)

@@ -1,0 +1,52 @@
+"""Application builder: `import_path: app.builder:build_app` in serve_config.yaml.
+
+Serve calls `build_app(args)` with the `args:` mapping of the config file; tests call
+`serve.run(build_app({...}))`. Arguments are validated here, at build time, with pydantic's
+field-by-field errors, before any replica starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from app.args import AppArgs
+from app.ingress import OpenAIIngress
+from replicas.deployment import LLMServer
+
+LLM_DEPLOYMENT = "LLMServer"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
+    """Serve options of the engine replicas: resources, concurrency, replica count."""
+    options: dict[str, Any] = {
+        "name": LLM_DEPLOYMENT,
+        # Admission is the engine's job, by tokens; Serve's default of 5 would throttle streams.
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+    }
+    if args.max_replicas is not None:
+        options["autoscaling_config"] = {
+            "min_replicas": args.min_replicas if args.min_replicas is not None else 1,
+            "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests,
+        }
+    else:
+        options["num_replicas"] = args.num_replicas
+    return options
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    """Build the OpenAI app: an ingress deployment bound to the engine replica deployment."""
+    app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    llm = serve.deployment(LLMServer).options(**llm_deployment_options(app_args))
+    ingress = OpenAIIngress.options(
+        name=INGRESS_DEPLOYMENT, num_replicas=app_args.ingress_replicas,
+        max_ongoing_requests=app_args.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": app_args.ingress_num_cpus})
+    return ingress.bind(llm.bind(app_args.replica_config()), app_args)

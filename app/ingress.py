@@ -1,0 +1,208 @@
+"""FastAPI ingress deployment: OpenAI routes, tokenization at the edge, SSE streaming.
+
+The ingress tokenizes once (chat template included) and sends token ids to a replica; the
+engine checks every limit once, before queueing, and its refusals come back as 4xx. Each
+generation is a streaming handle call whose first item is the replica's acknowledgement,
+so refusals (400, 429) are answered before a 200 and SSE headers are sent.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the real types of the
+# route parameters of a Serve ingress class. Serve pickles the class when it is decorated,
+# so every module-level name its methods use is defined above it.
+import asyncio
+import functools
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from app.args import AppArgs
+from app.errors import OpenAIError, from_exception, install_handlers
+from app.middleware import BodyLimitMiddleware
+from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                         CompletionResponse, GenerationRequest, ModelCard, ModelList)
+from app.streaming import (DONE, Collected, StreamMeta, chat_events, chat_response, collect,
+                           completion_events, completion_response, sse)
+from replicas.deployment import RequestRejected, param_of
+from replicas.models import resolve_model_path
+from replicas.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+
+api = FastAPI(title="stallfree-serve", description="OpenAI-compatible LLM serving on Ray Serve")
+install_handlers(api)
+api.add_middleware(BodyLimitMiddleware)
+
+
+def load_tokenizer(model: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load only the tokenizer of `model` (no weights), never touching the hub for a directory."""
+    path = resolve_model_path(model)
+    return AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path),
+                                         trust_remote_code=trust_remote_code)
+
+
+async def _guarded(gen: DeploymentResponseGenerator, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Forward SSE events; a failure becomes an error event, a disconnect cancels the replica."""
+    finished = False
+    try:
+        try:
+            async for event in events:
+                yield event
+            finished = True
+        except Exception as exc:  # headers are sent: report in-band, as vLLM does
+            yield sse(from_exception(exc).body())
+        yield DONE
+    finally:
+        if not finished:
+            gen.cancel()
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(api)
+class OpenAIIngress:
+    """HTTP face of one model application; `llm` is the handle to the engine replicas."""
+
+    def __init__(self, llm: DeploymentHandle, args: AppArgs) -> None:
+        self.args = args
+        self.llm = llm
+        self.stream_llm = llm.options(stream=True)
+        self.tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+        self._info: dict[str, Any] | None = None
+        # One thread: long prompts never block the event loop, and the tokenizer (not safe to
+        # call from several threads at once) is only ever used from this one.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        api.state.max_body_bytes = args.max_body_bytes
+
+    # ---- routes ------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 when a replica's engine loop is alive, 503 otherwise."""
+        try:
+            await asyncio.wait_for(self.llm.check_health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - any failure means not healthy
+            return OpenAIError(503, f"unhealthy: {exc}", code="unhealthy").response()
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        """The one served model, with its context length."""
+        info = await self.model_info()
+        card = ModelCard(id=self.args.name, created=int(time.time()), root=self.args.model,
+                         max_model_len=info["max_model_len"])
+        return ModelList(data=[card])
+
+    @api.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(self, body: CompletionRequest) -> Any:
+        """Text completion of one prompt (text or token ids); SSE when `stream` is true."""
+        self._check_model(body)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            ids = await self._tokenizing(self.tokenizer.encode, prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+        meta = self._meta("cmpl", body)
+        gen = await self._start(meta.request_id, ids, body, body.max_tokens)
+        if body.stream:
+            return self._sse(gen, completion_events(meta, gen))
+        return completion_response(meta, await self._collect(gen))
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        """Chat completion through the tokenizer's chat template; SSE when `stream` is true."""
+        self._check_model(body)
+        ids = await self._tokenizing(self._render_chat, body)
+        meta = self._meta("chatcmpl", body)
+        gen = await self._start(meta.request_id, ids, body, body.requested_max_tokens)
+        if body.stream:
+            return self._sse(gen, chat_events(meta, gen))
+        return chat_response(meta, await self._collect(gen))
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    async def model_info(self) -> dict[str, Any]:
+        """The replicas' limits, asked once (every replica runs the same config)."""
+        if self._info is None:
+            self._info = await self.llm.model_info.remote()
+        return self._info
+
+    async def _tokenizing(self, fn: Callable[..., list[int]], *args: Any, **kwargs: Any) -> list[int]:
+        """Run a tokenizer call on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+    def _check_model(self, body: GenerationRequest) -> None:
+        if body.model is not None and body.model not in (self.args.name, self.args.model):
+            raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves "
+                              f"`{self.args.name}`.", param="model", code="model_not_found")
+
+    def _meta(self, prefix: str, body: GenerationRequest) -> StreamMeta:
+        return StreamMeta(f"{prefix}-{uuid.uuid4().hex}", self.args.name, int(time.time()),
+                          body.include_usage)
+
+    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        """Messages -> chat template text -> token ids (runs on the tokenizer thread)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                              param="messages", code="no_chat_template")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - templates raise for unsupported role orders
+            raise OpenAIError(400, f"messages do not fit the chat template: {exc}",
+                              param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _start(self, request_id: str, ids: list[int], body: GenerationRequest,
+                     max_tokens: int | None) -> DeploymentResponseGenerator:
+        """Send the request to a replica and wait for its acknowledgement (or refusal)."""
+        if max_tokens is None:  # chat default: whatever the context and KV cache leave
+            info = await self.model_info()
+            room = min(info["max_model_len"], info["max_batch_total_tokens"]) - len(ids)
+            max_tokens = max(1, room)  # a prompt with no room gets the engine's error message
+        params = body.sampling_params(max_tokens)
+        try:
+            SamplingParams(**params)  # ranges checked here, at the edge, once
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
+        gen = self.stream_llm.generate.remote(ids, params, body.priority, request_id)
+        try:
+            first = await gen.__anext__()
+        except BaseException as exc:
+            gen.cancel()
+            if isinstance(exc, Exception):
+                raise from_exception(exc) from None
+            raise
+        if isinstance(first, RequestRejected):
+            raise from_exception(first)
+        return gen
+
+    async def _collect(self, gen: DeploymentResponseGenerator) -> Collected:
+        """The whole generation (non-streaming); cancels the replica call if we stop early."""
+        done = False
+        try:
+            result = await collect(gen)
+            done = True
+            return result
+        except Exception as exc:
+            raise from_exception(exc) from None
+        finally:
+            if not done:  # the client left (cancelled) or the replica failed: abort it
+                gen.cancel()
+
+    def _sse(self, gen: DeploymentResponseGenerator, events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(_guarded(gen, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+

@@ -1,0 +1,85 @@
+"""ASGI middleware that refuses oversized request bodies before anything parses them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import OpenAIError
+
+
+class BodyLimitMiddleware:
+    """Answer 413 when a body is larger than `app.state.max_body_bytes`.
+
+    A declared Content-Length over the limit is refused at once, unread; otherwise the body
+    is read up to the limit (chunked uploads too) and replayed to the app, so a client
+    cannot make the server buffer more than the limit.
+    """
+
+    def __init__(self, app: ASGIApp, default_limit: int = 1024 * 1024) -> None:
+        self.app = app
+        self.default_limit = default_limit
+
+    def _limit(self, scope: Scope) -> int:
+        state = getattr(scope.get("app"), "state", None)
+        return int(getattr(state, "max_body_bytes", self.default_limit))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self._limit(scope)
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await _refuse(send, limit)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                await _refuse(send, limit)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that yields the buffered body once, then the client's later messages."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _refuse(send: Send, limit: int) -> None:
+    err = OpenAIError(413, f"request body is larger than the limit of {limit} bytes "
+                      "(max_body_bytes)", code="request_too_large")
+    body = json.dumps(err.body()).encode()
+    headers: list[Any] = [(b"content-type", b"application/json"),
+                          (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

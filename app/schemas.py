@@ -1,0 +1,258 @@
+"""OpenAI request and response models (pydantic), for completions, chat and models.
+
+Requests are strict about types (a string is not a number) and ignore fields they do not
+know, like OpenAI's own server; parameters we know but cannot honour are refused with a 400
+rather than silently dropped. Ranges (temperature, top_p, ...) are checked once, by
+`replicas.request.SamplingParams`, when the ingress builds one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationInfo,
+                      field_validator, model_serializer)
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields completions and chat share, plus our extensions (`priority`, vLLM's extras)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="vLLM extension; 0 or -1 disables it")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    priority: int = Field(0, description="scheduling class; lower is more urgent")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0.0):
+            raise ValueError("penalties are not supported; use 0 or omit the field")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        """Keyword arguments for `SamplingParams` (it checks the ranges)."""
+        params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "seed"):
+            if (value := getattr(self, name)) is not None:
+                params[name] = value
+        if self.top_k is not None:
+            params["top_k"] = 0 if self.top_k == -1 else self.top_k
+        if self.stop is not None:
+            params["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = tuple(self.stop_token_ids)
+        return params
+
+
+class CompletionRequest(GenerationRequest):
+    """`POST /v1/completions`: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            return prompt[0]
+        return prompt
+
+    @field_validator("echo", "logprobs", "suffix")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("logprobs", "tools")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- responses --------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or (with `usage` unset) one streamed chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """A streamed piece of the assistant message; unset fields are left out, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "stallfree-serve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

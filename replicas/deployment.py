@@ -1,0 +1,261 @@
+"""Serve deployment hosting one engine: streaming generation, bounded queue, load and health.
+
+`LLMServer` is a plain class: the app builder wraps it with `serve.deployment`, and tests can
+build it without Ray from any engine factory. The batching loop runs on `AsyncEngine`'s own
+thread, so the replica's event loop only moves token ids in and deltas out.
+
+Handle protocol (what the ingress calls):
+- `generate(prompt_token_ids, params, priority, request_id)`, a streaming method. Its first
+  item is either a `RequestRejected` (and nothing follows) or an empty delta sent once the
+  request is queued (an acknowledgement: the caller learns of a refusal before it commits
+  to a 200); then one `RequestOutput` per engine iteration, the last with `finished=True`.
+- `model_info()`, `load()`, `check_health()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replicas.async_engine import AsyncEngine
+from replicas.config import EngineConfig
+from replicas.engine import Engine, RequestOutput
+from replicas.models import load_model
+from replicas.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], Engine]
+MAX_RETRY_AFTER_S = 60
+
+
+class RequestRejected(Exception):
+    """A request the replica refuses; carries what the ingress needs for an HTTP error.
+
+    Every constructor argument goes to `Exception.args` so the error pickles across Ray.
+    """
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message, param, retry_after_s)
+        self.message, self.param, self.retry_after_s = message, param, retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequestError(RequestRejected):
+    """The client's mistake (a limit, a bad parameter): 400."""
+
+
+class QueueFullError(RequestRejected):
+    """The replica's waiting queue is over its token cap: 429 with Retry-After."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class ReplicaUnhealthyError(RequestRejected):
+    """The engine loop is dead or wedged: 503 (the controller replaces the replica)."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "engine_unavailable"
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What one replica needs besides the engine: model, engine budgets, queue cap, SLO."""
+
+    model: str
+    engine: EngineConfig
+    max_queued_tokens: int = 32_768  # prompt tokens waiting for their first token, at most
+    wedge_timeout_s: float = 60.0  # one iteration longer than this fails health checks
+    tbt_slo_ms: float | None = None  # reported for the controller; the engine ignores it
+    # KV cache = this fraction of the memory free once the weights are loaded (device memory
+    # on a GPU, available RAM on CPU); replaces engine.kv_cache_memory_bytes when set.
+    kv_cache_memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_queued_tokens, int) or self.max_queued_tokens <= 0:
+            raise ValueError(f"max_queued_tokens must be a positive integer, got {self.max_queued_tokens!r}")
+        if self.wedge_timeout_s <= 0:
+            raise ValueError(f"wedge_timeout_s must be > 0, got {self.wedge_timeout_s}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction < 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory free for the KV cache now: device memory on an accelerator, else available RAM."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_engine(config: ReplicaConfig) -> Engine:
+    """The default engine factory: load the model, size the KV cache, build the engine."""
+    engine_config = config.engine
+    if config.kv_cache_memory_fraction is None:
+        return Engine.from_pretrained(config.model, engine_config)
+    model, tokenizer = load_model(config.model, dtype=engine_config.dtype, device=engine_config.device,
+                                  trust_remote_code=engine_config.trust_remote_code)
+    budget = int(free_memory_bytes(engine_config.device) * config.kv_cache_memory_fraction)
+    logger.info("KV cache: %.2f of free memory = %d MiB", config.kv_cache_memory_fraction, budget >> 20)
+    return Engine(model, tokenizer, engine_config.replace(kv_cache_memory_bytes=max(1, budget)))
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine/params error message names (they start with it)."""
+    if "max_tokens" in message and ("context length" in message or "capacity" in message):
+        return "max_tokens"  # prompt + max_tokens over a limit: max_tokens is what to change
+    first = message.split(" ", 1)[0]
+    known = {f.name for f in dataclasses.fields(SamplingParams)} | {"priority", "prompt"}
+    return first if first in known else None
+
+
+class LLMServer:
+    """One engine replica. Wrap with `serve.deployment` to host it on Ray Serve."""
+
+    def __init__(self, config: ReplicaConfig, engine_factory: EngineFactory | None = None) -> None:
+        self.config = config
+        factory = engine_factory or functools.partial(build_engine, config)
+        self.engine = AsyncEngine(factory(), wedge_timeout_s=config.wedge_timeout_s)
+        # Prompt tokens of accepted requests that have not produced a token yet. Kept here,
+        # not read from the loop's snapshot, because the snapshot lags intake by an iteration.
+        self._queued: dict[str, int] = {}
+        # Ids streaming now. A duplicate is refused here, before the engine sees it: the
+        # engine would refuse it too, but its stream cleanup would then abort the original.
+        self._live: set[str] = set()
+        logger.info("replica ready: %s", self.model_info())
+
+    # ---- generation ------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: dict[str, Any], priority: int = 0,
+                       request_id: str = "") -> AsyncIterator[RequestOutput | RequestRejected]:
+        """Stream one request: first an empty acknowledgement, then a delta per iteration.
+
+        A refusal (bad limits, full queue) is yielded as the first and only item instead of
+        raised, so a 429 storm does not fill the replica's log with tracebacks.
+        """
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            stream = await self._accept(prompt_token_ids, params, priority, request_id)
+        except RequestRejected as rejected:
+            yield rejected
+            return
+        self._queued[request_id] = len(prompt_token_ids)
+        finished = False
+        try:
+            yield RequestOutput(request_id, "", [], False, None, len(prompt_token_ids), 0)
+            async for out in stream:
+                self._queued.pop(request_id, None)
+                finished = out.finished
+                yield out
+        except ValueError as exc:  # the loop refused it at intake (it validates again there)
+            raise InvalidRequestError(str(exc), param_of(str(exc))) from None
+        finally:
+            self._live.discard(request_id)
+            self._queued.pop(request_id, None)
+            if not finished:  # cancelled (client gone) or failed: free its KV blocks now
+                self.engine.abort(request_id)
+
+    async def _accept(self, prompt_token_ids: list[int], params: dict[str, Any], priority: int,
+                      request_id: str) -> AsyncIterator[RequestOutput]:
+        """Check health, parameters, queue room and limits; queue the request in the engine."""
+        if not self.engine.is_healthy():
+            raise ReplicaUnhealthyError("the engine loop on this replica is not running")
+        if request_id in self._live:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        try:
+            sampling = SamplingParams(**params)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc), param_of(str(exc))) from None
+        self._admit(len(prompt_token_ids))
+        self._live.add(request_id)
+        try:
+            return await self.engine.add_request(prompt_token_ids, sampling, request_id, priority)
+        except ValueError as exc:
+            self._live.discard(request_id)
+            raise InvalidRequestError(str(exc), param_of(str(exc))) from None
+
+    def _admit(self, num_prompt_tokens: int) -> None:
+        """Refuse with 429 when the queue is non-empty and this prompt would overflow it.
+
+        An empty queue always admits, so one prompt longer than the cap is still served.
+        """
+        queued = max(self.queued_tokens, self.engine.load_snapshot.waiting_tokens)
+        cap = self.config.max_queued_tokens
+        if queued > 0 and queued + num_prompt_tokens > cap:
+            retry = self._retry_after_s(queued)
+            raise QueueFullError(
+                f"the replica's queue is full: {queued} prompt tokens are waiting and this request "
+                f"adds {num_prompt_tokens}, over the cap of {cap} (max_queued_tokens); "
+                f"retry after {retry} s", None, retry)
+
+    def _retry_after_s(self, queued: int) -> int:
+        """Seconds to drain the queue at one prefill budget per recent iteration time."""
+        tbt = self.engine.load_snapshot.recent_tbt_s
+        iteration_s = sum(tbt) / len(tbt) if tbt else 0.05
+        passes = queued / self.config.engine.max_batch_prefill_tokens
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(passes * iteration_s)))
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(self._queued.values())
+
+    # ---- reports ---------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        """Limits the ingress needs (context length, KV capacity, vocabulary, policy)."""
+        engine = self.engine.engine
+        return {
+            "model": self.config.model,
+            "max_model_len": engine.max_model_len,
+            "max_batch_total_tokens": engine.max_batch_total_tokens,
+            "max_batch_prefill_tokens": engine.config.max_batch_prefill_tokens,
+            "vocab_size": engine.vocab_size,
+            "policy": engine.config.policy,
+            "block_size": engine.config.block_size,
+            "max_queued_tokens": self.config.max_queued_tokens,
+            "tbt_slo_ms": self.config.tbt_slo_ms,
+        }
+
+    def load(self) -> dict[str, Any]:
+        """Token load for routing and autoscaling: the engine's last snapshot plus intake."""
+        report = dataclasses.asdict(self.engine.load_snapshot)
+        report["queued_tokens"] = self.queued_tokens
+        report["num_queued"] = len(self._queued)
+        return report
+
+    def check_health(self) -> None:
+        """Serve's health probe: raises when the engine loop died or one step is wedged."""
+        if not self.engine.is_healthy():
+            reason = repr(self.engine.error) if self.engine.error else "loop not running or wedged"
+            raise RuntimeError(f"engine unhealthy: {reason}")
+
+    def shutdown(self) -> None:
+        """Stop the engine loop thread."""
+        self.engine.shutdown()
+
+    def __del__(self) -> None:  # Serve calls this on graceful replica shutdown
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+

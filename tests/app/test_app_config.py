@@ -1,0 +1,85 @@
+"""App arguments are validated once, at build time, with errors that name the field; the
+builder turns them into Serve options (max_ongoing_requests well above Serve's 5, torch
+threads set deliberately); serve_config.yaml is a valid set of them bound to 127.0.0.1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve import Application
+
+from app.args import AppArgs
+from app.builder import build_app, llm_deployment_options
+from app.errors import OpenAIError, from_exception
+from replicas.deployment import InvalidRequestError, QueueFullError
+
+CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+
+
+def test_defaults_make_a_valid_engine_config() -> None:
+    args = AppArgs()
+    engine = args.engine_config()
+    assert args.model == "embedded:tiny" and args.name == "embedded:tiny"
+    assert engine.policy == "stall_free" and engine.device == "cpu"
+    assert engine.num_threads == 1  # from num_cpus=1, not from whatever Ray put in OMP_NUM_THREADS
+    assert AppArgs(num_cpus=4).engine_config().num_threads == 4
+    assert AppArgs(num_cpus=0.5).engine_config().num_threads == 1
+    assert AppArgs(num_cpus=4, torch_threads=2).engine_config().num_threads == 2
+    assert AppArgs(num_gpus=1).engine_config().device == "cuda"
+
+
+@pytest.mark.parametrize("bad,fragment", [
+    ({"policy": "fastest"}, "policy"),
+    ({"max_batch_total_tokens": 8}, "max_batch_total_tokens must hold at least one KV block"),
+    ({"max_batch_prefill_tokens": 0}, "max_batch_prefill_tokens must be a positive integer"),
+    ({"max_queued_tokens": 0}, "max_queued_tokens"),
+    ({"max_num_seqs": "many"}, "max_num_seqs"),
+    ({"min_replicas": 3, "max_replicas": 2}, "min_replicas (3) > max_replicas (2)"),
+    ({"min_replicas": 1}, "min_replicas needs max_replicas"),
+    ({"device": "cuda"}, "num_gpus is 0"),
+    ({"max_batch_prefil_tokens": 256}, "max_batch_prefil_tokens"),  # a typo is not ignored
+])
+def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        build_app(bad)
+    assert fragment in str(err.value)
+
+
+def test_builder_options() -> None:
+    fixed = llm_deployment_options(AppArgs(num_replicas=2, num_cpus=2, num_gpus=0.5))
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0.5}
+    assert fixed["max_ongoing_requests"] >= 100
+    scaled = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=4))
+    assert scaled["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in scaled
+    assert isinstance(build_app({}), Application)
+    assert isinstance(build_app(AppArgs()), Application)
+
+
+def test_serve_config_yaml_is_valid_and_local() -> None:
+    config = yaml.safe_load(CONFIG.read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
+    [application] = config["applications"]
+    assert application["import_path"] == "app.builder:build_app"
+    args = AppArgs.model_validate(application["args"])
+    assert args.model == "embedded:tiny" and args.max_ongoing_requests > 5
+
+
+def test_replica_refusals_map_to_4xx_through_ray_wrappers() -> None:
+    from ray.exceptions import RayTaskError
+
+    wrapped = RayTaskError("generate", "Traceback ...", QueueFullError("full", None, 3)).as_instanceof_cause()
+    err = from_exception(wrapped)
+    assert err.status_code == 429 and err.headers == {"Retry-After": "3"}
+    assert err.body() == {"error": {"message": "full", "type": "rate_limit_error", "param": None,
+                                    "code": "rate_limit_exceeded"}}
+    chained = RuntimeError("outer")
+    chained.__cause__ = InvalidRequestError("too long", "max_tokens")
+    assert from_exception(chained).status_code == 400
+    assert from_exception(chained).param == "max_tokens"
+    assert from_exception(OpenAIError(404, "x")).status_code == 404
+    fault = from_exception(KeyError("bug"))
+    assert fault.status_code == 500 and fault.error_type == "server_error"

@@ -1,0 +1,96 @@
+"""A client's mistake is answered with the right 4xx and an OpenAI error body, wherever it is
+caught (pydantic, sampling params, the engine's limits on the replica), and the server stays
+healthy after every one of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _case(id_: str, path: str, body: Any, status: int, param: str | None = None,
+          contains: str = "", method: str = "POST") -> Any:
+    return pytest.param(method, path, body, status, param, contains, id=id_)
+
+
+# (method, path, body or raw bytes, status, error.param, substring of error.message)
+BAD_REQUESTS = [
+    _case("invalid-json", C, b'{"prompt": "hi",', 400, None, "invalid JSON"),
+    _case("body-not-object", C, [1, 2], 400),
+    _case("missing-prompt", C, {"max_tokens": 2}, 400, "prompt", "Field required"),
+    _case("prompt-wrong-type", C, {"prompt": 12}, 400, "prompt"),
+    _case("max-tokens-string", C, {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    _case("max-tokens-zero", C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    _case("temperature-range", C, {"prompt": "hi", "temperature": 3}, 400, "temperature"),
+    _case("top-p-zero", C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    _case("top-k-negative", C, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    _case("seed-negative", C, {"prompt": "hi", "seed": -1}, 400, "seed"),
+    _case("stop-not-string", C, {"prompt": "hi", "stop": 7}, 400, "stop"),
+    _case("empty-prompt", C, {"prompt": ""}, 400, "prompt", "must not be empty"),
+    _case("empty-token-prompt", C, {"prompt": []}, 400, "prompt", "must not be empty"),
+    _case("token-out-of-vocab", C, {"prompt": [1, 999_999]}, 400, "prompt", "[0, 2048)"),
+    _case("beyond-context", C, {"prompt": "hi", "max_tokens": 2048}, 400, "max_tokens",
+          "maximum context length is 2048 tokens"),
+    _case("beyond-kv-capacity", C, {"prompt": "hi", "max_tokens": 1600}, 400, "max_tokens",
+          "max_batch_total_tokens = 1536"),
+    _case("priority-range", C, {"prompt": "hi", "priority": 5000}, 400, "priority"),
+    _case("n-two", C, {"prompt": "hi", "n": 2}, 400, "n"),
+    _case("batched-prompts", C, {"prompt": ["a", "b"]}, 400, "prompt"),
+    _case("logprobs", C, {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    _case("stream-options-without-stream", C,
+          {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    _case("unknown-model", C, {"model": "gpt-9", "prompt": "hi"}, 404, "model", "gpt-9"),
+    _case("chat-empty-messages", CHAT, {"messages": []}, 400, "messages"),
+    _case("chat-bad-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+          "messages.0.role"),
+    _case("chat-content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
+          "messages.0.content"),
+    _case("chat-image-part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
+    _case("chat-beyond-context", CHAT, {"messages": USER, "max_completion_tokens": 5000}, 400,
+          "max_tokens", "maximum context length is 2048 tokens"),
+    _case("chat-unknown-model", CHAT, {"model": "nope", "messages": USER}, 404, "model"),
+    _case("chat-temperature-type", CHAT, {"messages": USER, "temperature": "hot"}, 400,
+          "temperature"),
+    _case("body-too-large", C, {"prompt": "x" * 100_000}, 413, None, "max_body_bytes"),
+    _case("unknown-route", "/v1/nope", {}, 404),
+    _case("wrong-method", C, None, 405, method="GET"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,param,contains", BAD_REQUESTS)
+def test_bad_request_gets_openai_error(client: httpx.Client, method: str, path: str, body: Any,
+                                       status: int, param: str | None, contains: str) -> None:
+    if isinstance(body, bytes):
+        resp = client.request(method, path, content=body, headers={"content-type": "application/json"})
+    else:
+        resp = client.request(method, path, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["param"] == param
+    assert contains in error["message"]
+
+
+def test_streaming_request_errors_before_the_stream_starts(client: httpx.Client) -> None:
+    """A refused streaming request is a plain 4xx JSON answer, not a 200 event stream."""
+    resp = client.post(C, json={"prompt": "hi", "max_tokens": 5000, "stream": True})
+    assert resp.status_code == 400
+    assert resp.headers["content-type"].startswith("application/json")
+    assert "5000" in resp.json()["error"]["message"]
+
+
+def test_server_healthy_after_bad_requests(client: httpx.Client, serve_app) -> None:  # noqa: ANN001
+    for _, path, body, *_ in (p.values for p in BAD_REQUESTS[:12]):
+        client.post(path, json=body) if not isinstance(body, bytes) else client.post(path, content=body)
+    assert client.get("/health").status_code == 200
+    ok = client.post(C, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert serve_app.load()["num_running"] == 0

@@ -1,0 +1,170 @@
+"""Through real HTTP, the served text equals the engine's offline greedy text, streamed or not,
+and a client that leaves mid-stream leaves no KV block in use."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+MAX_TOKENS = 12
+PROMPT = "The quick brown fox jumps over the lazy dog. A serving system"
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hello, world! What time is it?"}]
+
+
+def sse_events(lines: list[str]) -> list[Any]:
+    """Parse `data: ...` lines; the `[DONE]` sentinel is kept as the string itself."""
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def stream_post(client: httpx.Client, path: str, body: dict[str, Any]) -> list[Any]:
+    with client.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        return sse_events(list(resp.iter_lines()))
+
+
+def test_health_and_models(client: httpx.Client, serve_app) -> None:  # noqa: ANN001
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    [card] = models["data"]
+    assert card["id"] == serve_app.args.name and card["object"] == "model"
+    assert card["max_model_len"] == 2048
+
+
+def test_completion_equals_offline_greedy(client: httpx.Client, reference) -> None:  # noqa: ANN001
+    body = {"model": "embedded:tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    data = client.post("/v1/completions", json=body).json()
+    assert data["object"] == "text_completion"
+    [choice] = data["choices"]
+    assert choice["text"] == reference.greedy(PROMPT, MAX_TOKENS, ignore_eos=True)
+    assert choice["finish_reason"] == "length"
+    prompt_tokens = reference.num_tokens(PROMPT)
+    assert data["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
+                             "total_tokens": prompt_tokens + MAX_TOKENS}
+
+
+def test_completion_stream_equals_offline_greedy(client: httpx.Client, reference) -> None:  # noqa: ANN001
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    events = stream_post(client, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == reference.greedy(PROMPT, MAX_TOKENS, ignore_eos=True)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert all(c["usage"] is None for c in chunks)
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_token_id_prompt_and_stop_string(client: httpx.Client, reference) -> None:  # noqa: ANN001
+    ids = reference.engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    full = reference.greedy(ids, MAX_TOKENS, ignore_eos=True)
+    stop = full[4:7]  # a stop string the greedy output is certain to produce
+    data = client.post("/v1/completions", json={"prompt": ids, "max_tokens": MAX_TOKENS,
+                                                "temperature": 0, "ignore_eos": True,
+                                                "stop": stop}).json()
+    [choice] = data["choices"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["text"] == full[:full.index(stop)]
+    assert data["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_chat_equals_offline_greedy(client: httpx.Client, reference) -> None:  # noqa: ANN001
+    expected = reference.greedy(reference.chat_ids(MESSAGES), MAX_TOKENS, ignore_eos=True)
+    body = {"messages": MESSAGES, "max_completion_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    data = client.post("/v1/chat/completions", json=body).json()
+    assert data["object"] == "chat.completion"
+    [choice] = data["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected}
+    assert choice["finish_reason"] == "length"
+    assert data["usage"]["prompt_tokens"] == len(reference.chat_ids(MESSAGES))
+    assert data["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_chat_stream_equals_offline_greedy(client: httpx.Client, reference) -> None:  # noqa: ANN001
+    expected = reference.greedy(reference.chat_ids(MESSAGES), MAX_TOKENS, ignore_eos=True)
+    body = {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    events = stream_post(client, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert deltas[-1] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(d.get("content", "") for d in deltas) == expected
+
+
+async def test_32_concurrent_streams(aclient: httpx.AsyncClient, reference) -> None:  # noqa: ANN001
+    prompts = [f"Request number {i} asks the server for tokens" for i in range(32)]
+    max_tokens = 8
+
+    async def one(prompt: str) -> tuple[str, int, str]:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with aclient.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = sse_events([line async for line in resp.aiter_lines()])
+        assert events[-1] == "[DONE]"
+        chunks = events[:-2]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        return text, events[-2]["usage"]["completion_tokens"], chunks[0]["id"]
+
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    assert [count for _, count, _ in results] == [max_tokens] * 32
+    assert len({rid for _, _, rid in results}) == 32
+    # Chunks arrive in order: each stream's joined text is its own greedy continuation.
+    expected = [reference.greedy(p, max_tokens, ignore_eos=True) for p in prompts]
+    assert [text for text, _, _ in results] == expected
+
+
+async def test_disconnect_mid_stream_frees_kv_blocks(aclient: httpx.AsyncClient, serve_app) -> None:  # noqa: ANN001
+    assert await serve_app.wait_idle(), "replica busy before the test"
+    max_tokens = 1500  # >2 s at the engine's fastest: far longer than the test waits
+    body = {"prompt": [7] * 8, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with aclient.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        received = 0
+        async for line in resp.aiter_lines():
+            received += line.startswith("data: ")
+            if received == 3:  # measure while still reading: leaving the loop disconnects
+                busy = await serve_app.aload()
+                break
+    assert busy["num_running"] == 1 and busy["free_blocks"] < busy["total_blocks"], busy
+    left_at = time.monotonic()  # leaving the block closed the connection mid-stream
+    load = await serve_app.wait_idle(timeout_s=1.0)
+    assert load["num_running"] == 0 and load["num_waiting"] == 0
+    assert load["free_blocks"] == load["total_blocks"], load
+    assert time.monotonic() - left_at < 1.0  # aborted, not run to its 1500 tokens
+
+
+async def test_disconnect_while_waiting_for_a_whole_completion(serve_app) -> None:  # noqa: ANN001
+    assert await serve_app.wait_idle(), "replica busy before the test"
+    body = {"prompt": [7] * 8, "max_tokens": 1500, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=serve_app.base_url, timeout=0.5) as client:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            await client.post("/v1/completions", json=body)
+    load = await serve_app.wait_idle(timeout_s=1.0)
+    assert load["num_running"] == 0 and load["free_blocks"] == load["total_blocks"], load
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_client_mistake_never_breaks_the_next_request(client: httpx.Client, path: str) -> None:
+    bad = client.post(path, json={"prompt": "", "messages": [], "max_tokens": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    good = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post(path, json=good).status_code == 200

@@ -1,0 +1,166 @@
+"""The replica class without Ray: it streams an acknowledgement then deltas, refuses bad or
+overflowing requests as values (no traceback storms), frees KV blocks when its caller goes
+away, keeps serving after one request fails, and fails health checks when its loop is dead
+or wedged. (Covers replicas/deployment.py; it lives here beside the app that drives it.)"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from replicas import Engine, EngineConfig, RequestOutput
+from replicas.deployment import (InvalidRequestError, LLMServer, QueueFullError, ReplicaConfig,
+                                 RequestRejected, build_engine, free_memory_bytes)
+
+MODEL = "embedded:tiny"
+CAP = 64
+
+# One event loop for the module, like a replica's: an aborted stream's last delivery may land
+# after its test returns, and AsyncEngine's loop thread dies if that loop is already closed.
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+def make_server(engine_config: EngineConfig, **replica: object) -> LLMServer:
+    config = ReplicaConfig(MODEL, engine_config, **replica)  # type: ignore[arg-type]
+    return LLMServer(config, engine_factory=lambda: Engine.from_pretrained(MODEL, engine_config))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LLMServer]:
+    """One sequence slot, so a second request must wait in the queue."""
+    srv = make_server(EngineConfig(max_num_seqs=1, max_batch_total_tokens=1024), max_queued_tokens=CAP)
+    yield srv
+    srv.shutdown()
+
+
+async def drain(server: LLMServer, ids: list[int], params: dict, request_id: str) -> list:
+    return [item async for item in server.generate(ids, params, 0, request_id)]
+
+
+async def wait_idle(server: LLMServer, timeout_s: float = 2.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = server.load()
+        idle = (load["num_running"] == load["num_waiting"] == 0
+                and load["free_blocks"] == load["total_blocks"])
+        if idle or time.monotonic() > deadline:
+            return load
+        await asyncio.sleep(0.01)
+
+
+@module_loop
+async def test_ack_then_deltas_with_exact_counts(server: LLMServer) -> None:
+    items = await drain(server, [5] * 10, {"max_tokens": 7, "ignore_eos": True}, "counts")
+    ack, *deltas = items
+    assert isinstance(ack, RequestOutput) and ack.delta_token_ids == [] and not ack.finished
+    assert ack.num_prompt_tokens == 10
+    assert sum(len(d.delta_token_ids) for d in deltas) == 7
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 7
+    assert server.queued_tokens == 0
+
+
+@module_loop
+@pytest.mark.parametrize("ids,params,param,fragment", [
+    ([5], {"temperature": 9}, "temperature", "temperature"),
+    ([], {}, "prompt", "must not be empty"),
+    ([5] * 10, {"max_tokens": 3000}, "max_tokens", "maximum context length is 2048"),
+    ([5] * 10, {"max_tokens": 1500}, "max_tokens", "max_batch_total_tokens = 1024"),
+    ([5] * 10, {"max_tokens": 2000, "no_such_field": 1}, None, "no_such_field"),
+])
+async def test_refusals_are_yielded_as_the_only_item(server: LLMServer, ids: list[int], params: dict,
+                                                     param: str | None, fragment: str) -> None:
+    items = await drain(server, ids, params, "bad")
+    assert len(items) == 1 and isinstance(items[0], InvalidRequestError)
+    assert items[0].param == param and fragment in items[0].message
+    assert items[0].status_code == 400
+
+
+@module_loop
+async def test_queue_cap_refuses_with_retry_after(server: LLMServer) -> None:
+    running = server.generate([5] * 8, {"max_tokens": 1000, "ignore_eos": True}, 0, "long")
+    await anext(running)
+    await anext(running)  # a token: it holds the only slot
+    waiting = server.generate([5] * 40, {"max_tokens": 1}, 0, "waits")
+    assert isinstance(await anext(waiting), RequestOutput)  # acknowledged, queued
+    assert server.queued_tokens == 40 and server.load()["queued_tokens"] == 40
+    [refused] = await drain(server, [5] * 40, {"max_tokens": 1}, "refused")
+    assert isinstance(refused, QueueFullError) and refused.status_code == 429
+    assert 1 <= refused.retry_after_s <= 60
+    copy = pickle.loads(pickle.dumps(refused))  # it crosses Ray intact
+    assert (copy.message, copy.retry_after_s) == (refused.message, refused.retry_after_s)
+    await waiting.aclose()
+    await running.aclose()
+    load = await wait_idle(server)
+    assert load["free_blocks"] == load["total_blocks"] and server.queued_tokens == 0
+
+
+@module_loop
+async def test_closing_the_stream_aborts_and_frees_blocks(server: LLMServer) -> None:
+    stream = server.generate([5] * 30, {"max_tokens": 900, "ignore_eos": True}, 0, "gone")
+    for _ in range(4):
+        await anext(stream)
+    assert server.load()["free_blocks"] < server.load()["total_blocks"]
+    await stream.aclose()  # what Serve does when the caller cancels
+    load = await wait_idle(server, timeout_s=1.0)
+    assert load["num_running"] == 0 and load["free_blocks"] == load["total_blocks"]
+
+
+@module_loop
+async def test_one_failing_request_leaves_the_others_running(server: LLMServer) -> None:
+    first = asyncio.ensure_future(drain(server, [5] * 8, {"max_tokens": 30, "ignore_eos": True}, "dup"))
+    await asyncio.sleep(0.05)
+    [duplicate] = await drain(server, [5] * 8, {"max_tokens": 2}, "dup")
+    assert isinstance(duplicate, InvalidRequestError) and "already in use" in duplicate.message
+    [invalid] = await drain(server, [5] * 8, {"top_p": 0}, "other")
+    assert isinstance(invalid, InvalidRequestError) and invalid.param == "top_p"
+    items = await first
+    assert items[-1].finished and items[-1].num_output_tokens == 30
+    server.check_health()
+
+
+def test_reports(server: LLMServer) -> None:
+    info = server.model_info()
+    assert info["max_model_len"] == 2048 and info["max_batch_total_tokens"] == 1024
+    assert info["policy"] == "stall_free" and info["vocab_size"] == 2048
+    assert info["max_queued_tokens"] == CAP
+    load = server.load()
+    assert {"num_running", "num_waiting", "running_tokens", "waiting_tokens", "free_blocks",
+            "total_blocks", "kv_usage", "recent_tbt_s", "queued_tokens"} <= set(load)
+
+
+@module_loop
+async def test_health_fails_when_wedged_or_dead() -> None:
+    srv = make_server(EngineConfig(), wedge_timeout_s=0.2)
+    srv.check_health()
+    step = srv.engine.engine.step
+
+    def slow_step() -> list:
+        time.sleep(0.6)  # one iteration far past the wedge timeout
+        return step()
+
+    srv.engine.engine.step = slow_step  # type: ignore[method-assign]
+    stream = srv.generate([5] * 4, {"max_tokens": 2}, 0, "slow")
+    await anext(stream)
+    await asyncio.sleep(0.4)
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        srv.check_health()
+    [refused] = [item async for item in srv.generate([5], {}, 0, "while-wedged")]
+    assert isinstance(refused, RequestRejected) and refused.status_code == 503
+    await stream.aclose()
+    srv.shutdown()
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        srv.check_health()
+
+
+def test_kv_cache_sized_from_a_memory_fraction() -> None:
+    fraction = 1e-5
+    expected = free_memory_bytes("cpu") * fraction / (512 * 16)  # tiny: 512 KV bytes per token
+    engine = build_engine(ReplicaConfig(MODEL, EngineConfig(), kv_cache_memory_fraction=fraction))
+    assert 0.5 * expected <= engine.blocks.num_blocks <= 2 * expected
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        ReplicaConfig(MODEL, EngineConfig(), kv_cache_memory_fraction=1.5)

@@ -1,0 +1,58 @@
+"""The replica's waiting queue is bounded by tokens: past `max_queued_tokens` a request gets
+429 with Retry-After instead of queueing, while an empty queue still takes any valid prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+CAP = 64  # max_queued_tokens of the app below
+QUEUE_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-queue", "max_num_seqs": 1,
+                  "max_queued_tokens": CAP, "num_cpus": 1, "ingress_num_cpus": 0.1}
+
+
+@pytest.fixture(scope="module")
+def queue_app_url(ray_serve) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py RayServe
+    """A second app on the session's Serve: one sequence at a time, so others must wait."""
+    from ray import serve
+
+    from app.builder import build_app
+
+    serve.run(build_app(QUEUE_APP_ARGS), name="queuecap", route_prefix="/queuecap")
+    try:
+        yield ray_serve.url("/queuecap")
+    finally:
+        serve.delete("queuecap")
+
+
+async def test_queue_cap_answers_429_with_retry_after(queue_app_url: str) -> None:
+    long = {"prompt": [5] * 8, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    waiting = {"prompt": [5] * 40, "max_tokens": 1, "stream": True}
+    async with httpx.AsyncClient(base_url=queue_app_url, timeout=60) as client:
+        async with client.stream("POST", "/v1/completions", json=long) as running:
+            assert running.status_code == 200
+            lines = running.aiter_lines()  # held, not left: leaving it would disconnect
+            while not (await anext(lines)).startswith("data: "):
+                pass  # wait for its first token: it runs, and holds the only sequence slot
+            async with client.stream("POST", "/v1/completions", json=waiting) as queued:
+                assert queued.status_code == 200  # acknowledged: 40 tokens now wait
+                refused = await client.post("/v1/completions", json={"prompt": [5] * 40})
+        assert refused.status_code == 429
+        assert int(refused.headers["Retry-After"]) >= 1
+        error = refused.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+        assert f"cap of {CAP}" in error["message"] and "40" in error["message"]
+        # Both streams were closed: the queue drains and requests are admitted again.
+        ok = await client.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+async def test_empty_queue_admits_a_prompt_longer_than_the_cap(queue_app_url: str) -> None:
+    async with httpx.AsyncClient(base_url=queue_app_url, timeout=60) as client:
+        resp = await client.post("/v1/completions", json={"prompt": [5] * (CAP * 3), "max_tokens": 2,
+                                                          "ignore_eos": True})
+        assert resp.status_code == 200
+        assert resp.json()["usage"] == {"prompt_tokens": CAP * 3, "completion_tokens": 2,
+                                        "total_tokens": CAP * 3 + 2}

@@ -1,0 +1,119 @@
+"""A replica reports at most every interval (sooner on a big token-load jump), carries every TBT
+sample that is new since its last report exactly once, and never raises when sending fails."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from autoscale.reporter import LoadReporter, new_tbt_samples
+
+
+@dataclass
+class FakeLoad:
+    running_tokens: int = 0
+    waiting_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    free_blocks: int = 100
+    total_blocks: int = 100
+    block_size: int = 16
+    kv_usage: float = 0.0
+    recent_tbt_s: list[float] = field(default_factory=list)
+    num_tbt_samples: int = 0
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def __call__(self, replica_id: str, payload: dict[str, Any]) -> None:
+        self.sent.append((replica_id, payload))
+
+
+def reporter(sink: Sink, **kw: Any) -> LoadReporter:
+    return LoadReporter("r1", send=sink, interval_s=0.1, min_interval_s=0.02, change_tokens=256,
+                        change_fraction=0.25, clock=lambda: 0.0, **kw)
+
+
+def test_new_tbt_samples_finds_the_overlap():
+    assert new_tbt_samples(0, 2, [1.0, 2.0]) == [1.0, 2.0]
+    assert new_tbt_samples(2, 2, [1.0, 2.0]) == []
+    assert new_tbt_samples(2, 3, [1.0, 2.0, 3.0]) == [3.0]
+    assert new_tbt_samples(3, 5, [2.0, 3.0, 4.0, 5.0]) == [4.0, 5.0]  # a capped tail slid
+    assert new_tbt_samples(2, 9, [7.0, 8.0]) == [7.0, 8.0]  # more than the tail arrived
+    assert new_tbt_samples(3, 5, [0.5] * 6) == [0.5, 0.5]  # repeated values are no problem
+
+
+def test_throttles_to_the_interval():
+    sink = Sink()
+    rep = reporter(sink)
+    sent = [rep.maybe_report(FakeLoad(running_tokens=100), now=t / 1000) for t in range(0, 1000, 10)]
+    assert sum(sent) == 10  # every 100 ms over one second of 10 ms polls
+    assert [round(p["timestamp"], 2) for _, p in sink.sent[:3]] == [0.0, 0.1, 0.2]
+
+
+def test_big_change_reports_early_but_not_within_min_interval():
+    sink = Sink()
+    rep = reporter(sink)
+    assert rep.maybe_report(FakeLoad(running_tokens=100), now=0.0)
+    assert not rep.maybe_report(FakeLoad(running_tokens=5000), now=0.01)  # within 20 ms
+    assert rep.maybe_report(FakeLoad(running_tokens=5000), now=0.03)  # jump: early
+    assert not rep.maybe_report(FakeLoad(running_tokens=5100), now=0.06)  # small change: wait
+    assert rep.maybe_report(FakeLoad(running_tokens=5100), now=0.13)
+    assert [p["running_tokens"] for _, p in sink.sent] == [100, 5000, 5100]
+
+
+def test_every_new_tbt_sample_is_sent_once():
+    sink = Sink()
+    rep = reporter(sink)
+    tail: list[float] = []
+    produced: list[float] = []
+    for step in range(100):  # 10 ms polls, 3 new samples each, engine keeps the last 8
+        new = [step + 0.1, step + 0.2, step + 0.3]
+        produced += new
+        tail = (tail + new)[-8:]
+        rep.maybe_report(FakeLoad(running_tokens=10, recent_tbt_s=list(tail), num_tbt_samples=len(produced)),
+                         now=step / 100)
+    sent = [x for _, p in sink.sent for x in p["tbt_samples"]]
+    last_sent_at = round(sink.sent[-1][1]["timestamp"] * 100)
+    assert sent == produced[: 3 * (last_sent_at + 1)]
+
+
+def test_iteration_stats_are_summarised_per_report():
+    sink = Sink()
+    rep = reporter(sink)
+    its = [SimpleNamespace(start=float(i), duration=0.01 * (i + 1)) for i in range(4)]
+    rep.maybe_report(FakeLoad(), now=0.0, iterations=its[:2])
+    rep.maybe_report(FakeLoad(), now=0.2, iterations=its)
+    first, second = (p for _, p in sink.sent)
+    assert first["iterations"] == 2 and abs(first["iteration_max_s"] - 0.02) < 1e-9
+    assert second["iterations"] == 2 and abs(second["iteration_mean_s"] - 0.035) < 1e-9
+
+
+def test_send_failure_never_raises():
+    def broken(replica_id: str, payload: dict[str, Any]) -> None:
+        raise ConnectionError("controller gone")
+
+    rep = LoadReporter("r1", send=broken, clock=lambda: 0.0)
+    assert rep.maybe_report(FakeLoad(), now=0.0)
+    assert rep.num_failed == 1 and rep.num_sent == 0
+
+
+def test_autoscaling_stats_from_the_local_window():
+    sink = Sink()
+    rep = LoadReporter("r1", send=sink, tbt_window_s=10.0, clock=lambda: 0.0)
+    rep.maybe_report(FakeLoad(running_tokens=40, waiting_tokens=7,
+                              recent_tbt_s=[0.01 * i for i in range(1, 101)], num_tbt_samples=100), now=1.0)
+    stats = rep.autoscaling_stats(now=2.0)
+    assert stats["num_tbt_samples"] == 100 and abs(stats["tbt_p99_s"] - 0.99) < 1e-9
+    assert (stats["running_tokens"], stats["waiting_tokens"]) == (40.0, 7.0)
+    assert rep.autoscaling_stats(now=20.0)["num_tbt_samples"] == 0
+
+
+def test_outside_a_serve_replica_the_reporter_stays_idle():
+    sink = Sink()
+    rep = LoadReporter(send=sink, clock=lambda: 0.0)  # no replica id, no Serve replica context
+    assert not rep.maybe_report(FakeLoad(running_tokens=5), now=0.0)
+    assert rep.replica_id is None and sink.sent == []

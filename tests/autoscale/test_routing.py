@@ -1,0 +1,99 @@
+"""A request goes to the replica with the least predicted token load after adding it, counting
+tokens routed but not yet reported, never to a replica without KV room while another has it;
+equal replicas share a burst exactly evenly."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from autoscale.load import ReplicaLoad
+from autoscale.routing import (RequestCost, choose_replica, kv_headroom, power_of_two, request_cost,
+                               round_robin)
+
+
+def load(rid: str, running: int = 0, waiting: int = 0, free_blocks: int = 1000, total: int = 1000,
+         block: int = 16) -> ReplicaLoad:
+    return ReplicaLoad(rid, running_tokens=running, waiting_tokens=waiting, free_blocks=free_blocks,
+                       total_blocks=total, block_size=block)
+
+
+def test_least_loaded_first():
+    loads = {"a": load("a", running=900), "b": load("b", running=100, waiting=200), "c": load("c", running=500)}
+    assert choose_replica(10, 10, loads, {}, rng=random.Random(0)) == ["b", "c", "a"]
+
+
+def test_in_flight_tokens_change_the_choice():
+    loads = {"a": load("a", running=100), "b": load("b", running=300)}
+    # 400 tokens routed to a and not yet reported make a the busier one: 500 vs 300.
+    assert choose_replica(10, 10, loads, {"a": 400}, rng=random.Random(0))[0] == "b"
+    assert choose_replica(10, 10, loads, {"a": 150}, rng=random.Random(0))[0] == "a"
+
+
+def test_kv_headroom_excludes_a_full_replica_when_another_fits():
+    # a is idle in tokens but its free KV (2 blocks * 16 = 32 tokens) cannot hold 100.
+    loads = {"a": load("a", free_blocks=2), "b": load("b", running=5000, free_blocks=500)}
+    assert choose_replica(60, 100, loads, {}, rng=random.Random(0)) == ["b", "a"]
+    # Waiting prompts and unreported in-flight requests use headroom too.
+    loads = {"a": load("a", waiting=7950, free_blocks=500), "b": load("b", running=9000, free_blocks=500)}
+    assert kv_headroom(loads["a"]) == 50
+    assert choose_replica(60, 100, loads, {}, rng=random.Random(0))[0] == "b"
+    assert choose_replica(60, 100, {"b": loads["b"]}, {"b": 10}, in_flight_kv={"b": 7950},
+                          candidates=["b", "c"], rng=random.Random(0))[0] == "c"
+
+
+def test_when_nothing_fits_still_ranks_everyone_by_load():
+    loads = {"a": load("a", running=50, free_blocks=1), "b": load("b", running=10, free_blocks=1)}
+    assert choose_replica(10, 10_000, loads, {}, rng=random.Random(0)) == ["b", "a"]
+
+
+def test_missing_report_counts_as_empty():
+    loads = {"a": load("a", running=10)}
+    assert choose_replica(5, 5, loads, {}, candidates=["a", "new"], rng=random.Random(0)) == ["new", "a"]
+    # Its in-flight tokens still count (the local view when no report exists).
+    assert choose_replica(5, 5, loads, {"new": 20}, candidates=["a", "new"], rng=random.Random(0))[0] == "a"
+
+
+def test_burst_of_equal_requests_spreads_exactly_evenly():
+    replicas = ["r0", "r1", "r2", "r3"]
+    loads = {r: load(r) for r in replicas}
+    in_flight: Counter[str] = Counter()
+    rng = random.Random(7)
+    for _ in range(100):
+        best = choose_replica(64, 128, loads, in_flight, rng=rng)[0]
+        in_flight[best] += 64
+    assert {r: n // 64 for r, n in in_flight.items()} == {r: 25 for r in replicas}
+
+
+def test_ties_are_broken_fairly():
+    loads = {r: load(r, running=100) for r in "abcd"}
+    firsts = Counter(choose_replica(1, 1, loads, {}, rng=random.Random(i))[0] for i in range(4000))
+    assert set(firsts) == set("abcd")
+    assert all(800 < n < 1200 for n in firsts.values()), firsts
+
+
+def test_request_cost_from_call_shapes():
+    ids = list(range(40))
+    assert request_cost([ids, {"max_tokens": 20}], {}) == RequestCost(40, 60)
+    assert request_cost([], {"prompt_token_ids": ids, "params": {"max_tokens": 5}}) == RequestCost(40, 45)
+
+    class Params:
+        max_tokens = 7
+
+    assert request_cost([ids], {"sampling_params": Params()}) == RequestCost(40, 47)
+    assert request_cost(["x" * 40], {}, default_max_tokens=16) == RequestCost(10, 26)
+    assert request_cost([], {}) == RequestCost(0, 0)  # model_info(), check_health()
+    assert request_cost([ids, {"max_tokens": "many"}], {}) == RequestCost(40, 40)
+
+
+def test_power_of_two_and_round_robin():
+    rng = random.Random(3)
+    picks = Counter()
+    for _ in range(2000):
+        pair = power_of_two(["a", "b", "c"], {"a": 9, "b": 0, "c": 5}, rng)
+        assert len(pair) == 2 and pair[0] != pair[1]
+        picks[pair[0]] += 1
+    assert picks["a"] == 0 and picks["b"] > picks["c"] > 0  # a only wins against nothing
+    assert power_of_two(["x"], {}, rng) == ["x"]
+    assert [round_robin(["a", "b", "c"], t)[0] for t in range(5)] == ["a", "b", "c", "a", "b"]
+    assert round_robin([], 3) == []
