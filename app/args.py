@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from autoscale.scaling import ScalingConfig
 from replicas.config import EngineConfig
 from replicas.deployment import ReplicaConfig
 from replicas.models import DEFAULT_MODEL
@@ -55,6 +56,21 @@ class AppArgs(BaseModel):
     wedge_timeout_s: float = Field(60.0, gt=0, description="one iteration longer than this "
                                    "fails the health check")
 
+    # ---- routing and autoscaling (autoscale/) --------------------------------------------
+    router: Literal["token_load", "power_of_two"] = Field(
+        "token_load", description="token_load: least predicted token load with KV headroom; "
+        "power_of_two: Serve's default, for comparison")
+    autoscale_by: Literal["tbt_slo", "ongoing_requests"] = Field(
+        "tbt_slo", description="with max_replicas: scale against tbt_slo_ms (needs it), or "
+        "Serve's default request-count policy")
+    scaling_window_s: float = Field(30.0, gt=0, description="TBT p99 sliding window")
+    downscale_margin: float = Field(0.7, gt=0, le=1, description="scale down only when the "
+                                    "remaining replicas keep p99 TBT under SLO * margin")
+    upscale_cooldown_s: float = Field(5.0, ge=0)
+    downscale_cooldown_s: float = Field(30.0, ge=0)
+    controller_name: str = Field("stallfree_controller", min_length=1)
+    controller_namespace: str = Field("stallfree", min_length=1)
+
     # ---- Serve deployment --------------------------------------------------------------
     num_replicas: int = Field(1, ge=1)
     min_replicas: int | None = Field(None, ge=0)
@@ -76,6 +92,8 @@ class AppArgs(BaseModel):
             raise ValueError("min_replicas needs max_replicas (autoscaling) as well")
         if self.max_replicas is not None and (self.min_replicas or 0) > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.max_replicas is not None and self.autoscale_by == "tbt_slo":
+            self.scaling_config()  # ScalingConfig's ValueError names the field
         if self.resolved_device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError("device is cuda but num_gpus is 0: give each replica a GPU")
         return self
@@ -106,6 +124,18 @@ class AppArgs(BaseModel):
             num_threads=self.resolved_torch_threads, trust_remote_code=self.trust_remote_code,
             seed=self.seed)
 
+    def scaling_config(self) -> ScalingConfig:
+        """The TBT-SLO autoscaling decision's parameters (autoscale.scaling)."""
+        if self.tbt_slo_ms is None:
+            raise ValueError("autoscale_by: tbt_slo needs tbt_slo_ms")
+        return ScalingConfig(
+            tbt_slo_s=self.tbt_slo_ms / 1000, window_s=self.scaling_window_s,
+            min_replicas=self.min_replicas if self.min_replicas is not None else 1,
+            max_replicas=self.max_replicas or 1, downscale_margin=self.downscale_margin,
+            upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,
+            queued_tokens_per_replica=self.max_queued_tokens // 2)
+
     def replica_config(self) -> ReplicaConfig:
         return ReplicaConfig(self.model, self.engine_config(), self.max_queued_tokens,
-                             self.wedge_timeout_s, self.tbt_slo_ms, self.kv_cache_memory_fraction)
+                             self.wedge_timeout_s, self.tbt_slo_ms, self.kv_cache_memory_fraction,
+                             self.controller_name, self.controller_namespace)

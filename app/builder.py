@@ -14,6 +14,7 @@ from ray.serve import Application
 
 from app.args import AppArgs
 from app.ingress import OpenAIIngress
+from autoscale.serve_options import deployment_options, graceful_shutdown_timeout
 from replicas.deployment import LLMServer
 
 LLM_DEPLOYMENT = "LLMServer"
@@ -30,14 +31,24 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
     }
-    if args.max_replicas is not None:
+    scaling = None
+    if args.max_replicas is not None and args.autoscale_by == "tbt_slo":
+        scaling = args.scaling_config()
+    elif args.max_replicas is not None:
         options["autoscaling_config"] = {
             "min_replicas": args.min_replicas if args.min_replicas is not None else 1,
             "max_replicas": args.max_replicas,
             "target_ongoing_requests": args.target_ongoing_requests,
         }
-    else:
+    if args.max_replicas is None:
         options["num_replicas"] = args.num_replicas
+    # A replica chosen to go away finishes its streams: the longest generation at twice the SLO
+    # (or 100 ms a token without one).
+    tbt_s = (args.tbt_slo_ms or 100.0) / 1000
+    max_len = args.max_model_len or 4096
+    options.update(deployment_options(
+        args.router, scaling, graceful_shutdown_timeout_s=graceful_shutdown_timeout(max_len, tbt_s),
+        controller_name=args.controller_name, namespace=args.controller_namespace))
     return options
 
 

@@ -26,9 +26,12 @@ from typing import Any
 
 import torch
 
+from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
+from autoscale.reporter import LoadReporter
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import Engine, RequestOutput
+from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
 from replicas.request import SamplingParams
 
@@ -89,6 +92,9 @@ class ReplicaConfig:
     # KV cache = this fraction of the memory free once the weights are loaded (device memory
     # on a GPU, available RAM on CPU); replaces engine.kv_cache_memory_bytes when set.
     kv_cache_memory_fraction: float | None = None
+    # The controller actor this replica reports its load to (routing and autoscaling).
+    controller_name: str = DEFAULT_CONTROLLER_NAME
+    controller_namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queued_tokens, int) or self.max_queued_tokens <= 0:
@@ -133,10 +139,22 @@ def param_of(message: str) -> str | None:
 class LLMServer:
     """One engine replica. Wrap with `serve.deployment` to host it on Ray Serve."""
 
-    def __init__(self, config: ReplicaConfig, engine_factory: EngineFactory | None = None) -> None:
+    def __init__(self, config: ReplicaConfig, engine_factory: EngineFactory | None = None,
+                 metrics_backend: Backend | None = None) -> None:
         self.config = config
         factory = engine_factory or functools.partial(build_engine, config)
-        self.engine = AsyncEngine(factory(), wedge_timeout_s=config.wedge_timeout_s)
+        engine = factory()
+        in_serve = _in_serve_replica()
+        backend = metrics_backend or (RayBackend() if in_serve else None)
+        if backend is not None:
+            slo = config.tbt_slo_ms / 1000 if config.tbt_slo_ms else None
+            engine.observers.append(EngineMetrics(backend, config.model, slo))
+        self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s)
+        # Load reports to the controller at iteration granularity (idle outside Serve).
+        self.reporter = LoadReporter(controller_name=config.controller_name,
+                                     namespace=config.controller_namespace)
+        if in_serve:
+            self.reporter.start(self.load, lambda: self.engine.engine.iterations)
         # Prompt tokens of accepted requests that have not produced a token yet. Kept here,
         # not read from the loop's snapshot, because the snapshot lags intake by an iteration.
         self._queued: dict[str, int] = {}
@@ -244,6 +262,10 @@ class LLMServer:
         report["num_queued"] = len(self._queued)
         return report
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling metrics hook: TBT percentiles and token load of this replica."""
+        return self.reporter.autoscaling_stats()
+
     def check_health(self) -> None:
         """Serve's health probe: raises when the engine loop died or one step is wedged."""
         if not self.engine.is_healthy():
@@ -251,11 +273,23 @@ class LLMServer:
             raise RuntimeError(f"engine unhealthy: {reason}")
 
     def shutdown(self) -> None:
-        """Stop the engine loop thread."""
+        """Stop load reports and the engine loop thread."""
+        self.reporter.stop()
         self.engine.shutdown()
 
     def __del__(self) -> None:  # Serve calls this on graceful replica shutdown
+        if getattr(self, "reporter", None) is not None:
+            self.reporter.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _in_serve_replica() -> bool:
+    try:
+        from ray import serve
+        serve.get_replica_context()
+        return True
+    except Exception:  # not inside a Serve replica (tests, scripts)
+        return False
 

@@ -53,8 +53,18 @@ def test_builder_options() -> None:
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0.5}
     assert fixed["max_ongoing_requests"] >= 100
-    scaled = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=4))
-    assert scaled["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in scaled
+    assert fixed["request_router_config"].request_router_class.endswith("TokenLoadRouter")
+    assert fixed["graceful_shutdown_timeout_s"] >= 60
+    counted = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=4, autoscale_by="ongoing_requests"))
+    assert counted["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in counted
+    slo = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=3, tbt_slo_ms=80))
+    policy = slo["autoscaling_config"].policy
+    assert slo["autoscaling_config"].max_replicas == 3 and "num_replicas" not in slo
+    assert policy.policy_kwargs["tbt_slo_s"] == 0.08
+    with pytest.raises(ValidationError, match="tbt_slo_ms"):
+        AppArgs(min_replicas=1, max_replicas=4)  # scaling against the SLO needs the SLO
+    p2 = llm_deployment_options(AppArgs(router="power_of_two"))
+    assert p2["request_router_config"].request_router_class != fixed["request_router_config"].request_router_class
     assert isinstance(build_app({}), Application)
     assert isinstance(build_app(AppArgs()), Application)
 
