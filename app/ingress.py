@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.args import AppArgs
 from app.errors import OpenAIError, from_exception, install_handlers
-from app.middleware import BodyLimitMiddleware
+from app.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
 from app.streaming import (DONE, Collected, StreamMeta, chat_events, chat_response, collect,
@@ -43,6 +43,7 @@ HEALTH_TIMEOUT_S = 10.0
 api = FastAPI(title="stallfree-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 install_handlers(api)
 api.add_middleware(BodyLimitMiddleware)
+api.add_middleware(StatusCountMiddleware)  # added last: outermost
 
 
 def load_tokenizer(model: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

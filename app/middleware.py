@@ -83,3 +83,39 @@ async def _refuse(send: Send, limit: int) -> None:
                           (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 413, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class StatusCountMiddleware:
+    """Count responses by route and status code (`stallfree_http_responses_total`).
+
+    Outermost, so refusals made by other middleware (413) are counted too. The Ray counter is
+    made on first use, inside the Serve replica, never at import time.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._counter: Any = None
+
+    def _count(self, path: str, status: int) -> None:
+        if self._counter is None:
+            try:
+                from replicas.metrics import PREFIX, RayBackend
+                self._counter = RayBackend().counter(
+                    PREFIX + "http_responses_total", "HTTP responses by route and status code.",
+                    ("route", "status_code"))
+            except Exception:  # no Ray here (unit tests): count nothing
+                self._counter = False
+        if self._counter:
+            self._counter.record(1, {"route": path, "status_code": str(status)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self._count(scope.get("path", ""), int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -27,6 +27,7 @@ TEST_APP_ARGS: dict[str, Any] = {
     "max_batch_total_tokens": 1536,  # below the 2048 context: the KV limit is reachable
     "max_num_seqs": 64,
     "max_queued_tokens": 16_384,
+    "tbt_slo_ms": 5_000,  # metrics count tokens within it; no autoscaling (no max_replicas)
     "num_cpus": 1,
     "ingress_num_cpus": 0.1,
     "max_body_bytes": 64 * 1024,
@@ -46,6 +47,7 @@ class RayServe:
     """A running Ray + Serve instance; applications are added with `serve.run`."""
 
     http_port: int
+    metrics_port: int  # Ray's Prometheus export port (ray_-prefixed metrics of every process)
 
     def url(self, route_prefix: str = "") -> str:
         return f"http://127.0.0.1:{self.http_port}{route_prefix}"
@@ -89,12 +91,14 @@ def ray_serve() -> Iterator[RayServe]:
     from ray import serve
 
     # address="local": always a fresh instance, never a cluster some `ray start` left running.
+    metrics_port = free_port()
     ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False,
-             configure_logging=False)
+             configure_logging=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        yield RayServe(port)
+        yield RayServe(port, metrics_port)
     finally:
         serve.shutdown()
         ray.shutdown()
