@@ -99,12 +99,35 @@ class TbtSloPolicy:
         desired, state = decide_replicas(snapshot, ctx.current_num_replicas, state, now, cfg,
                                          target=ctx.target_num_replicas)
         self.last_reason = state.reason
+        self._export(ctx.current_num_replicas, desired, snapshot)
         if desired != ctx.target_num_replicas:
             logger.info("tbt_slo policy: %d -> %d replicas (%s; p99=%s, samples=%d, waiting=%d)",
                         ctx.target_num_replicas, desired, state.reason, snapshot.tbt_p99_s,
                         snapshot.num_tbt_samples, snapshot.waiting_tokens)
         state_dict[STATE_KEY] = state.to_dict()
         return desired, state_dict
+
+    def _export(self, current: int, desired: int, snapshot: ClusterSnapshot) -> None:
+        """Gauges of the scaling view (Ray metrics; silently off where Ray has none)."""
+        if getattr(self, "_gauges", None) is None:
+            try:
+                from replicas.metrics import PREFIX, RayBackend
+                g = RayBackend().gauge
+                self._gauges = {k: g(PREFIX + k, doc, ()) for k, doc in (
+                    ("current_replicas", "Engine replicas running now."),
+                    ("desired_replicas", "Engine replicas the TBT-SLO policy asks for."),
+                    ("cluster_tbt_p99_seconds", "p99 TBT over the scaling window, all replicas."),
+                    ("cluster_slo_attainment", "Fraction of TBT samples within the SLO (window)."))}
+            except Exception:
+                self._gauges = {}
+        values = {"current_replicas": current, "desired_replicas": desired,
+                  "cluster_tbt_p99_seconds": snapshot.tbt_p99_s, "cluster_slo_attainment": snapshot.slo_attainment}
+        for key, gauge in self._gauges.items():
+            if values[key] is not None:
+                try:
+                    gauge.record(float(values[key]), {})
+                except Exception:
+                    pass
 
     @staticmethod
     def _metrics(ctx: Any) -> Mapping[str, Mapping[Any, float]] | None:
