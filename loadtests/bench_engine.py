@@ -1,0 +1,445 @@
+"""Engine benchmark: HF baselines and the three scheduling policies, side by side in one run.
+
+    python -m loadtests.bench_engine [--quick] [--json PATH] [--model embedded:mid]
+
+Two fixed-seed workloads (see loadtests/workloads.py):
+- chat: mixed heavy-tailed prompt/output lengths, all requests at t=0 (offline throughput);
+- long_prompt: short requests decoding while long prompts arrive (wall-clock arrivals).
+
+Systems: HF `generate` on static left-padded batches of 16 (arrival order); transformers'
+own continuous batching (the manager behind `generate_batch`, fed per-request lengths);
+and this engine under `static`, `dynamic` and `stall_free`. Every system gets the same KV
+capacity: what 16 padded sequences of the workload's longest request hold.
+
+Metrics per system: output tokens/s = output tokens / (last token - first arrival);
+TTFT = first token - arrival; TBT = gaps between a request's consecutive tokens, pooled.
+This machine is shared and noisy: compare ratios measured in one run, not absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import transformers
+from tqdm import tqdm
+
+from loadtests.workloads import (LengthDist, Workload, WorkloadRequest, chat_workload,
+                                 long_prompt_workload)
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.models import load_model
+
+HF_BATCH = 16  # static padded batch size of the HF `generate` baseline
+ENGINE_POLICIES = ("static", "dynamic", "stall_free")
+
+
+@dataclass
+class Trace:
+    """When one request arrived and when each of its output tokens appeared (perf_counter)."""
+
+    request_id: str
+    kind: str
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str  # table label
+    kind: str  # "hf_static" | "hf_cb" | "engine"
+    policy: str | None = None
+    mbp: int | None = None  # engine: max_batch_prefill_tokens; hf_cb: max_batch_tokens
+
+
+# ---- metrics ----------------------------------------------------------------------------
+
+
+def summarize(traces: list[Trace]) -> dict:
+    """Throughput and latency percentiles over all requests of one run."""
+    first = min(t.arrival for t in traces)
+    last = max(t.token_times[-1] for t in traces if t.token_times)
+    out = sum(len(t.token_times) for t in traces)
+    ttft = np.array([t.token_times[0] - t.arrival for t in traces if t.token_times])
+    tbt = np.concatenate([np.diff(t.token_times) for t in traces] + [np.zeros(0)])
+    pct = lambda a, q: float(np.percentile(a, q)) if a.size else float("nan")  # noqa: E731
+    row = {"output_tokens": out, "elapsed_s": last - first, "output_tok_s": out / (last - first),
+           "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+           "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99),
+           "tbt_max_s": float(tbt.max()) if tbt.size else float("nan")}
+    for kind in sorted({t.kind for t in traces}):
+        sub = [t.token_times[0] - t.arrival for t in traces if t.kind == kind and t.token_times]
+        row[f"ttft_p50_{kind}_s"] = float(np.median(sub)) if sub else float("nan")
+    return row
+
+
+# ---- systems ----------------------------------------------------------------------------
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(engine: Engine, workload: Workload, desc: str) -> list[Trace]:
+    """Drive `engine.step()`, adding each request when its arrival offset has passed."""
+    pending = deque(sorted(workload.requests, key=lambda r: r.arrival_s))
+    added: list[tuple[WorkloadRequest, object]] = []
+    bar = tqdm(total=sum(workload.output_lens), desc=desc, unit="tok", leave=False)
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter()
+        while pending and t0 + pending[0].arrival_s <= now:
+            w = pending.popleft()
+            req = engine.add_request(w.prompt_token_ids, _greedy(w.max_tokens),
+                                     request_id=w.request_id, arrival_time=t0 + w.arrival_s)
+            added.append((w, req))
+        if engine.has_unfinished():
+            bar.update(sum(len(d.delta_token_ids) for d in engine.step()))
+        else:
+            time.sleep(max(0.0, min(0.005, t0 + pending[0].arrival_s - now)))
+    bar.close()
+    return [Trace(w.request_id, w.kind, r.arrival_time, list(r.token_times)) for w, r in added]
+
+
+class _StepClock(transformers.LogitsProcessor):
+    """Stamps each decoding step: called once per step, just before the step's tokens are picked."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_hf_static(model, pad_id: int, workload: Workload, desc: str) -> list[Trace]:
+    """HF `generate` on left-padded batches of HF_BATCH in arrival order; each batch runs to
+    its longest member's length (min_new_tokens forces it past EOS)."""
+    reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
+    traces: list[Trace] = []
+    bar = tqdm(total=sum(workload.output_lens), desc=desc, unit="tok", leave=False)
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), HF_BATCH):
+        batch = reqs[i:i + HF_BATCH]
+        time.sleep(max(0.0, t0 + batch[-1].arrival_s - time.perf_counter()))  # batch is complete
+        width = max(r.prompt_len for r in batch)
+        ids = torch.tensor([[pad_id] * (width - r.prompt_len) + r.prompt_token_ids for r in batch])
+        mask = torch.tensor([[0] * (width - r.prompt_len) + [1] * r.prompt_len for r in batch])
+        n = max(r.max_tokens for r in batch)
+        clock = _StepClock()
+        config = transformers.GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                               pad_token_id=pad_id)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                 logits_processor=transformers.LogitsProcessorList([clock]))
+        assert out.shape[1] == width + n and len(clock.times) == n, "HF generate stopped early"
+        for r in batch:  # a request's tokens are those up to its own max_tokens
+            traces.append(Trace(r.request_id, r.kind, t0 + r.arrival_s, clock.times[:r.max_tokens]))
+        bar.update(sum(r.max_tokens for r in batch))
+    bar.close()
+    return traces
+
+
+def run_hf_cb(model, pad_id: int, workload: Workload, kv_tokens: int, max_batch_tokens: int,
+              max_seqs: int, desc: str) -> tuple[list[Trace], dict]:
+    """transformers' continuous batching manager (what `generate_batch` wraps), fed each
+    request at its arrival with its own max_new_tokens; EOS disabled (eos_token_id=-1)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = 256  # transformers' default page size
+    cb_config = ContinuousBatchingConfig(
+        page_size=page, num_blocks=max(1, kv_tokens // page), max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_seqs, allow_block_sharing=False)  # random prompts share nothing
+    gen_config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens),
+                                               eos_token_id=-1, pad_token_id=pad_id)
+    manager = model.init_continuous_batching(generation_config=gen_config,
+                                             continuous_batching_config=cb_config)
+    manager.start()
+    try:
+        _cb_collect(manager, [WorkloadRequest("warmup", [5, 6, 7, 8], 3)], time.perf_counter())
+        pending = sorted(workload.requests, key=lambda r: r.arrival_s)
+        bar = tqdm(total=len(pending), desc=desc, unit="req", leave=False)
+        t0 = time.perf_counter()
+        results = _cb_collect(manager, pending, t0, bar)
+        bar.close()
+    finally:
+        manager.stop(block=True, timeout=10)
+        manager.destroy()
+    info = {"attn_implementation": model.config._attn_implementation, "page_size": page,
+            "num_blocks": cb_config.num_blocks, "max_batch_tokens": max_batch_tokens,
+            "max_requests_per_batch": max_seqs, "allow_block_sharing": False}
+    traces = []
+    for r in workload.requests:
+        res = results[r.request_id]
+        if res.error is not None or len(res.generated_tokens) != r.max_tokens:
+            raise RuntimeError(f"{r.request_id}: error={res.error!r}, "
+                               f"{len(res.generated_tokens)}/{r.max_tokens} tokens")
+        traces.append(Trace(r.request_id, r.kind, t0 + r.arrival_s, list(res.timestamps)))
+    return traces, info
+
+
+def _cb_collect(manager, reqs: list[WorkloadRequest], t0: float, bar: tqdm | None = None) -> dict:
+    """Submit each request once its arrival offset has passed; wait for all results."""
+    pending, results = deque(reqs), {}
+    while len(results) < len(reqs):
+        now = time.perf_counter()
+        while pending and t0 + pending[0].arrival_s <= now:
+            r = pending.popleft()
+            manager.add_request(r.prompt_token_ids, request_id=r.request_id,
+                                max_new_tokens=r.max_tokens, record_timestamps=True, eos_token_id=-1)
+        wait = max(0.001, t0 + pending[0].arrival_s - now) if pending else 1.0
+        res = manager.get_result(timeout=wait)
+        if res is not None and res.is_finished():
+            results[res.request_id] = res
+            if bar is not None:
+                bar.update(1)
+        elif res is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching loop stopped")
+    return results
+
+
+# ---- the plan ---------------------------------------------------------------------------
+
+
+def build_workloads(vocab_size: int, avoid_ids: list[int], quick: bool, seed: int,
+                    chat_requests: int | None = None, long_shorts: int | None = None) -> list[Workload]:
+    """The chat (mixed) and long_prompt workloads; `quick` shrinks both to a short run."""
+    if quick:
+        chat = chat_workload(
+            chat_requests or 32, vocab_size, seed, avoid_ids=avoid_ids,
+            prompt=LengthDist("lognormal", 96, 8, 384, sigma=0.9),
+            output=LengthDist("lognormal", 32, 4, 128, sigma=0.9))
+        long = long_prompt_workload(
+            vocab_size, seed, num_short=long_shorts or 12, avoid_ids=avoid_ids, num_long=2,
+            short_output=LengthDist("lognormal", 64, 48, 96, sigma=0.15),
+            long_prompt=LengthDist("uniform", 1100, 1000, 1200), first_long_s=0.3,
+            long_interval_s=0.8)
+    else:
+        chat = chat_workload(chat_requests or 96, vocab_size, seed, avoid_ids=avoid_ids)
+        long = long_prompt_workload(vocab_size, seed, num_short=long_shorts or 16, avoid_ids=avoid_ids)
+    return [chat, long]
+
+
+def kv_capacity(workload: Workload, block_size: int) -> int:
+    """KV tokens HF_BATCH padded sequences of the workload's longest request hold (block-aligned)."""
+    return HF_BATCH * workload.max_total_len // block_size * block_size
+
+
+def whole_prompt_mbp(workload: Workload, multiple: int = 256) -> int:
+    """The smallest MBP (rounded up) that lets `dynamic` prefill the longest prompt in one pass."""
+    return -(-max(workload.prompt_lens) // multiple) * multiple
+
+
+def systems_for(workload: Workload, chunk_mbp: int, baselines: bool) -> list[SystemSpec]:
+    whole = whole_prompt_mbp(workload)
+    specs = [SystemSpec("hf_generate_static16", "hf_static"),
+             SystemSpec("hf_generate_batch", "hf_cb", mbp=chunk_mbp)] if baselines else []
+    return specs + [SystemSpec("engine_static", "engine", "static", whole),
+                    SystemSpec("engine_dynamic", "engine", "dynamic", whole),
+                    SystemSpec("engine_stall_free", "engine", "stall_free", chunk_mbp)]
+
+
+class Runner:
+    """Loads the model once per system family and runs one system on one workload."""
+
+    def __init__(self, model_name: str, block_size: int, max_num_seqs: int) -> None:
+        self.model_name, self.block_size, self.max_num_seqs = model_name, block_size, max_num_seqs
+        self._models: dict[str, tuple] = {}
+
+    def model(self, family: str):
+        if family not in self._models:  # each family sets its own attention implementation
+            self._models[family] = load_model(self.model_name)
+            if family == "hf_static":  # warm-up: one tiny padded batch
+                lm, tok = self._models[family]
+                lm.generate(input_ids=torch.tensor([[5, 6, 7, 8]] * 2), max_new_tokens=3,
+                            min_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+        return self._models[family]
+
+    def run(self, spec: SystemSpec, workload: Workload) -> tuple[list[Trace], dict]:
+        kv = kv_capacity(workload, self.block_size)
+        desc = f"{workload.name}/{spec.name}"
+        if spec.kind == "hf_static":
+            lm, tok = self.model("hf_static")
+            return run_hf_static(lm, tok.pad_token_id, workload, desc), {"batch_size": HF_BATCH}
+        if spec.kind == "hf_cb":
+            lm, tok = self.model("hf_cb")
+            return run_hf_cb(lm, tok.pad_token_id, workload, kv, spec.mbp, self.max_num_seqs, desc)
+        lm, tok = self.model("engine")
+        config = EngineConfig(policy=spec.policy, max_batch_prefill_tokens=spec.mbp,
+                              max_batch_total_tokens=kv, block_size=self.block_size,
+                              max_num_seqs=self.max_num_seqs)
+        engine = Engine(lm, tok, config)
+        engine.generate([[5, 6, 7, 8] * 4] * 2, _greedy(4))  # warm-up
+        engine.iterations.clear()
+        traces = run_engine(engine, workload, desc)
+        its = list(engine.iterations)
+        info = {"max_batch_total_tokens": kv, "max_num_seqs": self.max_num_seqs,
+                "iterations": len(its), "preemptions": sum(i.num_preempted for i in its),
+                "max_iteration_s": max((i.duration for i in its), default=0.0),
+                "mean_decode_batch": float(np.mean([i.num_decode_tokens for i in its])) if its else 0.0}
+        return traces, info
+
+
+# ---- output -----------------------------------------------------------------------------
+
+METRICS = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "tbt_max_s")
+
+
+def median_row(runs: list[dict]) -> dict:
+    """Per metric, the median over repeats (each repeat's row is kept under 'repeats')."""
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            row[key] = float(np.median([r[key] for r in runs]))
+    if len(runs) > 1:
+        row["repeats"] = [{k: r[k] for k in METRICS} for r in runs]
+    return row
+
+
+def format_table(header: list[str], rows: list[dict]) -> str:
+    lines = header + [f"{'system':<22}{'MBP':>6}{'out tok/s':>11}{'TTFT p50 s':>12}{'TTFT p99 s':>12}"
+                      f"{'TBT p50 ms':>12}{'TBT p99 ms':>12}{'TBT max ms':>12}"]
+    for r in rows:
+        mbp = str(r["mbp"]) if r.get("mbp") else "-"
+        if "error" in r:
+            lines.append(f"{r['system']:<22}{mbp:>6}  {r['error']}")
+            continue
+        lines.append(f"{r['system']:<22}{mbp:>6}{r['output_tok_s']:>11.1f}{r['ttft_p50_s']:>12.2f}"
+                     f"{r['ttft_p99_s']:>12.2f}{1e3 * r['tbt_p50_s']:>12.1f}{1e3 * r['tbt_p99_s']:>12.1f}"
+                     f"{1e3 * r['tbt_max_s']:>12.1f}")
+    return "\n".join(lines)
+
+
+def workload_header(w: Workload, kv: int, max_num_seqs: int) -> list[str]:
+    s = w.summary()
+    arrivals = ("all at t=0" if s["last_arrival_s"] == 0 else
+                f"arrivals over {s['last_arrival_s']:.1f} s (wall clock)")
+    return [f"[{w.name}] {s['num_requests']} requests, prompt p50 {s['prompt_len_p50']:.0f} / max "
+            f"{s['prompt_len_max']}, output p50 {s['output_len_p50']:.0f} / max {s['output_len_max']} "
+            f"tokens, {arrivals}",
+            f"  KV capacity {kv} tokens for every system (= {HF_BATCH} x longest prompt+output, what "
+            f"padded batches of {HF_BATCH} hold); engine max_num_seqs {max_num_seqs}",
+            "  MBP: the engine's max_batch_prefill_tokens (stall_free: chunk budget incl. decodes; "
+            "static/dynamic: whole longest prompt); hf_generate_batch: its max_batch_tokens"]
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, as ratios measured in this run."""
+    by = {(r["workload"], r["system"]): r for r in rows if "error" not in r}
+
+    def ratio(w: str, a: str, b: str, metric: str) -> float | None:
+        ra, rb = by.get((w, a)), by.get((w, b))
+        return ra[metric] / rb[metric] if ra and rb and rb[metric] else None
+
+    checks = [("chat", "engine_stall_free", "hf_generate_static16", "output_tok_s", ">=", 2.0),
+              ("chat", "engine_stall_free", "hf_generate_batch", "output_tok_s", ">=", 1.5),
+              ("long_prompt", "engine_stall_free", "engine_dynamic", "tbt_p99_s", "<=", 1 / 3),
+              ("long_prompt", "engine_stall_free", "engine_dynamic", "output_tok_s", ">=", 0.9)]
+    out = []
+    for w, a, b, metric, op, target in checks:
+        value = ratio(w, a, b, metric)
+        met = None if value is None else (value >= target if op == ">=" else value <= target)
+        out.append({"workload": w, "ratio": f"{a} / {b} {metric}", "value": value,
+                    "target": f"{op} {target:.3g}", "met": met})
+    return out
+
+
+def format_targets(targets: list[dict]) -> str:
+    lines = ["Targets (ratios from this run):"]
+    for t in targets:
+        v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        lines.append(f"  [{t['workload']}] {t['ratio']} = {v} (target {t['target']}): {verdict}")
+    return "\n".join(lines)
+
+
+# ---- main -------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench_engine", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="embedded:mid")
+    p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
+    p.add_argument("--json", metavar="PATH", help="write every row and the config as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--repeats", type=int, default=1, help="runs per system, interleaved; medians reported")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chat-mbp", type=int, default=512, help="stall_free chunk budget (and HF CB max_batch_tokens) on chat")
+    p.add_argument("--long-mbp", type=int, default=256, help="stall_free chunk budget on long_prompt")
+    p.add_argument("--long-baselines", action="store_true", help="also run the HF baselines on long_prompt")
+    p.add_argument("--chat-requests", type=int, help="override the chat workload size")
+    p.add_argument("--long-shorts", type=int, help="override the number of short requests in long_prompt")
+    p.add_argument("--systems", help="comma-separated subset of system names to run")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    runner = Runner(args.model, args.block_size, args.max_num_seqs)
+    lm, tok = runner.model("engine")
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    workloads = build_workloads(vocab, list(tok.all_special_ids), args.quick, args.seed,
+                                args.chat_requests, args.long_shorts)
+    chosen = set(args.systems.split(",")) if args.systems else None
+    plan = []
+    for w in workloads:
+        mbp = args.chat_mbp if w.name == "chat" else args.long_mbp
+        specs = systems_for(w, mbp, baselines=w.name == "chat" or args.long_baselines)
+        plan += [(w, s) for s in specs if chosen is None or s.name in chosen]
+
+    runs: dict[tuple[str, str], list[dict]] = {}
+    started = time.perf_counter()
+    for rep in range(args.repeats):
+        # Rotate the order each repeat so no system always runs first (or last) on a noisy box.
+        order = plan[rep % len(plan):] + plan[:rep % len(plan)] if plan else []
+        for w, spec in tqdm(order, desc=f"systems (repeat {rep + 1}/{args.repeats})", unit="run"):
+            row = {"workload": w.name, "system": spec.name, "kind": spec.kind, "policy": spec.policy,
+                   "mbp": spec.mbp, "loadavg_1m": os.getloadavg()[0]}
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                traces, info = runner.run(spec, w)
+                row |= summarize(traces) | info | {"wall_s": time.perf_counter() - wall,
+                                                   "cpu_s": time.process_time() - cpu}
+            except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+                row["error"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+            runs.setdefault((w.name, spec.name), []).append(row)
+    rows = [median_row(r) for r in runs.values()]
+
+    header = [f"Engine benchmark: {args.model}, torch {torch.__version__} on {torch.get_num_threads()} "
+              f"threads, transformers {transformers.__version__}, seed {args.seed}, "
+              f"{'quick' if args.quick else 'full'} run, {args.repeats} repeat(s), medians"]
+    tables = []
+    for w in workloads:
+        wrows = [r for r in rows if r["workload"] == w.name]
+        if wrows:
+            tables.append(format_table(
+                workload_header(w, kv_capacity(w, args.block_size), args.max_num_seqs), wrows))
+    targets = check_targets(rows)
+    text = "\n".join(header) + "\n\n" + "\n\n".join(tables) + "\n\n" + format_targets(targets)
+    print(text)
+    result = {"command": " ".join(["python -m loadtests.bench_engine", *(argv if argv is not None else sys.argv[1:])]),
+              "config": {**vars(args), "hf_batch": HF_BATCH, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version(),
+                         "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - started},
+              "workloads": {w.name: w.summary() for w in workloads},
+              "rows": rows, "targets": targets, "table": text}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

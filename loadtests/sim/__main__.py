@@ -1,0 +1,197 @@
+"""Cluster simulator CLI: every command prints a table and writes JSON.
+
+    python -m loadtests.sim run --policy stall_free --mbp 512 --rate 3 -n 2000
+    python -m loadtests.sim capacity            # docs/capacity.png + docs/sim_capacity.json
+    python -m loadtests.sim routing             # docs/sim_routing.json
+    python -m loadtests.sim autoscale           # docs/sim_autoscale.json (+ timeline CSV)
+    python -m loadtests.sim speed               # 100k requests x 64 replicas: docs/sim_speed.json
+    python -m loadtests.sim calibrate           # fit against the CPU engine: docs/sim_calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadtests.sim import experiments as ex
+from loadtests.sim.deploy import replica_spec
+from loadtests.sim.routers import ROUTERS, WHAT_IF_ROUTERS
+from loadtests.sim.simulator import SimConfig, Simulator
+from loadtests.sim.traffic import make_trace
+from replicas.config import POLICIES
+
+DOCS = Path("docs")
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    print(f"wrote {path}")
+
+
+def table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]]) -> None:
+    """Print rows as a fixed-width table; cols are (key, header, format)."""
+    widths = [max(len(h), 10) for _, h, _ in cols]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths)))
+    for r in rows:
+        cells = []
+        for (k, _, fmt), w in zip(cols, widths):
+            v = r.get(k)
+            cells.append(("-" if v is None else format(v, fmt)).rjust(w))
+        print("  ".join(cells))
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    spec = replica_spec(a.gpu, a.model, a.policy, a.mbp, tp=a.tp)
+    kw = dict(n=a.num_requests, rate=a.rate, seed=a.seed, cv=a.cv)
+    trace = make_trace(a.workload, a.arrivals, **kw)
+    res = Simulator(SimConfig(spec, a.replicas, router=a.router, tbt_slo_s=a.tbt_slo, ttft_slo_s=a.ttft_slo,
+                              seed=a.seed), trace).run(progress=not a.quiet)
+    for k, v in res.summary.items():
+        print(f"{k:24s} {v:.4f}" if isinstance(v, float) else f"{k:24s} {v}")
+    print(f"{'wall_s':24s} {res.wall_s:.2f}")
+    write_json(a.json, res.to_dict())
+
+
+def cmd_capacity(a: argparse.Namespace) -> None:
+    from loadtests.sim.plots import capacity_figure
+
+    results = []
+    for wl in a.workloads:
+        print(f"capacity search: {a.model} on {a.gpu}, {wl}, {a.num_requests} requests per point")
+        results.append(ex.capacity(a.gpu, a.model, wl, a.num_requests, a.seed))
+    rows = [r for res in results for r in res["rows"]]
+    print()
+    table(rows, [("workload", "workload", "s"), ("slo", "slo", "s"), ("policy", "policy", "s"),
+                 ("mbp", "mbp", "d"), ("capacity_rps", "req/s", ".3f"), ("tbt_p99_s", "p99 TBT s", ".3f"),
+                 ("sched_delay_p50_s", "p50 delay s", ".3f"), ("ttft_p99_s", "p99 TTFT s", ".3f")])
+    for res in results:
+        for slo, ratio in res["stall_free_over_dynamic"].items():
+            print(f"{res['workload']:8s} {slo:7s} stall_free / dynamic = {ratio:.2f}x")
+    write_json(a.json, {"results": results})
+    capacity_figure(results, a.png)
+    print(f"wrote {a.png}")
+
+
+def cmd_routing(a: argparse.Namespace) -> None:
+    out = []
+    for arrivals in a.arrivals:
+        print(f"routing: {arrivals} arrivals, {a.per_replica_rps} req/s per replica")
+        out.append(ex.routing(tuple(a.replicas), a.per_replica_rps, a.requests_per_replica, arrivals,
+                              seed=a.seed, routers=tuple(a.routers), progress=not a.quiet))
+    rows = [r for res in out for r in res["rows"]]
+    print()
+    table(rows, [("arrivals", "arrivals", "s"), ("replicas", "replicas", "d"), ("router", "router", "s"),
+                 ("ttft_p50_s", "p50 TTFT s", ".3f"), ("ttft_p99_s", "p99 TTFT s", ".3f"),
+                 ("tbt_p99_s", "p99 TBT s", ".3f"), ("sched_delay_p99_s", "p99 delay s", ".3f"),
+                 ("slo_attainment", "SLO att.", ".3f")])
+    write_json(a.json, {"results": out})
+
+
+def cmd_autoscale(a: argparse.Namespace) -> None:
+    res = ex.autoscale(a.per_replica_rps, a.peak, a.low, a.duration, a.startup, seed=a.seed,
+                       progress=not a.quiet)
+    print()
+    table(res["rows"], [("scenario", "scenario", "s"), ("fleet", "fleet", "s"),
+                        ("slo_attainment", "SLO att.", ".3f"), ("tbt_attainment", "TBT att.", ".3f"),
+                        ("ttft_p99_s", "p99 TTFT s", ".2f"), ("tbt_p99_s", "p99 TBT s", ".3f"),
+                        ("replica_seconds", "replica-s", ".0f"), ("max_replicas", "max repl.", "d")])
+    write_json(a.json, res)
+    with open(a.csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["scenario", "t", "ready", "provisioned", "desired", "reason"])
+        for name, points in res["timelines"].items():
+            for p in points:
+                w.writerow([name, f"{p['t']:.1f}", p["ready"], p["provisioned"], p["desired"], p["reason"]])
+    print(f"wrote {a.csv}")
+
+
+def cmd_speed(a: argparse.Namespace) -> None:
+    res = ex.speed(a.num_requests, a.replicas, a.per_replica_rps, a.router, progress=not a.quiet)
+    for k, v in res.items():
+        print(f"{k:16s} {v}")
+    write_json(a.json, res)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "calibrate":
+        from loadtests.sim.calibrate import main as calibrate
+
+        calibrate(argv[1:])
+        return
+    ap = argparse.ArgumentParser(prog="python -m loadtests.sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="one simulation")
+    p.add_argument("--gpu", default="A100-80GB")
+    p.add_argument("--model", default="mistral-7b")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--policy", choices=POLICIES, default="stall_free")
+    p.add_argument("--mbp", type=int, default=512)
+    p.add_argument("--workload", default="sharegpt")
+    p.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson")
+    p.add_argument("--cv", type=float, default=3.0, help="gap coefficient of variation (bursty)")
+    p.add_argument("--rate", type=float, default=3.0)
+    p.add_argument("-n", "--num-requests", type=int, default=2000)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--router", choices=ROUTERS + WHAT_IF_ROUTERS, default="token_load")
+    p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument("--ttft-slo", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=DOCS / "sim_run.json")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("capacity", help="capacity of each policy under a strict and a relaxed SLO")
+    p.add_argument("--gpu", default="A100-80GB")
+    p.add_argument("--model", default="mistral-7b")
+    p.add_argument("--workloads", nargs="+", default=["sharegpt", "arxiv"])
+    p.add_argument("-n", "--num-requests", type=int, default=1000, help="requests per rate tried")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=DOCS / "sim_capacity.json")
+    p.add_argument("--png", type=Path, default=DOCS / "capacity.png")
+    p.set_defaults(fn=cmd_capacity)
+
+    p = sub.add_parser("routing", help="TTFT of token-load routing vs power-of-two and round robin")
+    p.add_argument("--replicas", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--arrivals", nargs="+", default=["poisson", "bursty"])
+    p.add_argument("--per-replica-rps", type=float, default=3.0)
+    p.add_argument("--requests-per-replica", type=int, default=250)
+    p.add_argument("--routers", nargs="+", choices=ROUTERS + WHAT_IF_ROUTERS, default=list(ROUTERS + WHAT_IF_ROUTERS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=DOCS / "sim_routing.json")
+    p.set_defaults(fn=cmd_routing)
+
+    p = sub.add_parser("autoscale", help="autoscaler vs a fixed fleet sized for the peak")
+    p.add_argument("--per-replica-rps", type=float, help="replica capacity (default: found by bisection)")
+    p.add_argument("--peak", type=float, default=24.0)
+    p.add_argument("--low", type=float, default=4.0)
+    p.add_argument("--duration", type=float, default=1800.0)
+    p.add_argument("--startup", type=float, default=60.0, help="replica start-up delay (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=DOCS / "sim_autoscale.json")
+    p.add_argument("--csv", type=Path, default=DOCS / "sim_autoscale_timeline.csv")
+    p.set_defaults(fn=cmd_autoscale)
+
+    p = sub.add_parser("speed", help="time one large simulation")
+    p.add_argument("-n", "--num-requests", type=int, default=100_000)
+    p.add_argument("--replicas", type=int, default=64)
+    p.add_argument("--per-replica-rps", type=float, default=3.0)
+    p.add_argument("--router", choices=ROUTERS, default="token_load")
+    p.add_argument("--json", type=Path, default=DOCS / "sim_speed.json")
+    p.set_defaults(fn=cmd_speed)
+
+    p = sub.add_parser("calibrate", help="fit the cost model to the CPU engine (see: calibrate --help)")
+    p.set_defaults(fn=lambda _: main(["calibrate"]))
+    a = ap.parse_args(argv)
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The simulator's experiments: capacity per policy, routing at scale, autoscaling, and speed.
+
+Each function returns plain data (JSON-ready); `__main__` prints the tables and writes files.
+Defaults are the issue's setting: Mistral-7B on an A100-80GB, ShareGPT-like chat.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from autoscale.scaling import ScalingConfig
+from loadtests.sim.capacity import Criteria, find_capacity
+from loadtests.sim.deploy import replica_spec
+from loadtests.sim.routers import ROUTERS
+from loadtests.sim.simulator import SimConfig, Simulator
+from loadtests.sim.traffic import make_trace
+
+POLICIES = ("static", "dynamic", "stall_free")
+SLOS = {"strict": 0.1, "relaxed": 0.5}
+# Sarathi-Serve's token budgets: small chunks for a strict TBT SLO, larger for a relaxed one.
+STALL_FREE_BUDGET = {"strict": 512, "relaxed": 2048}
+
+
+def baseline_mbp(workload: str) -> int:
+    """MBP for static/dynamic: the longest prompt, so no request is refused (vLLM's default)."""
+    from loadtests.sim.costmodel import load_profiles
+
+    return load_profiles()["workloads"][workload]["max_total"]
+
+
+def policy_mbp(policy: str, slo_name: str, workload: str) -> int:
+    return STALL_FREE_BUDGET[slo_name] if policy == "stall_free" else baseline_mbp(workload)
+
+
+# ---- capacity ------------------------------------------------------------------------------------
+
+
+def capacity(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str = "sharegpt",
+             num_requests: int = 1000, seed: int = 0, policies: tuple[str, ...] = POLICIES,
+             slos: dict[str, float] | None = None, log: Any = print) -> dict[str, Any]:
+    """Capacity (req/s per replica) of each policy under each SLO, by bisection."""
+    slos = slos or SLOS
+    unit = make_trace(workload, "poisson", n=num_requests, rate=1.0, seed=seed)
+    rows = []
+    for slo_name, slo in slos.items():
+        for policy in policies:
+            mbp = policy_mbp(policy, slo_name, workload)
+            spec = replica_spec(gpu, model, policy, mbp)
+            t0 = time.perf_counter()
+            res = find_capacity(SimConfig(spec, 1, router="round_robin", tbt_slo_s=slo), unit, Criteria(slo),
+                                start_rate=1.0)
+            at = res["at_capacity"] or {}
+            rows.append({"workload": workload, "slo": slo_name, "tbt_slo_s": slo, "policy": policy, "mbp": mbp,
+                         "capacity_rps": res["capacity_rps"], "upper_bound_rps": res["upper_bound_rps"],
+                         "tbt_p99_s": at.get("tbt_p99_s"), "sched_delay_p50_s": at.get("sched_delay_p50_s"),
+                         "ttft_p99_s": at.get("ttft_p99_s"), "output_tokens_per_s": at.get("output_tokens_per_s"),
+                         "points": [{k: p[k] for k in ("rate", "passed", "stopped", "tbt_p99_s", "sched_delay_p50_s")}
+                                    for p in res["points"]],
+                         "search_s": time.perf_counter() - t0})
+            log(f"  {workload:8s} {slo_name:7s} {policy:10s} mbp {mbp:5d}: {res['capacity_rps']:.3f} req/s "
+                f"({len(res['points'])} points, {time.perf_counter() - t0:.1f}s)")
+    ratios = {}
+    for slo_name in slos:
+        cap = {r["policy"]: r["capacity_rps"] for r in rows if r["slo"] == slo_name}
+        if "dynamic" in cap and "stall_free" in cap:
+            ratios[slo_name] = cap["stall_free"] / cap["dynamic"] if cap["dynamic"] > 0 else math.inf
+    return {"gpu": gpu, "model": model, "workload": workload, "num_requests": num_requests, "seed": seed,
+            "trace": unit.summary(), "rows": rows, "stall_free_over_dynamic": ratios,
+            "criteria": "P99 TBT <= SLO and median scheduling delay <= 2 s (Sarathi-Serve)"}
+
+
+# ---- routing -------------------------------------------------------------------------------------
+
+
+def routing(replica_counts: tuple[int, ...] = (16, 64), per_replica_rps: float = 3.0,
+            requests_per_replica: int = 300, arrivals: str = "poisson", gpu: str = "A100-80GB",
+            model: str = "mistral-7b", workload: str = "sharegpt", policy: str = "stall_free", mbp: int = 512,
+            tbt_slo_s: float = 0.1, seed: int = 0, routers: tuple[str, ...] = ROUTERS,
+            progress: bool = True, log: Any = print) -> dict[str, Any]:
+    """TTFT and TBT of each router at each cluster size, same trace per size."""
+    spec = replica_spec(gpu, model, policy, mbp)
+    rows = []
+    for n in replica_counts:
+        trace = make_trace(workload, arrivals, n=n * requests_per_replica, rate=n * per_replica_rps, seed=seed)
+        for router in routers:
+            cfg = SimConfig(spec, n, router=router, tbt_slo_s=tbt_slo_s, seed=seed)
+            res = Simulator(cfg, trace).run(progress=progress, desc=f"{router}@{n}")
+            s = res.summary
+            rows.append({"replicas": n, "router": router, "rate_rps": n * per_replica_rps, "arrivals": arrivals,
+                         **{k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p99_s",
+                                              "sched_delay_p50_s", "sched_delay_p99_s", "e2e_p99_s",
+                                              "slo_attainment", "goodput_rps", "preemptions", "completed")},
+                         "wall_s": res.wall_s})
+            log(f"  {n:3d} replicas {router:13s} TTFT p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f}s "
+                f"TBT p99 {s['tbt_p99_s'] * 1e3:.0f}ms ({res.wall_s:.1f}s)")
+    return {"gpu": gpu, "model": model, "workload": workload, "policy": policy, "mbp": mbp,
+            "per_replica_rps": per_replica_rps, "arrivals": arrivals, "rows": rows}
+
+
+# ---- autoscaling ---------------------------------------------------------------------------------
+
+
+def token_load_at(spec: Any, workload: str, rate: float, seed: int = 0, n: int = 1500) -> float:
+    """Median reported token load of one replica serving `rate` req/s (the scaler's capacity model)."""
+    trace = make_trace(workload, "poisson", n=n, rate=rate, seed=seed + 7)
+    sim = Simulator(SimConfig(spec, 1, router="token_load"), trace)
+    seen: list[int] = []
+    original = sim.router.reported
+
+    def record(r, load, now):  # noqa: ANN001 - wraps the router hook
+        seen.append(load.token_load)
+        original(r, load, now)
+
+    sim.router.reported = record
+    sim.run()
+    return float(np.median(seen[len(seen) // 5:]))  # skip the ramp-up
+
+
+def autoscale(per_replica_rps: float | None = None, peak_rps: float = 24.0, low_rps: float = 4.0,
+              duration_s: float = 1800.0, startup_s: float = 60.0, gpu: str = "A100-80GB",
+              model: str = "mistral-7b", workload: str = "sharegpt", policy: str = "stall_free", mbp: int = 512,
+              tbt_slo_s: float = 0.1, ttft_slo_s: float = 2.0, seed: int = 0, progress: bool = True,
+              log: Any = print) -> dict[str, Any]:
+    """Diurnal and step loads: the TBT-SLO autoscaler against a fixed fleet sized for the peak."""
+    spec = replica_spec(gpu, model, policy, mbp)
+    if per_replica_rps is None:
+        unit = make_trace(workload, "poisson", n=1000, rate=1.0, seed=seed)
+        per_replica_rps = find_capacity(SimConfig(spec, 1, router="round_robin"), unit,
+                                        Criteria(tbt_slo_s))["capacity_rps"]
+    peak_fleet = math.ceil(peak_rps / per_replica_rps)
+    # The scaler's capacity model: the token load one replica carries at 80% of its capacity.
+    load_cap = int(token_load_at(spec, workload, 0.8 * per_replica_rps, seed))
+    # queued_tokens_per_replica: the default 4096 is less than one long ShareGPT prompt (a single
+    # arrival caught between two passes would read as a breach); four median prompts instead.
+    scaling = ScalingConfig(tbt_slo_s=tbt_slo_s, window_s=30.0, min_replicas=1, max_replicas=2 * peak_fleet,
+                            token_load_per_replica=load_cap, queued_tokens_per_replica=16384,
+                            upscale_cooldown_s=startup_s / 2, downscale_cooldown_s=60.0, downscale_stable_s=30.0)
+    log(f"  replica capacity {per_replica_rps:.2f} req/s -> peak fleet {peak_fleet}; "
+        f"token_load_per_replica {load_cap}")
+    scenarios = {
+        "diurnal": make_trace(workload, "diurnal", duration_s=duration_s, lo=low_rps, hi=peak_rps,
+                              period_s=duration_s, seed=seed),
+        "step": make_trace(workload, "step", duration_s=duration_s, lo=low_rps, hi=peak_rps,
+                           at_s=duration_s / 3, seed=seed),
+    }
+    rows, timelines = [], {}
+    for name, trace in scenarios.items():
+        for fleet in ("autoscaled", "fixed_peak"):
+            cfg = SimConfig(spec, 1 if fleet == "autoscaled" else peak_fleet, router="token_load",
+                            tbt_slo_s=tbt_slo_s, ttft_slo_s=ttft_slo_s, seed=seed, startup_s=startup_s,
+                            scaling=scaling if fleet == "autoscaled" else None, scaling_interval_s=2.0)
+            res = Simulator(cfg, trace).run(progress=progress, desc=f"{name}/{fleet}")
+            s = res.summary
+            row = {"scenario": name, "fleet": fleet, "requests": len(trace),
+                   **{k: s[k] for k in ("slo_attainment", "tbt_attainment", "no_stall_attainment", "ttft_p50_s",
+                                        "ttft_p99_s", "tbt_p99_s", "goodput_rps", "replica_seconds",
+                                        "max_replicas", "completed")},
+                   "wall_s": res.wall_s}
+            rows.append(row)
+            if res.scaling:
+                timelines[name] = [{"t": t, "ready": ready, "provisioned": prov, "desired": want, "reason": why}
+                                   for t, ready, prov, want, why in res.scaling]
+            log(f"  {name:8s} {fleet:10s} SLO attainment {s['slo_attainment']:.3f} (tokens {s['tbt_attainment']:.3f})"
+                f" TTFT p99 {s['ttft_p99_s']:.2f}s replica-s {s['replica_seconds']:.0f}"
+                f" max replicas {s['max_replicas']} ({res.wall_s:.1f}s)")
+    return {"gpu": gpu, "model": model, "workload": workload, "policy": policy, "mbp": mbp,
+            "per_replica_capacity_rps": per_replica_rps, "peak_fleet": peak_fleet, "startup_s": startup_s,
+            "scaling": scaling.to_dict(), "scenarios": {k: v.summary() for k, v in scenarios.items()},
+            "rows": rows, "timelines": timelines}
+
+
+# ---- speed ---------------------------------------------------------------------------------------
+
+
+def speed(num_requests: int = 100_000, replicas: int = 64, per_replica_rps: float = 3.0,
+          router: str = "token_load", gpu: str = "A100-80GB", model: str = "mistral-7b",
+          workload: str = "sharegpt", policy: str = "stall_free", mbp: int = 512, seed: int = 0,
+          progress: bool = True) -> dict[str, Any]:
+    """Wall and CPU time of one large simulation (the issue's 100k requests x 64 replicas)."""
+    import os
+
+    spec = replica_spec(gpu, model, policy, mbp)
+    trace = make_trace(workload, "poisson", n=num_requests, rate=replicas * per_replica_rps, seed=seed)
+    res = Simulator(SimConfig(spec, replicas, router=router), trace).run(progress=progress, desc="speed")
+    s = res.summary
+    tokens = s["iterations"] and int(trace.output_len.sum() + trace.prompt_len.sum())
+    return {"num_requests": num_requests, "replicas": replicas, "router": router, "policy": policy,
+            "workload": workload, "rate_rps": replicas * per_replica_rps, "wall_s": res.wall_s,
+            "cpu_s": s["sim_cpu_s"], "iterations": s["iterations"], "output_tokens": int(trace.output_len.sum()),
+            "tokens": tokens, "simulated_s": s["duration_s"], "loadavg": os.getloadavg(),
+            "summary": {k: s[k] for k in ("ttft_p99_s", "tbt_p99_s", "slo_attainment", "throughput_rps")}}
+
+
+def with_budget(spec: Any, mbp: int) -> Any:
+    return replace(spec, engine=spec.engine.replace(max_batch_prefill_tokens=mbp))

@@ -1,0 +1,136 @@
+"""What a simulation measures: per-request latencies, pooled TBT, SLO attainment, goodput.
+
+TBT (time between tokens) is pooled over every decode gap of every request, the way Sarathi-Serve
+reports P99 TBT. Tens of millions of gaps do not fit in memory at cluster scale: they are
+appended to a flat buffer that is folded into a histogram of `bin_s` (0.1 ms) bins every million
+gaps; percentiles are exact to one bin. Requests keep scalars only.
+
+SLO attainment, per request (DistServe's goodput definition): TTFT <= ttft_slo and TPOT (the
+request's mean TBT) <= tbt_slo. `no_stall_attainment` asks more: the request's worst gap is
+<= tbt_slo. `tbt_attainment` is per token: the share of gaps <= tbt_slo.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any
+
+import numpy as np
+
+NAN = float("nan")
+
+
+class Recorder:
+    """Per-request scalars (indexed by request number) and the pooled TBT histogram."""
+
+    def __init__(self, num_requests: int, tbt_slo_s: float, ttft_slo_s: float,
+                 bin_s: float = 1e-4, max_s: float = 120.0) -> None:
+        n = num_requests
+        self.tbt_slo_s, self.ttft_slo_s = tbt_slo_s, ttft_slo_s
+        self.arrival = [NAN] * n
+        self.prompt_len = [0] * n
+        self.output_len = [0] * n
+        self.sched_delay = [NAN] * n  # first scheduled - arrival (Sarathi's scheduling delay)
+        self.ttft = [NAN] * n
+        self.e2e = [NAN] * n
+        self.max_gap = [NAN] * n
+        self.mean_gap = [NAN] * n
+        self.preemptions = [0] * n
+        self.rejected = [False] * n
+        self.inv_bin = 1.0 / bin_s
+        self.bin_s = bin_s
+        self.top = int(max_s / bin_s)
+        self.gaps = array("d")  # gaps not yet folded into the histogram
+        self.hist = np.zeros(self.top, dtype=np.int64)  # gap g counts in bin int(g / bin_s)
+        self.overflow: list[float] = []  # exact gaps of max_s and more
+        self.num_gaps = 0
+        self.num_over_slo = 0  # gaps > tbt_slo, up to the last flush
+        self.num_late_start = 0  # requests whose scheduling delay exceeded late_start_s
+        self.late_start_s = 2.0
+        self.num_finished = 0
+        self.output_tokens = 0
+        self.prompt_tokens = 0
+        self.first_arrival = math.inf
+        self.last_finish = 0.0
+
+    # ---- pooled TBT -------------------------------------------------------------------------
+
+    FLUSH_EVERY = 1 << 20
+
+    def flush(self) -> None:
+        """Fold buffered gaps into the histogram (and the over-SLO count)."""
+        if not self.gaps:
+            return
+        g = np.frombuffer(self.gaps, dtype=np.float64).copy()
+        del self.gaps[:]
+        self.num_gaps += len(g)
+        self.num_over_slo += int((g > self.tbt_slo_s).sum())
+        k = (g * self.inv_bin).astype(np.int64)
+        inside = k < self.top
+        self.hist += np.bincount(k[inside], minlength=self.top)
+        self.overflow.extend(g[~inside].tolist())
+
+    def tbt_percentile(self, q: float) -> float:
+        """Nearest-rank percentile of all gaps (upper edge of the bin it falls in)."""
+        self.flush()
+        cum = np.cumsum(self.hist)
+        total = int(cum[-1]) + len(self.overflow)
+        if total == 0:
+            return NAN
+        rank = max(1, math.ceil(q / 100.0 * total))
+        idx = int(np.searchsorted(cum, rank))
+        if idx < self.top:
+            return (idx + 1) * self.bin_s
+        return sorted(self.overflow)[rank - int(cum[-1]) - 1]
+
+    def tbt_share_within(self, limit_s: float) -> float:
+        """Share of gaps <= limit_s (gaps in limit_s's own bin count as over: conservative)."""
+        self.flush()
+        total = int(self.hist.sum()) + len(self.overflow)
+        if total == 0:
+            return NAN
+        k = min(int(limit_s * self.inv_bin), self.top)
+        return int(self.hist[:k].sum()) / total
+
+    # ---- summary ----------------------------------------------------------------------------
+
+    def summary(self, replica_seconds: float | None = None) -> dict[str, Any]:
+        done = np.array([not (r or math.isnan(e)) for r, e in zip(self.rejected, self.e2e)])
+        ttft = np.array(self.ttft)[done]
+        tpot = np.array(self.mean_gap)[done]
+        worst = np.array(self.max_gap)[done]
+        delay = np.array(self.sched_delay)[done]
+        e2e = np.array(self.e2e)[done]
+        span = max(self.last_finish - self.first_arrival, 1e-9)
+        single = np.isnan(tpot)  # one output token: no gap, TPOT trivially met
+        ok = (ttft <= self.ttft_slo_s) & (single | (tpot <= self.tbt_slo_s))
+        no_stall = (ttft <= self.ttft_slo_s) & (single | (worst <= self.tbt_slo_s))
+        n_done = int(done.sum())
+
+        def pct(a: np.ndarray, q: float) -> float:
+            a = a[~np.isnan(a)]
+            return float(np.percentile(a, q, method="inverted_cdf")) if len(a) else NAN
+
+        out = {
+            "num_requests": len(self.e2e), "completed": n_done, "rejected": int(sum(self.rejected)),
+            "duration_s": span,
+            "throughput_rps": n_done / span,
+            "output_tokens_per_s": self.output_tokens / span,
+            "total_tokens_per_s": (self.output_tokens + self.prompt_tokens) / span,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+            "tbt_p50_s": self.tbt_percentile(50), "tbt_p90_s": self.tbt_percentile(90),
+            "tbt_p99_s": self.tbt_percentile(99), "tbt_max_s": self.tbt_percentile(100),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+            "sched_delay_p50_s": pct(delay, 50), "sched_delay_p99_s": pct(delay, 99),
+            "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
+            "tbt_attainment": self.tbt_share_within(self.tbt_slo_s),
+            "slo_attainment": float(ok.mean()) if n_done else NAN,
+            "no_stall_attainment": float(no_stall.mean()) if n_done else NAN,
+            "goodput_rps": float(ok.sum()) / span,
+            "preemptions": int(sum(self.preemptions)),
+            "tbt_slo_s": self.tbt_slo_s, "ttft_slo_s": self.ttft_slo_s,
+        }
+        if replica_seconds is not None:
+            out["replica_seconds"] = replica_seconds
+        return out

@@ -1,0 +1,189 @@
+"""One simulated replica: the engine's real Scheduler and BlockManager, a cost model for the pass.
+
+`start_iteration` is the engine's `schedule()` call; instead of running the model, the cost model
+says how long the pass takes. `finish_iteration` is the engine's postprocess at the pass's end
+time (replicas/engine.py `_postprocess`): every scheduled sequence advances by its tokens, those
+that sample get one output token stamped with that time, and a request that reached max_tokens
+finishes with FINISHED_LENGTH (ignore_eos: the simulator has no token values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autoscale.load import ReplicaLoad, SlidingWindow
+from loadtests.sim.costmodel import CostModel, batch_features
+from loadtests.sim.metrics import Recorder
+from replicas.config import EngineConfig
+from replicas.kv_cache import BlockManager
+from replicas.request import Request, RequestStatus
+from replicas.scheduler import Scheduler, SchedulerOutput
+
+FINISHED = RequestStatus.FINISHED_LENGTH
+
+
+class SimClock:
+    """The simulated time every replica's scheduler reads (priority aging, timestamps)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica of a deployment runs: engine budgets, KV size, the pass's cost."""
+
+    engine: EngineConfig
+    num_blocks: int
+    cost: CostModel
+    max_model_len: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.engine.block_size
+
+    def rejects(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why the engine's `validate` would refuse this request (None: accepted)."""
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            return "max_model_len"
+        if total > self.kv_capacity_tokens:
+            return "kv_capacity"
+        if self.engine.policy == "dynamic" and prompt_len > self.engine.max_batch_prefill_tokens:
+            return "prompt_over_mbp"
+        return None
+
+
+class SimReplica:
+    """A replica's scheduler state plus the simulator's bookkeeping around it."""
+
+    def __init__(self, replica_id: str, spec: ReplicaSpec, clock: SimClock, recorder: Recorder,
+                 on_finish: Callable[[SimReplica, Request, float], None], tbt_window_s: float | None = None,
+                 log_iterations: bool = False) -> None:
+        self.replica_id = replica_id
+        self.spec = spec
+        self.blocks = BlockManager(spec.num_blocks, spec.engine.block_size)
+        self.scheduler = Scheduler(spec.engine, self.blocks, clock)
+        self.cost = spec.cost
+        self.rec = recorder
+        self.on_finish = on_finish
+        self.batch: SchedulerOutput | None = None  # the pass in flight
+        self.num_requests = 0  # routed here and not finished (Serve's ongoing requests)
+        self.num_iterations = 0
+        self.busy_s = 0.0
+        self.last_report: ReplicaLoad | None = None
+        self.last_report_t = float("-inf")
+        self.last_report_tokens = 0
+        self.tokens_moved = 0  # tokens of requests that arrived or finished since the last report
+        # TBT samples for the scaling decision: pending until the next report, then windowed
+        # as the controller does (autoscale.load.SlidingWindow, 4096 samples per replica).
+        self.window = SlidingWindow(tbt_window_s, 4096) if tbt_window_s else None
+        self.pending_tbt: list[float] | None = [] if tbt_window_s else None
+        self.log: list[tuple[float, float, int, int, int, int]] | None = [] if log_iterations else None
+        self._last: dict[Request, list[float]] = {}  # request -> [last token time, worst gap, first token time]
+        self.draining = False
+        self.start_t = 0.0
+        self.ready_t = 0.0
+        self.stop_t: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.batch is not None
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self.num_requests += 1
+
+    # ---- one pass -------------------------------------------------------------------------------
+
+    def start_iteration(self, now: float) -> float | None:
+        """Schedule the next pass at `now`; returns when it ends (None: nothing to run)."""
+        batch = self.scheduler.schedule()
+        if not batch.decodes and not batch.prefills:
+            return None
+        f = batch_features(batch)
+        dur = self.cost.iteration_time(*f)
+        if self.log is not None:
+            self.log.append((now, dur, f[0], f[1], f[2], f[3]))
+        self.batch = batch
+        self.num_iterations += 1
+        self.busy_s += dur
+        return now + dur
+
+    def finish_iteration(self, now: float) -> None:
+        """The engine's postprocess at the pass's end time `now`."""
+        batch, self.batch = self.batch, None
+        rec, last = self.rec, self._last
+        add_gap = rec.gaps.append
+        pending = self.pending_tbt
+        for seqs in (batch.decodes, batch.prefills):
+            for seq in seqs:
+                req = seq.request
+                req.num_computed_tokens += seq.num_tokens
+                if not seq.samples:
+                    continue
+                out = req.output_token_ids
+                out.append(0)
+                r = last.get(req)
+                if r is None:  # first token
+                    last[req] = [now, 0.0, now]
+                    i = int(req.request_id)
+                    rec.ttft[i] = now - req.arrival_time
+                    rec.sched_delay[i] = delay = req.first_scheduled_time - req.arrival_time
+                    if delay > rec.late_start_s:
+                        rec.num_late_start += 1
+                else:
+                    gap = now - r[0]
+                    r[0] = now
+                    if gap > r[1]:
+                        r[1] = gap
+                    add_gap(gap)
+                    if pending is not None:
+                        pending.append(gap)
+                if len(out) >= req.params.max_tokens:
+                    self.scheduler.finish(req, FINISHED)
+                    self._finished(req, now)
+        if len(rec.gaps) > rec.FLUSH_EVERY:
+            rec.flush()
+
+    def _finished(self, req: Request, now: float) -> None:
+        r = self._last.pop(req)
+        rec = self.rec
+        i = int(req.request_id)
+        n = len(req.output_token_ids)
+        rec.e2e[i] = now - req.arrival_time
+        if n > 1:
+            rec.max_gap[i] = r[1]
+            rec.mean_gap[i] = (r[0] - r[2]) / (n - 1)  # TPOT
+        rec.preemptions[i] = req.num_preemptions
+        rec.num_finished += 1
+        rec.output_tokens += n
+        rec.prompt_tokens += req.num_prompt_tokens
+        if now > rec.last_finish:
+            rec.last_finish = now
+        self.num_requests -= 1
+        self.on_finish(self, req, now)
+
+    # ---- load reports -------------------------------------------------------------------------
+
+    def report(self, now: float) -> ReplicaLoad:
+        """The load report a replica pushes (what `EngineLoad` carries), with its new TBT samples."""
+        s, b = self.scheduler, self.blocks
+        samples: tuple[float, ...] = ()
+        if self.pending_tbt is not None:
+            samples = tuple(self.pending_tbt[-2048:])  # the reporter keeps at most 2048 between sends
+            self.pending_tbt.clear()
+            self.window.extend(samples, now)
+        load = ReplicaLoad(self.replica_id, s.num_running_tokens, s.num_waiting_tokens, b.num_free,
+                           b.num_blocks, b.block_size, len(s.running), len(s.waiting), b.usage,
+                           samples, timestamp=now)
+        self.last_report, self.last_report_t = load, now
+        self.last_report_tokens = load.token_load
+        self.tokens_moved = 0
+        return load

@@ -1,0 +1,139 @@
+"""Routing policies for the simulator: thin adapters around `autoscale.routing`'s pure functions.
+
+The ranking is the production code (`choose_replica`, `power_of_two`, `round_robin`); these
+classes only hold what the Serve router holds between requests:
+
+- token_load: the replicas' latest load reports plus the router's `InFlightBook` (requests routed
+  but not yet visible in a report). A request routed to replica r stops counting as in flight
+  once r reports at least `reflect_grace_s` after the send, exactly the book's rule; the adapter
+  removes such entries at report time so the book stays small at cluster scale.
+- power_of_two: two random replicas, fewer ongoing requests first (Serve's default probes the
+  replicas' live queue lengths, so counts here are exact, not reported).
+- round_robin: rotate.
+
+`prefill_backlog` is a what-if (see its class), not a production policy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import replace
+from collections.abc import Sequence
+
+from autoscale.inflight import InFlightBook
+from autoscale.load import ReplicaLoad
+from autoscale.routing import RequestCost, choose_replica, power_of_two, round_robin
+from loadtests.sim.replica import SimReplica
+
+ROUTERS = ("token_load", "power_of_two", "round_robin")
+WHAT_IF_ROUTERS = ("prefill_backlog",)
+
+
+class Router:
+    """Picks a replica for each request; told when requests are routed, reported and finished."""
+
+    needs_reports = False
+
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+        raise NotImplementedError
+
+    def routed(self, request_id: str, replica: SimReplica, cost: RequestCost, now: float) -> None:
+        pass
+
+    def reported(self, replica: SimReplica, load: ReplicaLoad, now: float) -> None:
+        pass
+
+    def completed(self, request_id: str) -> None:
+        pass
+
+    def removed(self, replica: SimReplica) -> None:
+        pass
+
+
+class TokenLoadRouter(Router):
+    needs_reports = True
+
+    def __init__(self, seed: int = 0, reflect_grace_s: float = 0.05) -> None:
+        self.rng = random.Random(seed)
+        self.book = InFlightBook(reflect_grace_s=reflect_grace_s)
+        self.grace = reflect_grace_s
+        self.loads: dict[str, ReplicaLoad] = {}
+        self._sent: dict[str, deque[tuple[float, str]]] = {}
+
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+        in_flight, in_flight_kv = self.book.unreflected(self.loads)
+        by_id = {r.replica_id: r for r in replicas}
+        ranked = choose_replica(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=list(by_id),
+                                in_flight_kv=in_flight_kv, rng=self.rng)
+        return by_id[ranked[0]]
+
+    def routed(self, request_id: str, replica: SimReplica, cost: RequestCost, now: float) -> None:
+        self.book.tentative(request_id, replica.replica_id, cost, now)
+        self.book.routed(request_id, replica.replica_id, now)
+        self._sent.setdefault(replica.replica_id, deque()).append((now, request_id))
+
+    def reported(self, replica: SimReplica, load: ReplicaLoad, now: float) -> None:
+        self.loads[replica.replica_id] = load
+        sent = self._sent.get(replica.replica_id)
+        while sent and load.timestamp >= sent[0][0] + self.grace:
+            self.book.completed(sent.popleft()[1])  # reflected: the book would skip it from now on
+
+    def completed(self, request_id: str) -> None:
+        self.book.completed(request_id)
+
+    def removed(self, replica: SimReplica) -> None:
+        self.loads.pop(replica.replica_id, None)
+        self.book.forget_replica(replica.replica_id)
+        self._sent.pop(replica.replica_id, None)
+
+
+class PrefillBacklogRouter(TokenLoadRouter):
+    """What-if, not production: the same `choose_replica` fed the same reports, minus running KV.
+
+    Token load counts the KV of every running stream; under stall_free a new request's TTFT
+    depends on the prompt tokens queued ahead of it instead. Zeroing `running_tokens` makes the
+    production ranking order replicas by waiting + in-flight prompt tokens (KV headroom still
+    filters). Kept to measure that alternative side by side, with identical staleness.
+    """
+
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+        in_flight, in_flight_kv = self.book.unreflected(self.loads)
+        backlog = {k: replace(v, running_tokens=0) for k, v in self.loads.items()}
+        by_id = {r.replica_id: r for r in replicas}
+        ranked = choose_replica(cost.tokens, cost.kv_tokens, backlog, in_flight, candidates=list(by_id),
+                                in_flight_kv=in_flight_kv, rng=self.rng)
+        return by_id[ranked[0]]
+
+
+class PowerOfTwoRouter(Router):
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+        by_id = {r.replica_id: r for r in replicas}
+        queues = {r.replica_id: r.num_requests for r in replicas}
+        return by_id[power_of_two(list(by_id), queues, self.rng)[0]]
+
+
+class RoundRobinRouter(Router):
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+        ids = [r.replica_id for r in replicas]
+        first = round_robin(ids, self.turn)[0]
+        self.turn += 1
+        return replicas[ids.index(first)]
+
+
+def make_router(name: str, seed: int = 0) -> Router:
+    if name == "token_load":
+        return TokenLoadRouter(seed)
+    if name == "power_of_two":
+        return PowerOfTwoRouter(seed)
+    if name == "round_robin":
+        return RoundRobinRouter()
+    if name == "prefill_backlog":
+        return PrefillBacklogRouter(seed)
+    raise ValueError(f"router must be one of {ROUTERS + WHAT_IF_ROUTERS}, got {name!r}")

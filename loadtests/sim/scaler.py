@@ -1,0 +1,44 @@
+"""The autoscaler in the simulator: `autoscale.scaling.decide_replicas` on a `ClusterSnapshot`.
+
+Every `interval_s` the simulator builds the snapshot the controller would hold (each ready
+replica's latest report and its windowed TBT samples, `ClusterSnapshot.build`) and asks the
+production decision for a replica count. Serve's part is mimicked here: `current` is the number
+of ready replicas, `target` the count being headed to (ready + starting); new replicas become
+ready `startup_s` after they are asked for; a replica scaled away stops taking requests, drains
+its running ones, and is released when empty (it is billed until then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoscale.load import ClusterSnapshot
+from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
+
+
+@dataclass
+class ScalingTrace:
+    """Decisions over time, for plots: (t, ready, provisioned, desired, reason)."""
+
+    points: list[tuple[float, int, int, int, str]] = field(default_factory=list)
+
+
+class Autoscaler:
+    def __init__(self, cfg: ScalingConfig, interval_s: float = 1.0, startup_s: float = 60.0) -> None:
+        self.cfg = cfg
+        self.interval_s = interval_s
+        self.startup_s = startup_s
+        self.state = ScalingState()
+        self.trace = ScalingTrace()
+
+    def decide(self, ready: list, num_starting: int, now: float) -> tuple[int, str]:
+        """Desired replica count from the ready replicas' reports (`SimReplica`s)."""
+        loads = {r.replica_id: r.last_report for r in ready if r.last_report is not None}
+        samples: list[float] = []
+        for r in ready:
+            samples.extend(r.window.values(now))
+        snapshot = ClusterSnapshot.build(loads, samples, self.cfg.tbt_slo_s, now)
+        target = len(ready) + num_starting
+        desired, self.state = decide_replicas(snapshot, len(ready), self.state, now, self.cfg, target=target)
+        self.trace.points.append((now, len(ready), target, desired, self.state.reason))
+        return desired, self.state.reason

@@ -1,0 +1,301 @@
+"""Discrete-event cluster simulator around the real scheduler, router and scaling decision.
+
+Events, in time order: request arrivals (from the trace), "pass ends on replica r" (from the cost
+model), "replica r is ready" (start-up delay), scaling ticks and stop checks. A replica runs
+`schedule()` only when it has work: at the end of each pass, or when a request reaches an idle
+replica. Routing happens at arrival over the ready, non-draining replicas. After a pass a replica
+reports its load when the LoadReporter would (every `report_interval_s`, or sooner after a jump
+of max(256 tokens, 25%)), and once more when it goes idle.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from autoscale.routing import RequestCost
+from autoscale.scaling import ScalingConfig
+from loadtests.sim.metrics import Recorder
+from loadtests.sim.replica import ReplicaSpec, SimClock, SimReplica
+from loadtests.sim.routers import Router, make_router
+from loadtests.sim.scaler import Autoscaler
+from loadtests.sim.traffic import Trace
+from replicas.request import Request, SamplingParams
+
+ITER_END, READY, SCALE, CHECK = 0, 1, 2, 3
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    spec: ReplicaSpec
+    num_replicas: int = 1  # at start (the autoscaler may change it)
+    router: str = "token_load"
+    tbt_slo_s: float = 0.1
+    ttft_slo_s: float = 2.0
+    report_interval_s: float = 0.1  # LoadReporter defaults
+    report_min_interval_s: float = 0.02
+    report_change_tokens: int = 256
+    report_change_fraction: float = 0.25
+    scaling: ScalingConfig | None = None
+    scaling_interval_s: float = 1.0
+    startup_s: float = 60.0
+    seed: int = 0
+    log_iterations: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        e = self.spec.engine
+        d = {"policy": e.policy, "max_batch_prefill_tokens": e.max_batch_prefill_tokens,
+             "kv_capacity_tokens": self.spec.kv_capacity_tokens, "max_num_seqs": e.max_num_seqs,
+             "block_size": e.block_size, "cost_model": self.spec.cost.name, "num_replicas": self.num_replicas,
+             "router": self.router, "tbt_slo_s": self.tbt_slo_s, "ttft_slo_s": self.ttft_slo_s,
+             "startup_s": self.startup_s, "seed": self.seed}
+        if self.scaling is not None:
+            d["scaling"] = self.scaling.to_dict()
+        return d
+
+
+@dataclass
+class SimResult:
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    trace: dict[str, Any]
+    wall_s: float
+    stopped: str | None = None  # why the run was cut short (a stop predicate fired)
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    scaling: list[tuple[float, int, int, int, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Simulator:
+    """Runs one trace through a cluster of `SimReplica`s."""
+
+    def __init__(self, cfg: SimConfig, trace: Trace, router: Router | None = None) -> None:
+        self.cfg = cfg
+        self.trace = trace
+        self.clock = SimClock()
+        self.rec = Recorder(len(trace), cfg.tbt_slo_s, cfg.ttft_slo_s)
+        self.router = router or make_router(cfg.router, cfg.seed)
+        self.scaler = (Autoscaler(cfg.scaling, cfg.scaling_interval_s, cfg.startup_s)
+                       if cfg.scaling is not None else None)
+        self.replicas: list[SimReplica] = []  # provisioned: starting, ready or draining
+        self.retired: list[SimReplica] = []
+        self.routable: list[SimReplica] = []  # ready and not draining
+        self.pending: list[SimReplica] = []  # asked for, still starting
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._ids = 0
+        self._params: dict[int, SamplingParams] = {}
+        self._reports = self.router.needs_reports or self.scaler is not None
+        for _ in range(cfg.num_replicas):
+            self._provision(0.0, ready=True)
+
+    # ---- replicas -------------------------------------------------------------------------------
+
+    def _provision(self, now: float, ready: bool) -> SimReplica:
+        window = self.cfg.scaling.window_s if self.cfg.scaling is not None else None
+        r = SimReplica(f"r{self._ids}", self.cfg.spec, self.clock, self.rec, self._on_finish, window,
+                       self.cfg.log_iterations)
+        self._ids += 1
+        r.start_t = now
+        self.replicas.append(r)
+        if ready:
+            r.ready_t = now
+            self.routable.append(r)
+        else:
+            self.pending.append(r)
+            self._push(now + self.cfg.startup_s, READY, r)
+        return r
+
+    def _push(self, t: float, kind: int, obj: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, obj))
+
+    def _kick(self, r: SimReplica, now: float) -> None:
+        """Start a pass on an idle replica if it has work."""
+        if r.batch is None and r.scheduler.has_unfinished():
+            end = r.start_iteration(now)
+            if end is not None:
+                self._push(end, ITER_END, r)
+
+    def _maybe_report(self, r: SimReplica, now: float, force: bool = False) -> None:
+        if r.stop_t is not None:  # released: it reports no more
+            return
+        cfg = self.cfg
+        elapsed = now - r.last_report_t
+        if not force and elapsed < cfg.report_interval_s:
+            if elapsed < cfg.report_min_interval_s:
+                return
+            # The reporter's jump rule, on the tokens that arrived plus those that left since the
+            # last report (an O(1) bound on the token load's change; decode growth is ignored).
+            prev = r.last_report_tokens
+            if r.tokens_moved < max(cfg.report_change_tokens, cfg.report_change_fraction * prev):
+                return
+        self.router.reported(r, r.report(now), now)
+
+    def _on_finish(self, r: SimReplica, req: Request, now: float) -> None:
+        r.tokens_moved += req.num_tokens
+        self.router.completed(req.request_id)
+        if r.draining and r.num_requests == 0:
+            self._retire(r, now)
+
+    def _retire(self, r: SimReplica, now: float) -> None:
+        r.stop_t = now
+        self.replicas.remove(r)
+        self.retired.append(r)
+        self.router.removed(r)
+
+    def _scale_to(self, desired: int, now: float) -> None:
+        have = len(self.routable) + len(self.pending)
+        for _ in range(desired - have):
+            self._provision(now, ready=False)
+        for _ in range(have - desired):
+            if self.pending:  # cancel a replica still starting first: it holds no requests
+                self._retire(self.pending.pop(), now)
+                continue
+            if len(self.routable) <= 1:
+                break
+            victim = min(self.routable, key=lambda x: (x.num_requests, x.replica_id))
+            victim.draining = True
+            self.routable.remove(victim)
+            if victim.num_requests == 0:
+                self._retire(victim, now)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self, progress: bool = False, stop: Callable[[Simulator, float], str | None] | None = None,
+            stop_every_s: float = 1.0, desc: str = "sim") -> SimResult:
+        """Simulate the whole trace; `stop(sim, now)` may end it early by returning a reason."""
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        rec, trace, clock, heap = self.rec, self.trace, self.clock, self._heap
+        arrivals = trace.arrival_s.tolist()
+        plens, olens = trace.prompt_len.tolist(), trace.output_len.tolist()
+        n = len(arrivals)
+        rec.arrival, rec.prompt_len, rec.output_len = list(arrivals), plens, olens
+        rec.first_arrival = arrivals[0] if n else 0.0
+        rec.late_start_s = 2.0
+        if self.scaler is not None:
+            self._push(self.scaler.interval_s, SCALE, None)
+        if stop is not None:
+            self._push(stop_every_s, CHECK, None)
+        bar = tqdm(total=n, desc=desc, unit="req", disable=not progress, mininterval=0.5, leave=False)
+        gc_was = gc.isenabled()
+        gc.disable()  # the loop allocates many short-lived objects and no cycles
+        stopped: str | None = None
+        i, events, shown = 0, 0, 0
+        spec, router, params = self.cfg.spec, self.router, self._params
+        pop = heapq.heappop
+        try:
+            while True:
+                ta = arrivals[i] if i < n else INF
+                if heap and heap[0][0] <= ta:
+                    t, _, kind, obj = pop(heap)
+                    clock.t = t
+                    if kind == ITER_END:
+                        obj.finish_iteration(t)
+                        if self._reports:
+                            self._maybe_report(obj, t)
+                        if obj.scheduler.has_unfinished():
+                            end = obj.start_iteration(t)
+                            if end is not None:
+                                self._push(end, ITER_END, obj)
+                            elif self._reports:
+                                self._maybe_report(obj, t, force=True)
+                        elif self._reports:
+                            self._maybe_report(obj, t, force=True)
+                    elif kind == READY:
+                        if obj in self.pending:  # not cancelled meanwhile
+                            self.pending.remove(obj)
+                            obj.ready_t = t
+                            self.routable.append(obj)
+                    elif kind == SCALE:
+                        self._scale_tick(t)
+                        if i < n or any(r.scheduler.has_unfinished() for r in self.replicas):
+                            self._push(t + self.scaler.interval_s, SCALE, None)
+                    elif kind == CHECK:
+                        stopped = stop(self, t)
+                        if stopped:
+                            break
+                        if i < n or heap:
+                            self._push(t + stop_every_s, CHECK, None)
+                    events += 1
+                    if progress and events % 4096 == 0 and rec.num_finished - shown > 0:
+                        bar.update(rec.num_finished - shown)
+                        shown = rec.num_finished
+                    continue
+                if i >= n:
+                    break
+                clock.t = ta
+                plen, olen = plens[i], olens[i]
+                if spec.rejects(plen, olen):
+                    rec.rejected[i] = True
+                    i += 1
+                    continue
+                sp = params.get(olen)
+                if sp is None:
+                    sp = params[olen] = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
+                # The scheduler reads only the prompt's length (tests/loadtests/test_sim.py checks it),
+                # so a range stands in for token ids at no memory cost.
+                req = Request(str(i), range(plen), sp, 0, ta)
+                cost = RequestCost(plen, plen + olen)
+                r = router.choose(cost, self.routable, ta)
+                r.add(req)
+                r.tokens_moved += plen
+                router.routed(req.request_id, r, cost, ta)
+                if r.batch is None:
+                    self._kick(r, ta)
+                i += 1
+        finally:
+            if gc_was:
+                gc.enable()
+            bar.update(rec.num_finished - shown)
+            bar.close()
+        end_t = clock.t
+        for r in self.replicas:
+            if r.stop_t is None:
+                r.stop_t = max(end_t, r.start_t)
+        everyone = self.retired + self.replicas
+        replica_s = sum(r.stop_t - r.start_t for r in everyone)
+        summary = rec.summary(replica_seconds=replica_s)
+        summary["iterations"] = sum(r.num_iterations for r in everyone)
+        summary["max_replicas"] = max((p[2] for p in self.scaler.trace.points), default=self.cfg.num_replicas) \
+            if self.scaler else self.cfg.num_replicas
+        per_replica = [{"id": r.replica_id, "iterations": r.num_iterations, "busy_s": r.busy_s,
+                        "start_t": r.start_t, "stop_t": r.stop_t} for r in everyone]
+        summary["sim_cpu_s"] = time.process_time() - cpu0
+        return SimResult(summary, self.cfg.describe(), trace.summary(), time.perf_counter() - wall0, stopped,
+                         per_replica, list(self.scaler.trace.points) if self.scaler else [])
+
+    def _scale_tick(self, now: float) -> None:
+        ready = list(self.routable)
+        desired, _ = self.scaler.decide(ready, len(self.pending), now)
+        if desired != len(ready) + len(self.pending):
+            self._scale_to(desired, now)
+
+    # ---- for stop predicates -------------------------------------------------------------------
+
+    def unstarted_late(self, now: float, late_s: float) -> int:
+        """Requests not yet given their first token whose scheduling delay already exceeds `late_s`."""
+        k = 0
+        for r in self.replicas:
+            for queue in (r.scheduler.waiting, r.scheduler.running):
+                for req in queue:
+                    if req.output_token_ids:
+                        continue
+                    first = now if req.first_scheduled_time is None else req.first_scheduled_time
+                    if first - req.arrival_time > late_s:
+                        k += 1
+        return k
+
+
+def simulate(cfg: SimConfig, trace: Trace, progress: bool = False, **kw: Any) -> SimResult:
+    return Simulator(cfg, trace).run(progress=progress, **kw)

@@ -1,0 +1,140 @@
+"""Simulated traffic: token lengths from a named workload and an arrival process, as numpy arrays.
+
+Lengths are lognormal (`loadtests.workloads.LengthDist`, fitted to a published median and P90,
+see profiles.json) with prompt + output capped at the workload's `max_total`. The simulator only
+needs lengths, so no token ids are drawn. Arrival processes:
+
+- `poisson`: exponential gaps at `rate` req/s.
+- `bursty`: gamma-distributed gaps with coefficient of variation `cv` (> 1 is burstier than Poisson).
+- `diurnal`: a Poisson process whose rate follows `lo + (hi - lo) * (1 - cos(2 pi t / period)) / 2`.
+- `step`: `lo` req/s until `at_s`, then `hi`.
+
+Capacity search rescales one draw of unit-rate gaps (`Trace.at_rate`), so every rate of a
+bisection sees the same requests in the same order, only faster or slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from loadtests.sim.costmodel import load_profiles
+from loadtests.workloads import LengthDist
+
+Z90 = 1.2815515655446004  # standard normal quantile at 0.9
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests ordered by arrival: arrival time (s), prompt tokens, output tokens."""
+
+    name: str
+    arrival_s: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.arrival_s[-1]) if len(self) else 0.0
+
+    def at_rate(self, rate: float) -> Trace:
+        """The same requests with arrival times scaled to `rate` (for traces drawn at rate 1)."""
+        base = self.settings.get("rate", 1.0)
+        return dataclasses.replace(self, arrival_s=self.arrival_s * (base / rate),
+                                   settings={**self.settings, "rate": rate})
+
+    def head(self, n: int) -> Trace:
+        return dataclasses.replace(self, arrival_s=self.arrival_s[:n], prompt_len=self.prompt_len[:n],
+                                   output_len=self.output_len[:n])
+
+    def summary(self) -> dict[str, Any]:
+        p, o = self.prompt_len, self.output_len
+        return {"name": self.name, "num_requests": len(self), "duration_s": round(self.duration_s, 3),
+                "prompt_p50": float(np.median(p)), "prompt_mean": float(p.mean()), "prompt_max": int(p.max()),
+                "output_p50": float(np.median(o)), "output_mean": float(o.mean()), "output_max": int(o.max()),
+                **{k: v for k, v in self.settings.items() if not isinstance(v, dict)}}
+
+
+def length_dist(spec: dict[str, Any]) -> LengthDist:
+    """A lognormal `LengthDist` from a {median, p90, lo, hi} spec."""
+    sigma = math.log(spec["p90"] / spec["median"]) / Z90
+    return LengthDist(spec.get("kind", "lognormal"), spec["median"], spec["lo"], spec["hi"], sigma=sigma)
+
+
+def lengths(workload: str, n: int, rng: np.random.Generator,
+            profiles: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of `n` requests of a named workload (profiles.json)."""
+    spec = (profiles or load_profiles())["workloads"][workload]
+    prompt = np.array(length_dist(spec["prompt"]).sample(rng, n), dtype=np.int64)
+    output = np.array(length_dist(spec["output"]).sample(rng, n), dtype=np.int64)
+    # Cap prompt + output at max_total, shortening the prompt first (its tail is the long one).
+    prompt = np.minimum(prompt, spec["max_total"] - output)
+    return prompt, output
+
+
+# ---- arrival processes ---------------------------------------------------------------------
+
+
+def poisson(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    return np.cumsum(rng.exponential(1.0 / rate, n))
+
+
+def bursty(rng: np.random.Generator, n: int, rate: float, cv: float = 3.0) -> np.ndarray:
+    shape = 1.0 / (cv * cv)  # gamma gaps: mean 1/rate, CV = 1/sqrt(shape)
+    return np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
+
+
+def diurnal(rng: np.random.Generator, duration_s: float, lo: float, hi: float, period_s: float,
+            phase_s: float = 0.0) -> np.ndarray:
+    """Non-homogeneous Poisson arrivals by thinning a rate-`hi` process."""
+    t = np.cumsum(rng.exponential(1.0 / hi, int(hi * duration_s * 1.2) + 100))
+    t = t[t < duration_s]
+    rate = lo + (hi - lo) * (1.0 - np.cos(2 * math.pi * (t + phase_s) / period_s)) / 2.0
+    return t[rng.random(len(t)) < rate / hi]
+
+
+def step(rng: np.random.Generator, duration_s: float, lo: float, hi: float, at_s: float) -> np.ndarray:
+    first = np.cumsum(rng.exponential(1.0 / lo, int(lo * at_s * 1.5) + 100))
+    first = first[first < at_s]
+    second = at_s + np.cumsum(rng.exponential(1.0 / hi, int(hi * (duration_s - at_s) * 1.5) + 100))
+    return np.concatenate([first, second[second < duration_s]])
+
+
+def make_trace(workload: str, arrivals: str = "poisson", *, n: int | None = None, rate: float = 1.0,
+               seed: int = 0, cv: float = 3.0, duration_s: float | None = None, lo: float | None = None,
+               hi: float | None = None, period_s: float | None = None, at_s: float | None = None) -> Trace:
+    """A trace of a named workload under an arrival process (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    if arrivals == "poisson":
+        t = poisson(rng, _need(n, "n"), rate)
+    elif arrivals == "bursty":
+        t = bursty(rng, _need(n, "n"), rate, cv)
+    elif arrivals == "diurnal":
+        t = diurnal(rng, _need(duration_s, "duration_s"), _need(lo, "lo"), _need(hi, "hi"),
+                    period_s or _need(duration_s, "duration_s"))
+    elif arrivals == "step":
+        t = step(rng, _need(duration_s, "duration_s"), _need(lo, "lo"), _need(hi, "hi"),
+                 at_s if at_s is not None else _need(duration_s, "duration_s") / 3)
+    else:
+        raise ValueError(f"arrivals must be poisson|bursty|diurnal|step, got {arrivals!r}")
+    prompt, output = lengths(workload, len(t), rng)
+    settings = {"workload": workload, "arrivals": arrivals, "seed": seed}
+    settings.update({k: v for k, v in dict(rate=rate if arrivals in ("poisson", "bursty") else None,
+                                           cv=cv if arrivals == "bursty" else None, lo=lo, hi=hi,
+                                           period_s=period_s, at_s=at_s, duration_s=duration_s).items()
+                     if v is not None})
+    return Trace(workload, t, prompt, output, settings)
+
+
+def _need(value: Any, name: str) -> Any:
+    if value is None:
+        raise ValueError(f"{name} is required for this arrival process")
+    return value

@@ -1,0 +1,218 @@
+"""Fixed-seed workload generators shared by the engine benchmark, Locust, the sweep and the simulator.
+
+A workload is a list of requests, each with prompt token ids, an exact output length
+(`max_tokens`, run with `ignore_eos`) and an arrival offset in seconds from the start of
+the run. Everything derives from one seed, so every system in a benchmark sees the same
+prompts, the same lengths and the same arrival schedule.
+
+- `chat_workload`: ShareGPT-like heavy-tailed prompt and output lengths (clipped lognormal
+  by default), all arriving at t=0 (offline throughput) unless a Poisson rate is given.
+- `long_prompt_workload`: short requests all decoding, while a few long prompts arrive at
+  intervals: the case where a prefill-first scheduler stalls every running stream.
+- `poisson_arrivals` / `with_poisson_arrivals`: an open-loop arrival schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+DistKind = Literal["lognormal", "pareto", "uniform", "fixed"]
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A token-length distribution, clipped to [lo, hi].
+
+    lognormal: `median` and `sigma` (of the underlying normal); p99/p50 = exp(2.326 sigma).
+    pareto: scale `median / 2**(1/alpha)` so the median is `median`; tail index `alpha`.
+    uniform: integers in [lo, hi]. fixed: always `median`.
+    """
+
+    kind: DistKind
+    median: float
+    lo: int
+    hi: int
+    sigma: float = 1.0
+    alpha: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("lognormal", "pareto", "uniform", "fixed"):
+            raise ValueError(f"kind must be lognormal|pareto|uniform|fixed, got {self.kind!r}")
+        if not 1 <= self.lo <= self.hi:
+            raise ValueError(f"need 1 <= lo <= hi, got lo={self.lo}, hi={self.hi}")
+        if self.median <= 0 or self.sigma <= 0 or self.alpha <= 0:
+            raise ValueError("median, sigma and alpha must be > 0")
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        """`n` integer lengths in [lo, hi]."""
+        if self.kind == "lognormal":
+            x = rng.lognormal(math.log(self.median), self.sigma, n)
+        elif self.kind == "pareto":
+            scale = self.median / 2 ** (1 / self.alpha)
+            x = scale * (1.0 + rng.pareto(self.alpha, n))  # classic Pareto with x_min = scale
+        elif self.kind == "uniform":
+            x = rng.integers(self.lo, self.hi + 1, n).astype(float)
+        else:
+            x = np.full(n, float(self.median))
+        return [int(v) for v in np.clip(np.rint(x), self.lo, self.hi)]
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request: what to send, how many tokens to generate, when (seconds from start)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0
+    kind: str = "default"  # a label for per-class metrics ("short", "long", ...)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def total_len(self) -> int:
+        """KV tokens this request needs at its end: prompt + output."""
+        return self.prompt_len + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named list of requests, ordered by arrival, plus the settings that made it."""
+
+    name: str
+    requests: list[WorkloadRequest]
+    seed: int
+    settings: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [r.prompt_len for r in self.requests]
+
+    @property
+    def output_lens(self) -> list[int]:
+        return [r.max_tokens for r in self.requests]
+
+    @property
+    def max_total_len(self) -> int:
+        return max(r.total_len for r in self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        """Arrival offset of the last request."""
+        return max((r.arrival_s for r in self.requests), default=0.0)
+
+    def summary(self) -> dict:
+        """Sizes as plain numbers, for table headers and JSON."""
+        p, o = np.array(self.prompt_lens), np.array(self.output_lens)
+        return {
+            "name": self.name, "seed": self.seed, "num_requests": len(self),
+            "prompt_tokens": int(p.sum()), "output_tokens": int(o.sum()),
+            "prompt_len_p50": float(np.median(p)), "prompt_len_max": int(p.max()),
+            "output_len_p50": float(np.median(o)), "output_len_max": int(o.max()),
+            "max_total_len": self.max_total_len, "last_arrival_s": round(self.duration_s, 3),
+            "settings": self.settings,
+        }
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "seed": self.seed, "settings": self.settings,
+                "requests": [dataclasses.asdict(r) for r in self.requests]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Workload:
+        return cls(d["name"], [WorkloadRequest(**r) for r in d["requests"]], d["seed"],
+                   d.get("settings", {}))
+
+
+# ---- building blocks ------------------------------------------------------------------
+
+
+def random_prompt(rng: np.random.Generator, length: int, vocab_size: int,
+                  avoid_ids: Iterable[int] = ()) -> list[int]:
+    """`length` uniform random token ids in [0, vocab_size), none of them in `avoid_ids`."""
+    avoid = np.array(sorted(set(avoid_ids)), dtype=np.int64)
+    allowed = vocab_size - len(avoid)
+    if allowed <= 0:
+        raise ValueError("avoid_ids leaves no token to draw")
+    x = rng.integers(0, allowed, length)
+    # Map [0, allowed) onto the ids not avoided: shift each draw past the avoided ids below it.
+    for a in avoid:
+        x = x + (x >= a)
+    return [int(t) for t in x]
+
+
+def poisson_arrivals(rng: np.random.Generator, n: int, rate: float, start_s: float = 0.0) -> list[float]:
+    """Arrival offsets of a Poisson process with `rate` requests/s (exponential gaps)."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    gaps = rng.exponential(1.0 / rate, n)
+    return [float(start_s + t) for t in np.cumsum(gaps)]
+
+
+def with_poisson_arrivals(workload: Workload, rate: float, seed: int | None = None) -> Workload:
+    """The same requests re-timed as a Poisson process (the first arrives after one gap)."""
+    rng = np.random.default_rng(workload.seed if seed is None else seed)
+    times = poisson_arrivals(rng, len(workload), rate)
+    reqs = [dataclasses.replace(r, arrival_s=t) for r, t in zip(workload.requests, times)]
+    return Workload(workload.name, reqs, workload.seed, {**workload.settings, "poisson_rate": rate})
+
+
+# ---- workloads ----------------------------------------------------------------------
+
+# ShareGPT conversations have prompts and answers of a few hundred tokens with long tails;
+# scaled down here so a 2-core CPU runs a meaningful batch in seconds.
+CHAT_PROMPT = LengthDist("lognormal", median=128, sigma=0.9, lo=8, hi=1024)
+CHAT_OUTPUT = LengthDist("lognormal", median=64, sigma=0.9, lo=4, hi=512)
+
+
+def chat_workload(num_requests: int, vocab_size: int, seed: int = 0, *,
+                  prompt: LengthDist = CHAT_PROMPT, output: LengthDist = CHAT_OUTPUT,
+                  rate: float | None = None, avoid_ids: Sequence[int] = ()) -> Workload:
+    """Mixed heavy-tailed prompt/output lengths; all at t=0, or Poisson at `rate` req/s."""
+    rng = np.random.default_rng(seed)
+    plens, olens = prompt.sample(rng, num_requests), output.sample(rng, num_requests)
+    prompts = [random_prompt(rng, n, vocab_size, avoid_ids) for n in plens]
+    times = poisson_arrivals(rng, num_requests, rate) if rate else [0.0] * num_requests
+    reqs = [WorkloadRequest(f"chat-{i}", p, o, t, "chat")
+            for i, (p, o, t) in enumerate(zip(prompts, olens, times))]
+    settings = {"prompt": dataclasses.asdict(prompt), "output": dataclasses.asdict(output),
+                "rate": rate}
+    return Workload("chat", reqs, seed, settings)
+
+
+def long_prompt_workload(vocab_size: int, seed: int = 0, *, num_short: int = 16,
+                         short_prompt: LengthDist = LengthDist("lognormal", 64, 32, 128, sigma=0.25),
+                         short_output: LengthDist = LengthDist("lognormal", 128, 96, 192, sigma=0.15),
+                         num_long: int = 4,
+                         long_prompt: LengthDist = LengthDist("uniform", 1750, 1500, 2000),
+                         long_output: int = 16, first_long_s: float = 0.5,
+                         long_interval_s: float = 1.0,
+                         avoid_ids: Sequence[int] = ()) -> Workload:
+    """`num_short` short requests at t=0, then `num_long` long prompts every `long_interval_s`.
+
+    The long prompts arrive while the short ones decode; a scheduler that prefills a whole
+    prompt in a pass of its own pauses every short stream for that pass.
+    """
+    rng = np.random.default_rng(seed)
+    s_p, s_o = short_prompt.sample(rng, num_short), short_output.sample(rng, num_short)
+    l_p = long_prompt.sample(rng, num_long)
+    reqs = [WorkloadRequest(f"short-{i}", random_prompt(rng, p, vocab_size, avoid_ids), o, 0.0, "short")
+            for i, (p, o) in enumerate(zip(s_p, s_o))]
+    reqs += [WorkloadRequest(f"long-{i}", random_prompt(rng, p, vocab_size, avoid_ids), long_output,
+                             first_long_s + i * long_interval_s, "long")
+             for i, p in enumerate(l_p)]
+    settings = {"short_prompt": dataclasses.asdict(short_prompt),
+                "short_output": dataclasses.asdict(short_output),
+                "long_prompt": dataclasses.asdict(long_prompt), "long_output": long_output,
+                "first_long_s": first_long_s, "long_interval_s": long_interval_s}
+    return Workload("long_prompt", reqs, seed, settings)

@@ -1,0 +1,119 @@
+"""Workloads are pure functions of their seed: same seed, same requests; lengths stay in bounds
+and keep the heavy tail and arrival rate they are built to have."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadtests.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LengthDist, Workload, chat_workload,
+                                 long_prompt_workload, poisson_arrivals, random_prompt,
+                                 with_poisson_arrivals)
+
+VOCAB = 32000
+
+
+def test_chat_workload_is_deterministic_under_its_seed() -> None:
+    a, b = chat_workload(64, VOCAB, seed=7), chat_workload(64, VOCAB, seed=7)
+    assert a.requests == b.requests
+    c = chat_workload(64, VOCAB, seed=8)
+    assert a.prompt_lens != c.prompt_lens
+    assert a.requests[0].prompt_token_ids != c.requests[0].prompt_token_ids
+
+
+def test_long_prompt_workload_is_deterministic_under_its_seed() -> None:
+    assert long_prompt_workload(VOCAB, seed=3).requests == long_prompt_workload(VOCAB, seed=3).requests
+
+
+def test_chat_lengths_stay_in_bounds_and_ids_in_vocab() -> None:
+    w = chat_workload(500, VOCAB, seed=0, avoid_ids=[0, 1, 2])
+    assert all(CHAT_PROMPT.lo <= n <= CHAT_PROMPT.hi for n in w.prompt_lens)
+    assert all(CHAT_OUTPUT.lo <= n <= CHAT_OUTPUT.hi for n in w.output_lens)
+    ids = np.concatenate([r.prompt_token_ids for r in w.requests])
+    assert ids.min() >= 3 and ids.max() < VOCAB
+    assert all(r.arrival_s == 0.0 for r in w.requests)
+    assert len({r.request_id for r in w.requests}) == 500
+
+
+def test_chat_lengths_are_heavy_tailed() -> None:
+    """ShareGPT-like: p99 several times the median, mean above the median (right skew)."""
+    w = chat_workload(4000, VOCAB, seed=0)
+    for lens in (np.array(w.prompt_lens), np.array(w.output_lens)):
+        p50, p99 = np.percentile(lens, [50, 99])
+        assert 4.0 < p99 / p50 < 10.0  # lognormal sigma 0.9: exp(2.326 * 0.9) = 8.1 before clipping
+        assert lens.mean() > 1.2 * p50
+    assert abs(np.median(w.prompt_lens) - CHAT_PROMPT.median) / CHAT_PROMPT.median < 0.1
+    assert abs(np.median(w.output_lens) - CHAT_OUTPUT.median) / CHAT_OUTPUT.median < 0.1
+
+
+def test_pareto_median_and_tail() -> None:
+    d = LengthDist("pareto", median=100, lo=1, hi=100_000, alpha=1.5)
+    x = np.array(d.sample(np.random.default_rng(0), 20_000))
+    assert abs(np.median(x) - 100) < 5
+    # Pareto: P(X > x) = (scale / x) ** alpha, so p99 / p50 = (100 / 2) ** (1 / alpha) = 13.6.
+    assert 11 < np.percentile(x, 99) / np.median(x) < 16
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "pareto", "uniform", "fixed"])
+def test_every_length_dist_is_clipped(kind: str) -> None:
+    d = LengthDist(kind, median=50, lo=10, hi=60, sigma=2.0, alpha=0.5)
+    x = d.sample(np.random.default_rng(1), 2000)
+    assert min(x) >= 10 and max(x) <= 60 and all(isinstance(v, int) for v in x)
+
+
+def test_length_dist_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError, match="lo"):
+        LengthDist("lognormal", median=10, lo=20, hi=10)
+    with pytest.raises(ValueError, match="kind"):
+        LengthDist("zipf", median=10, lo=1, hi=10)  # type: ignore[arg-type]
+
+
+def test_random_prompt_avoids_ids_and_covers_the_rest() -> None:
+    ids = random_prompt(np.random.default_rng(0), 20_000, vocab_size=10, avoid_ids=[0, 4, 9])
+    assert set(ids) == {1, 2, 3, 5, 6, 7, 8}
+    counts = np.bincount(ids, minlength=10)[[1, 2, 3, 5, 6, 7, 8]]
+    assert counts.min() > 0.8 * 20_000 / 7  # still uniform over the allowed ids
+
+
+def test_poisson_rate_is_roughly_right() -> None:
+    times = poisson_arrivals(np.random.default_rng(0), 5000, rate=4.0)
+    assert all(b > a for a, b in zip(times, times[1:]))
+    assert abs(len(times) / times[-1] - 4.0) < 0.2
+    gaps = np.diff(times)
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.1  # exponential gaps: CV = 1
+
+
+def test_with_poisson_arrivals_keeps_requests_and_retimes_them() -> None:
+    w = chat_workload(200, VOCAB, seed=0)
+    p = with_poisson_arrivals(w, rate=10.0)
+    assert [r.prompt_token_ids for r in p.requests] == [r.prompt_token_ids for r in w.requests]
+    assert p.requests == with_poisson_arrivals(w, rate=10.0).requests
+    assert 10.0 < p.duration_s < 30.0  # 200 requests at 10/s: about 20 s
+    assert p.settings["poisson_rate"] == 10.0
+
+
+def test_chat_with_rate_arrives_over_time() -> None:
+    w = chat_workload(100, VOCAB, seed=0, rate=5.0)
+    assert [r.arrival_s for r in w.requests] == sorted(r.arrival_s for r in w.requests)
+    assert w.requests[-1].arrival_s > 10.0
+
+
+def test_long_prompt_workload_shape() -> None:
+    """Short requests at t=0; long prompts later, one interval apart, while shorts decode."""
+    w = long_prompt_workload(VOCAB, seed=0, num_short=16, num_long=4, first_long_s=0.5,
+                             long_interval_s=1.0)
+    shorts = [r for r in w.requests if r.kind == "short"]
+    longs = [r for r in w.requests if r.kind == "long"]
+    assert len(shorts) == 16 and len(longs) == 4
+    assert all(r.arrival_s == 0.0 and 32 <= r.prompt_len <= 128 and 96 <= r.max_tokens <= 192
+               for r in shorts)
+    assert [r.arrival_s for r in longs] == [0.5, 1.5, 2.5, 3.5]
+    assert all(1500 <= r.prompt_len <= 2000 and r.max_tokens == 16 for r in longs)
+    assert w.max_total_len == max(r.prompt_len for r in longs) + 16
+
+
+def test_workload_round_trips_through_a_dict() -> None:
+    w = long_prompt_workload(VOCAB, seed=0, num_short=2, num_long=1)
+    assert Workload.from_dict(w.to_dict()) == w
+    s = w.summary()
+    assert s["num_requests"] == 3 and s["output_tokens"] == sum(w.output_lens)
