@@ -17,6 +17,9 @@ from replicas.deployment import ReplicaConfig
 from replicas.models import DEFAULT_MODEL
 
 
+_ENGINE = EngineConfig()  # engine defaults are defined once, in EngineConfig
+
+
 class AppArgs(BaseModel):
     """Everything `serve run serve_config.yaml` can set for one model application."""
 
@@ -32,20 +35,20 @@ class AppArgs(BaseModel):
 
     # ---- engine budgets (EngineConfig) -----------------------------------------------
     policy: Literal["stall_free", "dynamic", "static"] = "stall_free"
-    max_batch_prefill_tokens: int = Field(512, description="token budget of one forward pass "
+    max_batch_prefill_tokens: int = Field(_ENGINE.max_batch_prefill_tokens, description="token budget of one forward pass "
                                           "(the prefill chunk size under stall_free)")
     max_batch_total_tokens: int | None = Field(None, description="KV capacity in tokens; "
                                                "None: from kv_cache_memory_bytes")
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int = _ENGINE.kv_cache_memory_bytes
     kv_cache_memory_fraction: float | None = Field(None, gt=0, lt=1, description="KV cache as a "
                                                    "fraction of the memory free after the weights "
                                                    "load (GPU memory, or RAM on CPU); replaces "
                                                    "kv_cache_memory_bytes")
-    block_size: int = 16
-    max_num_seqs: int = 128
+    block_size: int = _ENGINE.block_size
+    max_num_seqs: int = _ENGINE.max_num_seqs
     max_model_len: int | None = None
-    priority_aging_s: float = 5.0
-    seed: int = 0
+    priority_aging_s: float = _ENGINE.priority_aging_s
+    seed: int = _ENGINE.seed
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per "
                                       "replica; None: the replica's num_cpus (at least 1)")
 
