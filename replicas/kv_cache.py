@@ -49,6 +49,9 @@ class BlockManager:
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to cover `num_tokens`; all or nothing."""
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            return True  # already covered: most decode steps
         need = self.num_new_blocks(request_id, num_tokens)
         if need > len(self._free):
             return False

@@ -136,16 +136,16 @@ class Scheduler:
             self._schedule_dynamic(out)
         else:
             self._schedule_static(out)
-        for seq in out.seqs:
+        for seq in out.prefills:  # a decoding request was first scheduled for its prompt
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
         return out
 
     def _schedule_stall_free(self, out: SchedulerOutput) -> None:
-        self._schedule_decodes(out)
+        prefilling = self._schedule_decodes(out)
         budget = self.config.max_batch_prefill_tokens - len(out.decodes)
         # Prompts already started continue before new ones are admitted.
-        for req in [r for r in self.running if r.is_prefilling]:
+        for req in prefilling:
             if budget <= 0:
                 return
             budget -= self._schedule_chunk(out, req, budget, reserve=0)
@@ -196,22 +196,31 @@ class Scheduler:
 
     # ---- helpers ---------------------------------------------------------------------
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        """One token for every decoding request, most urgent first; preempt on KV shortage."""
+    def _schedule_decodes(self, out: SchedulerOutput) -> list[Request]:
+        """One token for every decoding request, most urgent first; preempt on KV shortage.
+
+        Returns the running requests that are still prefilling, most urgent first.
+        """
+        running, allocate, decodes = self.running, self.blocks.allocate, out.decodes
+        prefilling: list[Request] = []
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
+        while i < len(running):
+            req = running[i]
             if req.is_prefilling:
+                prefilling.append(req)
                 i += 1
                 continue
-            while not self.blocks.allocate(req.request_id, req.num_tokens):
-                victim = self.running[-1]  # least urgent, latest; never one already scheduled
+            while not allocate(req.request_id, req.num_tokens):
+                victim = running[-1]  # least urgent, latest; never one already scheduled
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.decodes.append(ScheduledSeq(req, req.num_computed_tokens, 1))
+                decodes.append(ScheduledSeq(req, req.num_computed_tokens, 1))
                 i += 1
+        if out.preempted:  # a preempted request left `running`
+            prefilling = [r for r in prefilling if r.status == RequestStatus.RUNNING]
+        return prefilling
 
     def _schedule_chunk(self, out: SchedulerOutput, req: Request, limit: int, reserve: int) -> int:
         """Schedule up to `limit` of the request's remaining tokens as one chunk."""
