@@ -35,14 +35,11 @@ def write_json(path: Path, data: Any) -> None:
 
 def table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]]) -> None:
     """Print rows as a fixed-width table; cols are (key, header, format)."""
-    widths = [max(len(h), 10) for _, h, _ in cols]
+    cells = [["-" if r.get(k) is None else format(r[k], fmt) for k, _, fmt in cols] for r in rows]
+    widths = [max([len(h), 8] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(cols)]
     print("  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths)))
-    for r in rows:
-        cells = []
-        for (k, _, fmt), w in zip(cols, widths):
-            v = r.get(k)
-            cells.append(("-" if v is None else format(v, fmt)).rjust(w))
-        print("  ".join(cells))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
 def cmd_run(a: argparse.Namespace) -> None:
@@ -100,11 +97,12 @@ def cmd_autoscale(a: argparse.Namespace) -> None:
                         ("slo_attainment", "SLO att.", ".3f"), ("tbt_attainment", "TBT att.", ".3f"),
                         ("ttft_p99_s", "p99 TTFT s", ".2f"), ("tbt_p99_s", "p99 TBT s", ".3f"),
                         ("replica_seconds", "replica-s", ".0f"), ("max_replicas", "max repl.", "d")])
+    timelines = res.pop("timelines")
     write_json(a.json, res)
     with open(a.csv, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["scenario", "t", "ready", "provisioned", "desired", "reason"])
-        for name, points in res["timelines"].items():
+        for name, points in timelines.items():
             for p in points:
                 w.writerow([name, f"{p['t']:.1f}", p["ready"], p["provisioned"], p["desired"], p["reason"]])
     print(f"wrote {a.csv}")

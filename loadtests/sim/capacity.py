@@ -36,7 +36,7 @@ class Criteria:
 
 def certain_failure(crit: Criteria, trace: Trace, spec_rejects: Callable[[int, int], Any]
                     ) -> Callable[[Simulator, float], str | None]:
-    """A stop predicate that fires once the run cannot pass any more."""
+    """A stop predicate that fires once the run cannot pass any more (gaps count as requests finish)."""
     kept = [o for p, o in zip(trace.prompt_len.tolist(), trace.output_len.tolist()) if not spec_rejects(p, o)]
     total_gaps = sum(max(o - 1, 0) for o in kept)
     allowed_over = total_gaps - math.ceil(0.99 * total_gaps)  # more than this and P99 > SLO

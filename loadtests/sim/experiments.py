@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -188,13 +187,10 @@ def speed(num_requests: int = 100_000, replicas: int = 64, per_replica_rps: floa
     trace = make_trace(workload, "poisson", n=num_requests, rate=replicas * per_replica_rps, seed=seed)
     res = Simulator(SimConfig(spec, replicas, router=router), trace).run(progress=progress, desc="speed")
     s = res.summary
-    tokens = s["iterations"] and int(trace.output_len.sum() + trace.prompt_len.sum())
     return {"num_requests": num_requests, "replicas": replicas, "router": router, "policy": policy,
             "workload": workload, "rate_rps": replicas * per_replica_rps, "wall_s": res.wall_s,
             "cpu_s": s["sim_cpu_s"], "iterations": s["iterations"], "output_tokens": int(trace.output_len.sum()),
-            "tokens": tokens, "simulated_s": s["duration_s"], "loadavg": os.getloadavg(),
+            "us_per_output_token": s["sim_cpu_s"] / int(trace.output_len.sum()) * 1e6,
+            "prompt_tokens": int(trace.prompt_len.sum()), "simulated_s": s["duration_s"], "loadavg": os.getloadavg(),
             "summary": {k: s[k] for k in ("ttft_p99_s", "tbt_p99_s", "slo_attainment", "throughput_rps")}}
 
-
-def with_budget(spec: Any, mbp: int) -> Any:
-    return replace(spec, engine=spec.engine.replace(max_batch_prefill_tokens=mbp))

@@ -1,9 +1,10 @@
 """What a simulation measures: per-request latencies, pooled TBT, SLO attainment, goodput.
 
 TBT (time between tokens) is pooled over every decode gap of every request, the way Sarathi-Serve
-reports P99 TBT. Tens of millions of gaps do not fit in memory at cluster scale: they are
-appended to a flat buffer that is folded into a histogram of `bin_s` (0.1 ms) bins every million
-gaps; percentiles are exact to one bin. Requests keep scalars only.
+reports P99 TBT. A request's gaps are taken from its token times when it finishes (numpy, off the
+per-token path); tens of millions of gaps do not fit in memory at cluster scale, so they are
+folded into a histogram of `bin_s` (0.1 ms) bins every million gaps; percentiles are exact to
+one bin. Finished requests leave scalars only.
 
 SLO attainment, per request (DistServe's goodput definition): TTFT <= ttft_slo and TPOT (the
 request's mean TBT) <= tbt_slo. `no_stall_attainment` asks more: the request's worst gap is
@@ -13,7 +14,6 @@ request's mean TBT) <= tbt_slo. `no_stall_attainment` asks more: the request's w
 from __future__ import annotations
 
 import math
-from array import array
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,8 @@ class Recorder:
         self.inv_bin = 1.0 / bin_s
         self.bin_s = bin_s
         self.top = int(max_s / bin_s)
-        self.gaps = array("d")  # gaps not yet folded into the histogram
+        self._chunks: list[np.ndarray] = []  # gaps not yet folded into the histogram
+        self._buffered = 0
         self.hist = np.zeros(self.top, dtype=np.int64)  # gap g counts in bin int(g / bin_s)
         self.overflow: list[float] = []  # exact gaps of max_s and more
         self.num_gaps = 0
@@ -58,12 +59,19 @@ class Recorder:
 
     FLUSH_EVERY = 1 << 20
 
+    def add_gaps(self, gaps: np.ndarray) -> None:
+        self._chunks.append(gaps)
+        self._buffered += len(gaps)
+        if self._buffered > self.FLUSH_EVERY:
+            self.flush()
+
     def flush(self) -> None:
         """Fold buffered gaps into the histogram (and the over-SLO count)."""
-        if not self.gaps:
+        if not self._chunks:
             return
-        g = np.frombuffer(self.gaps, dtype=np.float64).copy()
-        del self.gaps[:]
+        g = np.concatenate(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
         self.num_gaps += len(g)
         self.num_over_slo += int((g > self.tbt_slo_s).sum())
         k = (g * self.inv_bin).astype(np.int64)

@@ -3,14 +3,17 @@
 `start_iteration` is the engine's `schedule()` call; instead of running the model, the cost model
 says how long the pass takes. `finish_iteration` is the engine's postprocess at the pass's end
 time (replicas/engine.py `_postprocess`): every scheduled sequence advances by its tokens, those
-that sample get one output token stamped with that time, and a request that reached max_tokens
-finishes with FINISHED_LENGTH (ignore_eos: the simulator has no token values).
+that sample get one output token and a `token_times` stamp at that time, and a request that
+reached max_tokens finishes with FINISHED_LENGTH (ignore_eos: the simulator has no token
+values). Its latencies are read off its token times when it finishes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from autoscale.load import ReplicaLoad, SlidingWindow
 from loadtests.sim.costmodel import CostModel, batch_features
@@ -86,7 +89,6 @@ class SimReplica:
         self.window = SlidingWindow(tbt_window_s, 4096) if tbt_window_s else None
         self.pending_tbt: list[float] | None = [] if tbt_window_s else None
         self.log: list[tuple[float, float, int, int, int, int]] | None = [] if log_iterations else None
-        self._last: dict[Request, list[float]] = {}  # request -> [last token time, worst gap, first token time]
         self.draining = False
         self.start_t = 0.0
         self.ready_t = 0.0
@@ -119,9 +121,7 @@ class SimReplica:
     def finish_iteration(self, now: float) -> None:
         """The engine's postprocess at the pass's end time `now`."""
         batch, self.batch = self.batch, None
-        rec, last = self.rec, self._last
-        add_gap = rec.gaps.append
-        pending = self.pending_tbt
+        rec, pending = self.rec, self.pending_tbt
         for seqs in (batch.decodes, batch.prefills):
             for seq in seqs:
                 req = seq.request
@@ -130,37 +130,31 @@ class SimReplica:
                     continue
                 out = req.output_token_ids
                 out.append(0)
-                r = last.get(req)
-                if r is None:  # first token
-                    last[req] = [now, 0.0, now]
+                times = req.token_times
+                if not times:  # first token
                     i = int(req.request_id)
                     rec.ttft[i] = now - req.arrival_time
                     rec.sched_delay[i] = delay = req.first_scheduled_time - req.arrival_time
                     if delay > rec.late_start_s:
                         rec.num_late_start += 1
-                else:
-                    gap = now - r[0]
-                    r[0] = now
-                    if gap > r[1]:
-                        r[1] = gap
-                    add_gap(gap)
-                    if pending is not None:
-                        pending.append(gap)
+                elif pending is not None:  # the scaler's TBT window wants gaps as they happen
+                    pending.append(now - times[-1])
+                times.append(now)
                 if len(out) >= req.params.max_tokens:
                     self.scheduler.finish(req, FINISHED)
                     self._finished(req, now)
-        if len(rec.gaps) > rec.FLUSH_EVERY:
-            rec.flush()
 
     def _finished(self, req: Request, now: float) -> None:
-        r = self._last.pop(req)
         rec = self.rec
         i = int(req.request_id)
-        n = len(req.output_token_ids)
+        times = req.token_times
+        n = len(times)
         rec.e2e[i] = now - req.arrival_time
         if n > 1:
-            rec.max_gap[i] = r[1]
-            rec.mean_gap[i] = (r[0] - r[2]) / (n - 1)  # TPOT
+            gaps = np.diff(np.array(times))
+            rec.add_gaps(gaps)
+            rec.max_gap[i] = float(gaps.max())
+            rec.mean_gap[i] = (times[-1] - times[0]) / (n - 1)  # TPOT
         rec.preemptions[i] = req.num_preemptions
         rec.num_finished += 1
         rec.output_tokens += n
