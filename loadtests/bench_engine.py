@@ -14,6 +14,8 @@ capacity: what 16 padded sequences of the workload's longest request hold.
 Metrics per system: output tokens/s = output tokens / (last token - first arrival);
 TTFT = first token - arrival; TBT = gaps between a request's consecutive tokens, pooled.
 This machine is shared and noisy: compare ratios measured in one run, not absolute figures.
+With other processes on the cores, 2-thread torch ops wait on a descheduled sibling thread
+(every op of a step pays a scheduler slice); `--threads 1 --repeats 3` is far steadier there.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 
 HF_BATCH = 16  # static padded batch size of the HF `generate` baseline
-ENGINE_POLICIES = ("static", "dynamic", "stall_free")
 
 
 @dataclass
@@ -161,6 +162,7 @@ def run_hf_cb(model, pad_id: int, workload: Workload, kv_tokens: int, max_batch_
                                                eos_token_id=-1, pad_token_id=pad_id)
     manager = model.init_continuous_batching(generation_config=gen_config,
                                              continuous_batching_config=cb_config)
+    attn = model.config._attn_implementation  # what the manager runs with (it may restore on stop)
     manager.start()
     try:
         _cb_collect(manager, [WorkloadRequest("warmup", [5, 6, 7, 8], 3)], time.perf_counter())
@@ -172,7 +174,7 @@ def run_hf_cb(model, pad_id: int, workload: Workload, kv_tokens: int, max_batch_
     finally:
         manager.stop(block=True, timeout=10)
         manager.destroy()
-    info = {"attn_implementation": model.config._attn_implementation, "page_size": page,
+    info = {"attn_implementation": attn, "page_size": page,
             "num_blocks": cb_config.num_blocks, "max_batch_tokens": max_batch_tokens,
             "max_requests_per_batch": max_seqs, "allow_block_sharing": False}
     traces = []

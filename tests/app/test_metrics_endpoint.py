@@ -42,8 +42,11 @@ def test_metrics_are_exported_with_names_labels_and_counts(serve_app, ray_serve)
     assert bad.status_code == 400
 
     def moved(samples: dict) -> bool:
+        """Both the replica's and the ingress's metrics have been exported (separate processes)."""
         done = total(samples, PREFIX + "request_success_total", finished_reason="length")
-        return done - total(before, PREFIX + "request_success_total", finished_reason="length") >= n
+        answered = total(samples, PREFIX + "http_responses_total", route="/v1/completions")
+        return (done - total(before, PREFIX + "request_success_total", finished_reason="length") >= n
+                and answered - total(before, PREFIX + "http_responses_total", route="/v1/completions") >= n + 1)
 
     deadline = time.monotonic() + 45
     after = scrape(port)
