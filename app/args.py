@@ -55,6 +55,9 @@ class AppArgs(BaseModel):
     # ---- replica behaviour -----------------------------------------------------------
     max_queued_tokens: int = Field(32_768, ge=1, description="prompt tokens a replica may hold "
                                    "waiting; beyond it requests get 429 + Retry-After")
+    queue_timeout_s: float | None = Field(10.0, gt=0, description="a request not scheduled this "
+                                          "long after it arrived gets 429 (None: no deadline); "
+                                          "also bounds what the queues admit (replicas/admission.py)")
     tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens SLO")
     wedge_timeout_s: float = Field(60.0, gt=0, description="one iteration longer than this "
                                    "fails the health check")
@@ -81,12 +84,18 @@ class AppArgs(BaseModel):
     target_ongoing_requests: float = Field(32.0, gt=0)
     max_ongoing_requests: int = Field(256, ge=1, description="per replica; admission is by "
                                       "tokens in the engine, so keep this well above 5")
+    max_queued_requests: int = Field(256, ge=1, description="requests waiting in each caller "
+                                     "(ingress) for an engine replica slot; beyond it 429")
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
-    ingress_replicas: int = Field(1, ge=1)
-    ingress_num_cpus: float = Field(0.1, ge=0)
+    ingress_replicas: int | None = Field(None, ge=1, description="None: 1 with one engine "
+                                         "replica, else 2")
+    ingress_num_cpus: float = Field(0.5, ge=0, description="reserved per ingress replica: HTTP, "
+                                    "JSON and tokenization must not starve under overload")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger bodies get 413")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body not received within "
+                                  "this gets 408")
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:
@@ -107,6 +116,13 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.model
 
     @property
+    def resolved_ingress_replicas(self) -> int:
+        if self.ingress_replicas is not None:
+            return self.ingress_replicas
+        engines = self.max_replicas if self.max_replicas is not None else self.num_replicas
+        return 1 if engines <= 1 else 2
+
+    @property
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -125,7 +141,7 @@ class AppArgs(BaseModel):
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             priority_aging_s=self.priority_aging_s, dtype=self.dtype, device=self.resolved_device,
             num_threads=self.resolved_torch_threads, trust_remote_code=self.trust_remote_code,
-            seed=self.seed)
+            seed=self.seed, queue_timeout_s=self.queue_timeout_s)
 
     def scaling_config(self) -> ScalingConfig:
         """The TBT-SLO autoscaling decision's parameters (autoscale.scaling)."""

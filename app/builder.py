@@ -27,6 +27,9 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         "name": LLM_DEPLOYMENT,
         # Admission is the engine's job, by tokens; Serve's default of 5 would throttle streams.
         "max_ongoing_requests": args.max_ongoing_requests,
+        # A backstop behind the door's token admission: Serve's own handle queue is bounded too
+        # (BackPressureError -> 429 in app.errors).
+        "max_queued_requests": args.max_queued_requests,
         "ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
@@ -57,7 +60,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     llm = serve.deployment(LLMServer).options(**llm_deployment_options(app_args))
     ingress = OpenAIIngress.options(
-        name=INGRESS_DEPLOYMENT, num_replicas=app_args.ingress_replicas,
+        name=INGRESS_DEPLOYMENT, num_replicas=app_args.resolved_ingress_replicas,
         max_ongoing_requests=app_args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus})
     return ingress.bind(llm.bind(app_args.replica_config()), app_args)

@@ -15,15 +15,26 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError,
+                                  RequestCancelledError)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.schemas import INVALID_UNICODE
 from replicas.deployment import RequestRejected
 
 logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                   413: "invalid_request_error", 429: "rate_limit_error"}
+                   408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+MAX_MESSAGE_CHARS = 1024  # an error message never echoes more of the client's input than this
+ENGINE_RETRY_AFTER_S = 1  # a dead engine replica is replaced (or another takes over) about this fast
+# A replica process that died or cannot be reached: the request may be retried (503).
+REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+
+
+class ClientDisconnected(Exception):
+    """The client went away: nothing to answer, nothing to log above INFO."""
 
 
 class OpenAIError(Exception):
@@ -32,6 +43,8 @@ class OpenAIError(Exception):
     def __init__(self, status_code: int, message: str, param: str | None = None,
                  code: str | None = None, error_type: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
         super().__init__(message)
         self.status_code, self.message, self.param, self.code = status_code, message, param, code
         self.error_type = error_type or _TYPE_BY_STATUS.get(status_code, "server_error")
@@ -61,11 +74,26 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, DeploymentUnavailableError):
         return OpenAIError(503, "no model replica is available; retry later",
                            code="engine_unavailable", headers={"Retry-After": "5"})
+    if replica_gone(exc):
+        return engine_unavailable()
+    if isinstance(exc, (RequestCancelledError, ClientDisconnected)):
+        logger.info("client disconnected; request cancelled")
+        return OpenAIError(499, "client disconnected", code="client_disconnected")
     logger.error("server fault while serving a request", exc_info=exc)
     return OpenAIError(500, f"internal server error ({type(exc).__name__})")
 
 
-def _find_cause(exc: BaseException, kind: type[RequestRejected]) -> RequestRejected | None:
+def replica_gone(exc: BaseException) -> bool:
+    """True when `exc` says the engine replica died or cannot be reached (safe to retry)."""
+    return isinstance(exc, REPLICA_GONE) or _find_cause(exc, REPLICA_GONE) is not None
+
+
+def engine_unavailable() -> OpenAIError:
+    return OpenAIError(503, "the model replica serving this request stopped; retry the request",
+                       code="engine_unavailable", headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+
+
+def _find_cause(exc: BaseException, kind: Any) -> Any:
     """Unwrap Ray's `RayTaskError` (`.cause`) and Python exception chains to find `kind`."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
@@ -86,6 +114,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if not errors:
         return OpenAIError(400, "invalid request")
     first = errors[0]
+    if first.get("type") == INVALID_UNICODE:
+        param = first.get("ctx", {}).get("param")
+        return OpenAIError(400, first.get("msg", "invalid Unicode"), param=param, code="invalid_unicode")
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                            code="invalid_json")

@@ -25,20 +25,23 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
-from app.errors import OpenAIError, from_exception, install_handlers
+from app.errors import OpenAIError, from_exception, install_handlers, replica_gone
 from app.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
 from app.streaming import (DONE, Collected, StreamMeta, chat_events, chat_response, collect,
                            completion_events, completion_response, sse)
-from replicas.deployment import RequestRejected, param_of
+from replicas.deployment import ReplicaUnhealthyError, RequestRejected, param_of
 from replicas.models import resolve_model_path
 from replicas.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
+START_ATTEMPTS = 3  # a request no replica has started is sent again when its replica died
+RETRY_BACKOFF_S = 0.2
 
 api = FastAPI(title="stallfree-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 install_handlers(api)
@@ -51,6 +54,18 @@ def load_tokenizer(model: str, trust_remote_code: bool = False) -> PreTrainedTok
     path = resolve_model_path(model)
     return AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path),
                                          trust_remote_code=trust_remote_code)
+
+
+async def _chain(first: Any, rest: DeploymentResponseGenerator) -> AsyncIterator[Any]:
+    """The replica's stream with its first output (already awaited) put back in front."""
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _retryable(exc: BaseException) -> bool:
+    """The replica died, or its engine loop did, before this request started: try another."""
+    return isinstance(exc, ReplicaUnhealthyError) or (isinstance(exc, Exception) and replica_gone(exc))
 
 
 async def _guarded(gen: DeploymentResponseGenerator, events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -84,6 +99,10 @@ class OpenAIIngress:
         # call from several threads at once) is only ever used from this one.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         api.state.max_body_bytes = args.max_body_bytes
+        api.state.body_timeout_s = args.body_timeout_s
+        self.gate = AdmissionGate(controller_fetch(args.controller_name, args.controller_namespace,
+                                                   getattr(llm, "app_name", None),
+                                                   getattr(llm, "deployment_name", "LLMServer")))
 
     # ---- routes ------------------------------------------------------------------------
 
@@ -114,10 +133,10 @@ class OpenAIIngress:
         else:
             ids = list(prompt)  # type: ignore[arg-type]
         meta = self._meta("cmpl", body)
-        gen = await self._start(meta.request_id, ids, body, body.max_tokens)
+        gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens)
         if body.stream:
-            return self._sse(gen, completion_events(meta, gen))
-        return completion_response(meta, await self._collect(gen))
+            return self._sse(gen, completion_events(meta, outputs))
+        return completion_response(meta, await self._collect(gen, outputs))
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
@@ -125,10 +144,10 @@ class OpenAIIngress:
         self._check_model(body)
         ids = await self._tokenizing(self._render_chat, body)
         meta = self._meta("chatcmpl", body)
-        gen = await self._start(meta.request_id, ids, body, body.requested_max_tokens)
+        gen, outputs = await self._start(meta.request_id, ids, body, body.requested_max_tokens)
         if body.stream:
-            return self._sse(gen, chat_events(meta, gen))
-        return chat_response(meta, await self._collect(gen))
+            return self._sse(gen, chat_events(meta, outputs))
+        return chat_response(meta, await self._collect(gen, outputs))
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -167,8 +186,13 @@ class OpenAIIngress:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _start(self, request_id: str, ids: list[int], body: GenerationRequest,
-                     max_tokens: int | None) -> DeploymentResponseGenerator:
-        """Send the request to a replica and wait for its acknowledgement (or refusal)."""
+                     max_tokens: int | None) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
+        """Admit at the door, send to a replica, and wait for its first output (or refusal).
+
+        Nothing is committed to the client (no 200, no SSE headers) until the request has its
+        first token, so a refusal found late (the queue deadline) is still a plain 429, and a
+        request whose replica died before starting it is sent again, to another replica.
+        """
         if max_tokens is None:  # chat default: whatever the context and KV cache leave
             info = await self.model_info()
             room = min(info["max_model_len"], info["max_batch_total_tokens"]) - len(ids)
@@ -178,23 +202,57 @@ class OpenAIIngress:
             SamplingParams(**params)  # ranges checked here, at the edge, once
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
-        gen = self.stream_llm.generate.remote(ids, params, body.priority, request_id)
+        self._admit(len(ids))
+        ticket = self.gate.admit(len(ids))
         try:
-            first = await gen.__anext__()
-        except BaseException as exc:
-            gen.cancel()
-            if isinstance(exc, Exception):
-                raise from_exception(exc) from None
-            raise
-        if isinstance(first, RequestRejected):
-            raise from_exception(first)
-        return gen
+            for attempt in range(1, START_ATTEMPTS + 1):
+                gen = self.stream_llm.generate.remote(ids, params, body.priority, request_id)
+                try:
+                    first = await self._first_output(gen)
+                except BaseException as exc:
+                    gen.cancel()
+                    if attempt < START_ATTEMPTS and _retryable(exc):
+                        logger.warning("request %s: replica unavailable before it started (%s); "
+                                       "retrying (%d/%d)", request_id, type(exc).__name__, attempt,
+                                       START_ATTEMPTS - 1)
+                        await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+                        continue
+                    if isinstance(exc, Exception):
+                        raise from_exception(exc) from None
+                    raise
+                return gen, _chain(first, gen)
+            raise AssertionError("unreachable")  # the last attempt returns or raises
+        finally:
+            self.gate.settle(ticket)
 
-    async def _collect(self, gen: DeploymentResponseGenerator) -> Collected:
+    def _admit(self, num_prompt_tokens: int) -> None:
+        """The door: 429 now, before any queue, when the replicas' queues have no room."""
+        decision = self.gate.decide(num_prompt_tokens)
+        if not decision.admitted:
+            retry = decision.retry_after_s or 1
+            raise OpenAIError(
+                429, f"the server is at capacity: {decision.queued_tokens} prompt tokens wait and "
+                f"this request adds {num_prompt_tokens}, over the bound of {decision.bound_tokens} "
+                f"the replicas' queues take; retry after {retry} s", code="rate_limit_exceeded",
+                headers={"Retry-After": str(retry)})
+
+    @staticmethod
+    async def _first_output(gen: DeploymentResponseGenerator) -> Any:
+        """The replica's first output after its acknowledgement; a refusal is raised."""
+        first = None
+        for _ in range(2):  # the acknowledgement, then the first token (or a late refusal)
+            first = await gen.__anext__()
+            if isinstance(first, RequestRejected):
+                raise first
+            if first.finished:
+                break
+        return first
+
+    async def _collect(self, gen: DeploymentResponseGenerator, outputs: AsyncIterator[Any]) -> Collected:
         """The whole generation (non-streaming); cancels the replica call if we stop early."""
         done = False
         try:
-            result = await collect(gen)
+            result = await collect(outputs)
             done = True
             return result
         except Exception as exc:

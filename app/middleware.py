@@ -1,7 +1,8 @@
-"""ASGI middleware that refuses oversized request bodies before anything parses them."""
+"""ASGI middleware that refuses oversized or stalled request bodies before anything parses them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -11,20 +12,27 @@ from app.errors import OpenAIError
 
 
 class BodyLimitMiddleware:
-    """Answer 413 when a body is larger than `app.state.max_body_bytes`.
+    """Answer 413 when a body is larger than `app.state.max_body_bytes`, 408 when it does not
+    arrive within `app.state.body_timeout_s`.
 
     A declared Content-Length over the limit is refused at once, unread; otherwise the body
     is read up to the limit (chunked uploads too) and replayed to the app, so a client
-    cannot make the server buffer more than the limit.
+    cannot make the server buffer more than the limit, nor hold a request open by stalling.
     """
 
-    def __init__(self, app: ASGIApp, default_limit: int = 1024 * 1024) -> None:
+    def __init__(self, app: ASGIApp, default_limit: int = 1024 * 1024,
+                 default_timeout_s: float = 30.0) -> None:
         self.app = app
         self.default_limit = default_limit
+        self.default_timeout_s = default_timeout_s
 
     def _limit(self, scope: Scope) -> int:
         state = getattr(scope.get("app"), "state", None)
         return int(getattr(state, "max_body_bytes", self.default_limit))
+
+    def _timeout_s(self, scope: Scope) -> float:
+        state = getattr(scope.get("app"), "state", None)
+        return float(getattr(state, "body_timeout_s", self.default_timeout_s))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -33,18 +41,26 @@ class BodyLimitMiddleware:
         limit = self._limit(scope)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await _refuse(send, limit)
+            await _refuse(send, _too_large(limit))
             return
+        timeout_s = self._timeout_s(scope)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                left = deadline - asyncio.get_running_loop().time()
+                message = await asyncio.wait_for(receive(), max(left, 0.0))
+            except (asyncio.TimeoutError, TimeoutError):
+                await _refuse(send, OpenAIError(408, f"the request body did not arrive within "
+                                                f"{timeout_s:g} s (body_timeout_s)", code="request_timeout"))
+                return
             if message["type"] != "http.request":  # the client left before sending it all
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > limit:
-                await _refuse(send, limit)
+                await _refuse(send, _too_large(limit))
                 return
             if not message.get("more_body", False):
                 break
@@ -75,13 +91,18 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _refuse(send: Send, limit: int) -> None:
-    err = OpenAIError(413, f"request body is larger than the limit of {limit} bytes "
-                      "(max_body_bytes)", code="request_too_large")
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"request body is larger than the limit of {limit} bytes (max_body_bytes)",
+                       code="request_too_large")
+
+
+async def _refuse(send: Send, err: OpenAIError) -> None:
     body = json.dumps(err.body()).encode()
     headers: list[Any] = [(b"content-type", b"application/json"),
                           (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    if err.status_code == 408:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

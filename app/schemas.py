@@ -11,9 +11,35 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationInfo,
-                      field_validator, model_serializer)
+                      field_validator, model_serializer, model_validator)
+from pydantic_core import PydanticCustomError
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+INVALID_UNICODE = "invalid_unicode"  # the pydantic error type `app.errors` maps to its field
+
+
+def find_invalid_unicode(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (key or value) that is not valid Unicode text.
+
+    JSON may spell lone surrogates (`"\\ud800"`); Python keeps them in the string, and the
+    tokenizer (and any UTF-8 encoder) fails on them, so they are refused at the edge.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if (found := find_invalid_unicode(key, where)) or (found := find_invalid_unicode(item, where)):
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := find_invalid_unicode(item, f"{path}.{i}" if path else str(i)):
+                return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +69,14 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := find_invalid_unicode(data)) is not None:
+            raise PydanticCustomError(INVALID_UNICODE, "{param}: invalid Unicode (a lone surrogate?)",
+                                      {"param": where})
+        return data
 
     @field_validator("n")
     @classmethod

@@ -85,6 +85,8 @@ class ReplicaLoad:
     iterations: int = 0  # forward passes since the previous report
     iteration_mean_s: float = 0.0
     iteration_max_s: float = 0.0
+    queue_bound_tokens: int = 0  # waiting prompt tokens it admits (replicas.admission.queue_bound)
+    drain_tps: float = 0.0  # waiting prompt tokens it prefills per second lately
     timestamp: float = 0.0
 
     @property
@@ -126,6 +128,8 @@ class ReplicaLoad:
             iterations=iterations,
             iteration_mean_s=iteration_mean_s,
             iteration_max_s=iteration_max_s,
+            queue_bound_tokens=int(get("queue_bound_tokens", 0) or 0),
+            drain_tps=float(get("drain_tps", 0.0) or 0.0),
             timestamp=timestamp,
         )
 

@@ -21,6 +21,7 @@ from replicas.request import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+IDLE_REFRESH_S = 5.0  # while idle, observers hear `on_idle` this often (gauges stay exported)
 
 
 class EngineDeadError(RuntimeError):
@@ -50,6 +51,7 @@ class AsyncEngine:
         self._busy_since: float | None = None  # set while a step runs (wedge detection)
         self.error: BaseException | None = None
         self.load_snapshot: EngineLoad = engine.load()
+        self._idle_told_at: float | None = None  # when observers last heard on_idle
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -104,9 +106,11 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    self._tell_idle()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
+                self._idle_told_at = None
                 self._busy_since = time.monotonic()
                 try:
                     outputs = self.engine.step()
@@ -126,6 +130,20 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
             raise
+
+    def _tell_idle(self) -> None:
+        """On becoming idle, and every IDLE_REFRESH_S after, let observers record the empty load."""
+        now = time.monotonic()
+        if self._idle_told_at is not None and now - self._idle_told_at < IDLE_REFRESH_S:
+            return
+        self._idle_told_at = now
+        for observer in self.engine.observers:
+            on_idle = getattr(observer, "on_idle", None)  # an optional hook
+            if on_idle is not None:
+                try:
+                    on_idle(self.engine)
+                except Exception:  # metrics must never stop the loop
+                    logger.exception("observer on_idle failed")
 
     def _drain_inbox(self) -> None:
         while True:

@@ -36,6 +36,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     trust_remote_code: bool = False
     seed: int = 0
+    # A request still waiting for its first forward pass this long after it arrived is refused
+    # (finish reason "queue_timeout"; the replica answers 429). None: it waits as long as it takes.
+    queue_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -57,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s must be > 0 or None, got {self.queue_timeout_s!r}")
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

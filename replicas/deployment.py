@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.reporter import LoadReporter
+from replicas import admission
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import Engine, RequestOutput
@@ -38,7 +40,8 @@ from replicas.request import SamplingParams
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Engine]
-MAX_RETRY_AFTER_S = 60
+RECENT_PASSES = 512  # passes read for the drain rate, newest first
+DRAIN_REFRESH_S = 0.1  # the drain rate is recomputed at most this often
 
 
 class RequestRejected(Exception):
@@ -70,6 +73,12 @@ class QueueFullError(RequestRejected):
     status_code = 429
     error_type = "rate_limit_error"
     code = "rate_limit_exceeded"
+
+
+class QueueTimeoutError(QueueFullError):
+    """The request waited past the queue deadline without being scheduled: 429, retry later."""
+
+    code = "queue_timeout"
 
 
 class ReplicaUnhealthyError(RequestRejected):
@@ -161,6 +170,7 @@ class LLMServer:
         # Ids streaming now. A duplicate is refused here, before the engine sees it: the
         # engine would refuse it too, but its stream cleanup would then abort the original.
         self._live: set[str] = set()
+        self._drain_tps, self._drain_at = 0.0, float("-inf")
         logger.info("replica ready: %s", self.model_info())
 
     # ---- generation ------------------------------------------------------------------
@@ -185,6 +195,9 @@ class LLMServer:
             async for out in stream:
                 self._queued.pop(request_id, None)
                 finished = out.finished
+                if out.finish_reason == "queue_timeout":
+                    yield self._queue_timeout(len(prompt_token_ids))
+                    return
                 yield out
         except ValueError as exc:  # the loop refused it at intake (it validates again there)
             raise InvalidRequestError(str(exc), param_of(str(exc))) from None
@@ -198,7 +211,7 @@ class LLMServer:
                       request_id: str) -> AsyncIterator[RequestOutput]:
         """Check health, parameters, queue room and limits; queue the request in the engine."""
         if not self.engine.is_healthy():
-            raise ReplicaUnhealthyError("the engine loop on this replica is not running")
+            raise ReplicaUnhealthyError("the engine loop on this replica is not running", None, 1)
         if request_id in self._live:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         try:
@@ -214,25 +227,43 @@ class LLMServer:
             raise InvalidRequestError(str(exc), param_of(str(exc))) from None
 
     def _admit(self, num_prompt_tokens: int) -> None:
-        """Refuse with 429 when the queue is non-empty and this prompt would overflow it.
+        """Refuse with 429 when the queue is non-empty and this prompt would overflow its bound.
 
-        An empty queue always admits, so one prompt longer than the cap is still served.
+        The bound is `admission.queue_bound`: what drains within the queue deadline, at most
+        `max_queued_tokens`. An empty queue always admits, so one long prompt is still served.
         """
         queued = max(self.queued_tokens, self.engine.load_snapshot.waiting_tokens)
-        cap = self.config.max_queued_tokens
-        if queued > 0 and queued + num_prompt_tokens > cap:
-            retry = self._retry_after_s(queued)
+        bound = self.queue_bound_tokens()
+        if not admission.admits(queued, num_prompt_tokens, bound):
+            retry = admission.retry_after_s(queued + num_prompt_tokens - bound, self.drain_tps())
             raise QueueFullError(
                 f"the replica's queue is full: {queued} prompt tokens are waiting and this request "
-                f"adds {num_prompt_tokens}, over the cap of {cap} (max_queued_tokens); "
+                f"adds {num_prompt_tokens}, over the bound of {bound} (max_queued_tokens = "
+                f"{self.config.max_queued_tokens}, or what drains within queue_timeout_s); "
                 f"retry after {retry} s", None, retry)
 
-    def _retry_after_s(self, queued: int) -> int:
-        """Seconds to drain the queue at one prefill budget per recent iteration time."""
-        tbt = self.engine.load_snapshot.recent_tbt_s
-        iteration_s = sum(tbt) / len(tbt) if tbt else 0.05
-        passes = queued / self.config.engine.max_batch_prefill_tokens
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(passes * iteration_s)))
+    def _queue_timeout(self, num_prompt_tokens: int) -> QueueTimeoutError:
+        timeout = self.config.engine.queue_timeout_s
+        retry = admission.retry_after_s(self.queued_tokens + num_prompt_tokens, self.drain_tps())
+        return QueueTimeoutError(f"the request waited {timeout} s (queue_timeout_s) without being "
+                                 f"scheduled: the server is overloaded; retry after {retry} s", None, retry)
+
+    def drain_tps(self) -> float:
+        """Waiting prompt tokens prefilled per second lately (`admission.drain_rate`), cached."""
+        now = time.perf_counter()
+        if now - self._drain_at >= DRAIN_REFRESH_S:
+            engine = self.engine.engine
+            passes = _newest(engine.iterations, RECENT_PASSES)
+            backlog = self.engine.load_snapshot.num_waiting > 0 or bool(self._queued)
+            self._drain_tps = admission.drain_rate(passes, engine.config.max_batch_prefill_tokens,
+                                                   backlog, now)
+            self._drain_at = now
+        return self._drain_tps
+
+    def queue_bound_tokens(self) -> int:
+        engine = self.config.engine
+        return admission.queue_bound(self.config.max_queued_tokens, engine.max_batch_prefill_tokens,
+                                     self.drain_tps(), engine.queue_timeout_s)
 
     @property
     def queued_tokens(self) -> int:
@@ -260,6 +291,8 @@ class LLMServer:
         report = dataclasses.asdict(self.engine.load_snapshot)
         report["queued_tokens"] = self.queued_tokens
         report["num_queued"] = len(self._queued)
+        report["queue_bound_tokens"] = self.queue_bound_tokens()
+        report["drain_tps"] = self.drain_tps()
         return report
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -283,6 +316,21 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _newest(passes: Any, n: int) -> list[Any]:
+    """The last `n` entries of a deque the engine thread appends to, oldest first.
+
+    Read by negative index (copying the whole deque, or iterating it, races the appends).
+    """
+    out = []
+    for k in range(1, n + 1):
+        try:
+            out.append(passes[-k])
+        except IndexError:
+            break
+    out.reverse()
+    return out
 
 
 def _in_serve_replica() -> bool:

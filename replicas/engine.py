@@ -91,7 +91,8 @@ class EngineObserver(Protocol):
         """After postprocess: batch.seqs' requests carry their new tokens and finish state."""
 
     def on_abort(self, request: Request) -> None:
-        """A request was aborted between iterations (client gone, shutdown)."""
+        """A request left between iterations without finishing its generation: aborted
+        (client gone, shutdown) or past the queue deadline (`request.finish_reason` says)."""
 
 
 class Engine:
@@ -207,9 +208,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run one forward pass, postprocess."""
+        expired = self._expire()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return expired
         start = time.perf_counter()
         logits = self.runner.execute(batch)
         token_ids = sample(logits, [s.request for s in batch.seqs if s.samples])
@@ -218,6 +220,15 @@ class Engine:
         outputs = self._postprocess(batch, token_ids, now)
         for observer in self.observers:
             observer.on_iteration(stats, batch, self)
+        return expired + outputs
+
+    def _expire(self) -> list[RequestOutput]:
+        """Requests past the queue deadline leave before the pass is scheduled."""
+        outputs = []
+        for req in self.scheduler.expire(self.scheduler.clock()):
+            for observer in self.observers:
+                observer.on_abort(req)
+            outputs.append(self._emit(req))
         return outputs
 
     def _postprocess(self, batch: SchedulerOutput, token_ids: list[int], now: float) -> list[RequestOutput]:

@@ -151,11 +151,19 @@ class EngineMetrics:
             self.slo_tokens.record(within, {**tags, "within_slo": "true"})
         if late:
             self.slo_tokens.record(late, {**tags, "within_slo": "false"})
-        load = engine.load()
+        self.record_load(engine.load())
+
+    def on_abort(self, request: Any) -> None:
+        """Count the request, and show the load it left (the replica may now be idle)."""
+        self.finished.record(1, {**self.tags, "finished_reason": request.finish_reason or "abort"})
+
+    def on_idle(self, engine: Engine) -> None:
+        """The loop has nothing to run: gauges read the (empty) load instead of the last pass's."""
+        self.record_load(engine.load())
+
+    def record_load(self, load: Any) -> None:
+        tags = self.tags
         self.running.record(load.num_running, tags)
         self.waiting.record(load.num_waiting, tags)
         self.kv_usage.record(load.kv_usage, tags)
         self.token_load.record(load.running_tokens + load.waiting_tokens, tags)
-
-    def on_abort(self, request: Any) -> None:
-        self.finished.record(1, {**self.tags, "finished_reason": "abort"})

@@ -65,6 +65,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_QUEUE_TIMEOUT = 6  # never scheduled within EngineConfig.queue_timeout_s
 
     @property
     def is_finished(self) -> bool:
@@ -79,6 +80,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_QUEUE_TIMEOUT: "queue_timeout",
 }
 
 

@@ -103,6 +103,20 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free(request.request_id)
 
+    def expire(self, now: float) -> list[Request]:
+        """Finish the waiting requests never scheduled within `queue_timeout_s` of arrival.
+
+        A preempted request (scheduled before, its client already has tokens) never expires.
+        """
+        timeout = self.config.queue_timeout_s
+        if timeout is None or not self.waiting:
+            return []
+        expired = [r for r in self.waiting
+                   if r.first_scheduled_time is None and now - r.arrival_time > timeout]
+        for req in expired:
+            self.finish(req, RequestStatus.FINISHED_QUEUE_TIMEOUT)
+        return expired
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -112,14 +112,15 @@ async def test_closing_the_stream_aborts_and_frees_blocks(server: LLMServer) -> 
 
 @module_loop
 async def test_one_failing_request_leaves_the_others_running(server: LLMServer) -> None:
-    first = asyncio.ensure_future(drain(server, [5] * 8, {"max_tokens": 30, "ignore_eos": True}, "dup"))
-    await asyncio.sleep(0.05)
+    first = asyncio.ensure_future(drain(server, [5] * 8, {"max_tokens": 300, "ignore_eos": True}, "dup"))
+    while "dup" not in server._live:  # accepted (it then streams for 300 tokens)
+        await asyncio.sleep(0.001)
     [duplicate] = await drain(server, [5] * 8, {"max_tokens": 2}, "dup")
     assert isinstance(duplicate, InvalidRequestError) and "already in use" in duplicate.message
     [invalid] = await drain(server, [5] * 8, {"top_p": 0}, "other")
     assert isinstance(invalid, InvalidRequestError) and invalid.param == "top_p"
     items = await first
-    assert items[-1].finished and items[-1].num_output_tokens == 30
+    assert items[-1].finished and items[-1].num_output_tokens == 300
     server.check_health()
 
 

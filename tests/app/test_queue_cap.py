@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -27,24 +29,38 @@ def queue_app_url(ray_serve) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.
         serve.delete("queuecap")
 
 
+async def wait_queued(handle, tokens: int, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
+    """Poll the replica until `tokens` prompt tokens wait in its queue."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await handle.load.remote()
+        if load["queued_tokens"] == tokens or time.monotonic() > deadline:
+            return load
+        await asyncio.sleep(0.02)
+
+
 async def test_queue_cap_answers_429_with_retry_after(queue_app_url: str) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name="queuecap")
     long = {"prompt": [5] * 8, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    waiting = {"prompt": [5] * 40, "max_tokens": 1, "stream": True}
+    waiting = {"prompt": [5] * 40, "max_tokens": 1}
     async with httpx.AsyncClient(base_url=queue_app_url, timeout=60) as client:
         async with client.stream("POST", "/v1/completions", json=long) as running:
             assert running.status_code == 200
             lines = running.aiter_lines()  # held, not left: leaving it would disconnect
             while not (await anext(lines)).startswith("data: "):
                 pass  # wait for its first token: it runs, and holds the only sequence slot
-            async with client.stream("POST", "/v1/completions", json=waiting) as queued:
-                assert queued.status_code == 200  # acknowledged: 40 tokens now wait
-                refused = await client.post("/v1/completions", json={"prompt": [5] * 40})
+            queued = asyncio.create_task(client.post("/v1/completions", json=waiting))
+            assert (await wait_queued(handle, 40))["queued_tokens"] == 40  # 40 tokens now wait
+            refused = await client.post("/v1/completions", json={"prompt": [5] * 40})
+        # The long stream was closed: the waiting request runs, and the queue drains.
+        assert (await queued).status_code == 200
         assert refused.status_code == 429
         assert int(refused.headers["Retry-After"]) >= 1
         error = refused.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
-        assert f"cap of {CAP}" in error["message"] and "40" in error["message"]
-        # Both streams were closed: the queue drains and requests are admitted again.
+        assert f"bound of {CAP}" in error["message"] and "40" in error["message"]
         ok = await client.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2})
         assert ok.status_code == 200
 

@@ -1,0 +1,142 @@
+"""Admission at the cluster's door: the ingress refuses what the replicas cannot start in time.
+
+Before a request is queued anywhere (Serve's handle queue, a replica's inbox), the ingress asks
+`AdmissionGate.decide(prompt_tokens)`. The view is the controller's: every engine replica of
+this application reports its waiting prompt tokens, the bound its queue admits and its measured
+drain rate (`replicas.admission`) about every 100 ms; the gate refreshes that snapshot in the
+background and adds the prompts it admitted itself that no report shows yet. Over the summed
+bound the answer is a 429 with a Retry-After computed from the summed drain rate, in
+microseconds and without touching a replica. With no fresh snapshot (controller gone, first
+requests) the gate admits, and the replicas' own bounds (the same rule) are the backstop.
+
+Plain asyncio and an injected clock; the snapshot source is a coroutine function, so the gate
+is tested without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from autoscale.load import ReplicaLoad
+from replicas.admission import Decision, QueueView, door_decision
+
+logger = logging.getLogger(__name__)
+
+Fetch = Callable[[], Awaitable[Mapping[str, ReplicaLoad]]]
+
+
+class AdmissionGate:
+    """The door's token view of the cluster; `decide` is synchronous and O(replicas)."""
+
+    def __init__(self, fetch: Fetch | None, *, refresh_s: float = 0.05, max_age_s: float = 1.0,
+                 reflect_grace_s: float = 0.05, ticket_ttl_s: float = 120.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._fetch = fetch
+        self.refresh_s, self.max_age_s = refresh_s, max_age_s
+        self.reflect_grace_s, self.ticket_ttl_s = reflect_grace_s, ticket_ttl_s
+        self._clock = clock
+        self._loads: Mapping[str, ReplicaLoad] = {}
+        self._loads_at = float("-inf")  # gate clock when the snapshot arrived
+        self._last_refresh = float("-inf")
+        self._task: asyncio.Task[None] | None = None
+        self._tickets: dict[int, tuple[int, float]] = {}  # admitted, no first token yet
+        self._ids = itertools.count()
+        self.num_refused = 0
+        self.num_failed_refreshes = 0
+
+    # ---- deciding -------------------------------------------------------------------------
+
+    def decide(self, prompt_tokens: int) -> Decision:
+        """Admit or refuse one prompt now (and start a snapshot refresh when one is due)."""
+        now = self._clock()
+        self._maybe_refresh(now)
+        loads = self._loads if now - self._loads_at <= self.max_age_s else {}
+        queues = [QueueView(load.waiting_tokens, load.queue_bound_tokens, load.drain_tps)
+                  for load in loads.values() if load.queue_bound_tokens > 0]
+        decision = door_decision(prompt_tokens, queues, self._unreflected(loads, now) if queues else 0)
+        if not decision.admitted:
+            self.num_refused += 1
+        return decision
+
+    def admit(self, prompt_tokens: int) -> int:
+        """Count an admitted prompt until `settle(ticket)` (first token, refusal or failure)."""
+        ticket = next(self._ids)
+        self._tickets[ticket] = (prompt_tokens, self._clock())
+        return ticket
+
+    def settle(self, ticket: int) -> None:
+        self._tickets.pop(ticket, None)
+
+    def _unreflected(self, loads: Mapping[str, ReplicaLoad], now: float) -> int:
+        """Tokens admitted after the oldest report was taken: no report includes them yet."""
+        horizon = min(load.timestamp for load in loads.values()) - self.reflect_grace_s
+        total = 0
+        for ticket, (tokens, at) in list(self._tickets.items()):
+            if now - at > self.ticket_ttl_s:  # never settled (a lost stream): stop counting
+                del self._tickets[ticket]
+            elif at >= horizon:
+                total += tokens
+        return total
+
+    # ---- the snapshot ---------------------------------------------------------------------
+
+    def _maybe_refresh(self, now: float) -> None:
+        if self._fetch is None or now - self._last_refresh < self.refresh_s:
+            return
+        if self._task is not None and not self._task.done():
+            return
+        self._last_refresh = now
+        try:
+            self._task = asyncio.get_running_loop().create_task(self._refresh())
+        except RuntimeError:  # no running loop (a synchronous caller): keep the cached view
+            self._task = None
+
+    async def _refresh(self) -> None:
+        assert self._fetch is not None
+        try:
+            self._loads = dict(await self._fetch())
+            self._loads_at = self._clock()
+        except Exception as exc:  # controller gone or slow: the replicas' own bounds decide
+            self.num_failed_refreshes += 1
+            if self.num_failed_refreshes == 1 or self.num_failed_refreshes % 100 == 0:
+                logger.warning("admission: controller snapshot failed (%d times): %r",
+                               self.num_failed_refreshes, exc)
+            self._last_refresh = self._clock() + 1.0  # back off for about a second
+
+
+def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
+                     deployment: str, timeout_s: float = 1.0) -> Fetch:
+    """A `Fetch` reading the controller actor's snapshot, kept to this app's engine replicas."""
+    from autoscale.controller import get_or_create_controller
+
+    handle: list[Any] = []
+
+    async def fetch() -> Mapping[str, ReplicaLoad]:
+        if not handle:
+            handle.append(get_or_create_controller(controller_name, namespace))
+        try:
+            ref = handle[0].snapshot.remote(None, with_tbt=False)
+            snap = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+        except Exception:
+            handle.clear()  # look it up again next time (it may have restarted)
+            raise
+        return {key: ReplicaLoad.from_dict(load) for key, load in snap["replicas"].items()
+                if _is_replica_of(key, app_name, deployment)}
+
+    return fetch
+
+
+def _is_replica_of(key: str, app_name: str | None, deployment: str) -> bool:
+    from ray.serve._private.common import ReplicaID
+
+    try:
+        replica = ReplicaID.from_full_id_str(key)
+    except Exception:
+        return False
+    dep = replica.deployment_id
+    return dep.name == deployment and (app_name is None or dep.app_name == app_name)

@@ -1,0 +1,119 @@
+"""Token admission: how many waiting prompt tokens a replica takes, and when to come back.
+
+Pure functions, shared by the replica's own intake (`replicas.deployment`) and the cluster's
+door (`app.admission`, which sums them over the replicas' load reports), so both refuse by
+the same rule and a 429's Retry-After means the same thing wherever it is computed.
+
+The bound a replica's waiting queue may hold is derived from its own budgets:
+
+    bound = clamp(drain_tps * queue_timeout_s * QUEUE_FILL, floor = max_batch_prefill_tokens,
+                  ceiling = max_queued_tokens)
+
+where `drain_tps` is the rate at which its waiting prompt tokens are actually being prefilled
+(measured; see `drain_rate`). A prompt admitted past that bound would wait longer than the queue
+deadline for its first pass, and be refused then, after occupying the queue: refusing it at once
+is cheaper for everyone. Without a deadline the bound is `max_queued_tokens`. An empty queue
+always admits (so one prompt longer than the bound is still served).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+MAX_RETRY_AFTER_S = 60
+DRAIN_WINDOW_S = 2.0  # passes this recent measure the drain rate
+QUEUE_FILL = 0.8  # admit up to 80% of what drains within the deadline: arrivals keep coming
+
+
+class PassRecord(Protocol):
+    """What `drain_rate` reads of an `IterationStats`."""
+
+    start: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog: bool, now: float,
+               window_s: float = DRAIN_WINDOW_S) -> float:
+    """Prompt tokens per second this replica prefills (0.0 when it has not run lately).
+
+    With a backlog, the achieved prefill rate over the last `window_s` of wall time is the
+    drain rate (it includes passes the queue spent blocked on KV or sequence slots). Without
+    one the achieved rate only shows the arrivals, so the capacity of the recent passes counts
+    too: per pass, the token budget left after its decodes.
+    """
+    recent = []
+    for p in reversed(passes):  # newest last; stop at the window's edge
+        if p.start < now - window_s:
+            break
+        recent.append(p)
+    if not recent:
+        return 0.0
+    span = max(now - recent[-1].start, sum(p.duration for p in recent), 1e-6)
+    achieved = sum(p.num_prefill_tokens for p in recent) / span
+    if backlog:
+        return achieved
+    busy = sum(p.duration for p in recent)
+    capacity = sum(max(0, budget_tokens - p.num_decode_tokens) for p in recent) / max(busy, 1e-6)
+    return max(achieved, capacity)
+
+
+def queue_bound(max_queued_tokens: int, prefill_budget: int, drain_tps: float,
+                queue_timeout_s: float | None) -> int:
+    """Waiting prompt tokens a replica admits (see the module docstring)."""
+    if queue_timeout_s is None or drain_tps <= 0:
+        return max_queued_tokens
+    drains = int(drain_tps * queue_timeout_s * QUEUE_FILL)
+    return max(min(prefill_budget, max_queued_tokens), min(max_queued_tokens, drains))
+
+
+def admits(queued_tokens: int, prompt_tokens: int, bound: int) -> bool:
+    """The admission rule: an empty queue takes anything; otherwise stay within the bound."""
+    return queued_tokens <= 0 or queued_tokens + prompt_tokens <= bound
+
+
+def retry_after_s(excess_tokens: int, drain_tps: float, fallback_s: int = 1) -> int:
+    """Whole seconds until `excess_tokens` of the queue have drained at `drain_tps` (1..60)."""
+    if drain_tps <= 0:
+        return max(1, min(MAX_RETRY_AFTER_S, fallback_s))
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(excess_tokens / drain_tps)))
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """One replica's queue as its load report shows it."""
+
+    waiting_tokens: int
+    bound_tokens: int
+    drain_tps: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The door's answer for one request."""
+
+    admitted: bool
+    queued_tokens: int
+    bound_tokens: int
+    retry_after_s: int | None = None
+
+
+def door_decision(prompt_tokens: int, queues: Iterable[QueueView], unreflected_tokens: int = 0) -> Decision:
+    """Admit at the cluster's door when the replicas' queues, together, have room.
+
+    `unreflected_tokens` are prompts this door admitted that no report shows yet. With no
+    report at all there is no view to refuse on: admit, and let the replicas' own bounds decide.
+    """
+    views = list(queues)
+    if not views:
+        return Decision(True, unreflected_tokens, 0)
+    queued = sum(v.waiting_tokens for v in views) + unreflected_tokens
+    bound = sum(v.bound_tokens for v in views)
+    if admits(queued, prompt_tokens, bound):
+        return Decision(True, queued, bound)
+    drain = sum(v.drain_tps for v in views)
+    return Decision(False, queued, bound, retry_after_s(queued + prompt_tokens - bound, drain))
