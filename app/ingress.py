@@ -63,6 +63,15 @@ async def _chain(first: Any, rest: DeploymentResponseGenerator) -> AsyncIterator
         yield item
 
 
+def _cancel(gen: DeploymentResponseGenerator) -> None:
+    """Cancel a handle call, best effort. Serve's `cancel()` re-raises the call's own failure
+    (a BackPressureError, a dead replica's error) when its router runs on another loop."""
+    try:
+        gen.cancel()
+    except Exception as exc:  # the call already failed or ended: nothing left to cancel
+        logger.debug("cancel of a finished handle call: %r", exc)
+
+
 def _retryable(exc: BaseException) -> bool:
     """The replica died, or its engine loop did, before this request started: try another."""
     return isinstance(exc, ReplicaUnhealthyError) or (isinstance(exc, Exception) and replica_gone(exc))
@@ -81,7 +90,7 @@ async def _guarded(gen: DeploymentResponseGenerator, events: AsyncIterator[str])
         yield DONE
     finally:
         if not finished:
-            gen.cancel()
+            _cancel(gen)
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -210,7 +219,7 @@ class OpenAIIngress:
                 try:
                     first = await self._first_output(gen)
                 except BaseException as exc:
-                    gen.cancel()
+                    _cancel(gen)
                     if attempt < START_ATTEMPTS and _retryable(exc):
                         logger.warning("request %s: replica unavailable before it started (%s); "
                                        "retrying (%d/%d)", request_id, type(exc).__name__, attempt,
@@ -259,7 +268,7 @@ class OpenAIIngress:
             raise from_exception(exc) from None
         finally:
             if not done:  # the client left (cancelled) or the replica failed: abort it
-                gen.cancel()
+                _cancel(gen)
 
     def _sse(self, gen: DeploymentResponseGenerator, events: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(_guarded(gen, events), media_type="text/event-stream",

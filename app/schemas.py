@@ -32,7 +32,8 @@ def find_invalid_unicode(value: Any, path: str = "") -> str | None:
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
+            where = f"{path}.{name}" if path else name
             if (found := find_invalid_unicode(key, where)) or (found := find_invalid_unicode(item, where)):
                 return found
     elif isinstance(value, list):

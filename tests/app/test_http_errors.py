@@ -4,6 +4,7 @@ healthy after every one of them."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -57,6 +58,24 @@ BAD_REQUESTS = [
     _case("chat-unknown-model", CHAT, {"model": "nope", "messages": USER}, 404, "model"),
     _case("chat-temperature-type", CHAT, {"messages": USER, "temperature": "hot"}, 400,
           "temperature"),
+    # Text that is not valid Unicode (lone surrogates, invalid UTF-8) is the client's mistake.
+    _case("surrogate-prompt", C, {"prompt": "a\ud800b"}, 400, "prompt", "invalid Unicode"),
+    _case("surrogate-prompt-stream", C, {"prompt": "\ud800", "stream": True}, 400, "prompt"),
+    _case("low-surrogate-prompt-list", C, {"prompt": ["\udfff"]}, 400, "prompt.0"),
+    _case("surrogate-stop", C, {"prompt": "hi", "stop": ["ok", "\udc00"]}, 400, "stop.1"),
+    _case("surrogate-model", C, {"model": "\udbff", "prompt": "hi"}, 400, "model"),
+    _case("surrogate-user", C, {"prompt": "hi", "user": "\ud800"}, 400, "user"),
+    _case("surrogate-key", C, {"prompt": "hi", "\ud800": 1}, 400, "\\ud800"),
+    _case("chat-surrogate-content", CHAT, {"messages": [{"role": "user", "content": "\ud83d"}]},
+          400, "messages.0.content", "invalid Unicode"),
+    _case("chat-surrogate-stream", CHAT, {"messages": [{"role": "user", "content": "\ud83d"}],
+                                          "stream": True}, 400, "messages.0.content"),
+    _case("chat-surrogate-part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udc00"}]}]}, 400, "messages.0.content.0.text"),
+    _case("chat-surrogate-role", CHAT, {"messages": [{"role": "\ud800", "content": "x"}]}, 400,
+          "messages.0.role"),
+    _case("invalid-utf8", C, b'{"prompt": "\xff\xfe"}', 400, None),
+    _case("invalid-utf8-chat", CHAT, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', 400, None),
     _case("body-too-large", C, {"prompt": "x" * 100_000}, 413, None, "max_body_bytes"),
     _case("unknown-route", "/v1/nope", {}, 404),
     _case("wrong-method", C, None, 405, method="GET"),
@@ -66,10 +85,12 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("method,path,body,status,param,contains", BAD_REQUESTS)
 def test_bad_request_gets_openai_error(client: httpx.Client, method: str, path: str, body: Any,
                                        status: int, param: str | None, contains: str) -> None:
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()  # ASCII escapes: lone surrogates survive as "\ud800"
     if isinstance(body, bytes):
         resp = client.request(method, path, content=body, headers={"content-type": "application/json"})
     else:
-        resp = client.request(method, path, json=body)
+        resp = client.request(method, path)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -77,6 +98,17 @@ def test_bad_request_gets_openai_error(client: httpx.Client, method: str, path: 
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert error["param"] == param
     assert contains in error["message"]
+
+
+def test_error_messages_do_not_echo_long_input(client: httpx.Client) -> None:
+    from app.errors import MAX_MESSAGE_CHARS
+
+    resp = client.post(C, json={"prompt": "hi", "stop": "y" * 40_000, "top_p": 0,
+                                "model": "m" * 20_000})
+    assert resp.status_code in (400, 404)
+    message = resp.json()["error"]["message"]
+    assert len(message) < MAX_MESSAGE_CHARS + 100 and "more characters" in message
+    assert len(resp.content) < 2 * MAX_MESSAGE_CHARS
 
 
 def test_streaming_request_errors_before_the_stream_starts(client: httpx.Client) -> None:

@@ -200,3 +200,27 @@ def test_generation_stalls_are_counted_only_where_they_happen(llama, policy, sta
     else:
         assert set(stalled) == {0}
     assert all(len(r.output_token_ids) == 10 for r in short)
+
+
+def test_a_request_never_scheduled_within_the_queue_deadline_is_refused_with_queue_timeout():
+    """One sequence slot: the second request waits; past queue_timeout_s it leaves, unscheduled,
+    holding no KV; the running one is not affected."""
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig(max_num_seqs=1, max_batch_total_tokens=512,
+                                                               queue_timeout_s=5.0))
+    now = [100.0]
+    eng.scheduler.clock = lambda: now[0]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    running = eng.add_request([5, 6, 7], params, "running", arrival_time=100.0)
+    eng.add_request([8, 9], params, "late", arrival_time=100.0)
+    eng.step()
+    now[0] = 105.0  # exactly the deadline: still waiting
+    assert [o.request_id for o in eng.step() if o.finished] == []
+    now[0] = 105.01
+    outs = eng.step()
+    late = [o for o in outs if o.request_id == "late"]
+    assert len(late) == 1 and late[0].finished and late[0].finish_reason == "queue_timeout"
+    assert late[0].num_output_tokens == 0 and "late" not in eng.requests
+    while eng.has_unfinished():
+        eng.step()
+    assert len(running.output_token_ids) == 20 and running.finish_reason == "length"
+    assert eng.blocks.num_free == eng.blocks.num_blocks

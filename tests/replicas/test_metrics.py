@@ -56,3 +56,33 @@ def test_stalls_are_counted_under_dynamic():
     assert value(reg, "stallfree_generation_stalls_total", cause="skipped") == 1
     assert value(reg, "stallfree_generation_stalls_total", cause="slow_iteration") == len(eng.iterations)
     assert value(reg, "stallfree_tbt_slo_tokens_total", within_slo="false") == 14
+
+
+def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles():
+    from replicas.async_engine import AsyncEngine
+
+    reg = CollectorRegistry()
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_total_tokens=512))
+    eng.observers.append(EngineMetrics(PrometheusBackend(reg), "m"))
+    loop = AsyncEngine(eng)
+    try:
+        async def run() -> None:
+            stream = await loop.add_request([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "a")
+            await anext(stream)  # it runs: the gauges show it
+            assert value(reg, "stallfree_num_requests_running") == 1
+            assert value(reg, "stallfree_kv_cache_usage_perc") > 0
+            await stream.aclose()  # the caller leaves: the request is aborted between passes
+
+        import asyncio
+        import time
+        asyncio.run(run())
+        deadline = time.monotonic() + 30
+        while value(reg, "stallfree_kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert value(reg, "stallfree_kv_cache_usage_perc") == 0
+        assert value(reg, "stallfree_num_requests_running") == 0
+        assert value(reg, "stallfree_num_requests_waiting") == 0
+        assert value(reg, "stallfree_token_load") == 0
+        assert value(reg, "stallfree_request_success_total", finished_reason="abort") == 1
+    finally:
+        loop.shutdown()

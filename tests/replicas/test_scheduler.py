@@ -193,3 +193,29 @@ def test_abort_frees_blocks_from_any_state(policy):
     assert not s.has_unfinished()
     assert s.blocks.num_free == s.blocks.num_blocks
     assert a.finish_reason == "abort"
+
+
+def test_expire_takes_only_never_scheduled_requests_past_the_deadline():
+    cfg = EngineConfig(max_batch_prefill_tokens=16, max_batch_total_tokens=256, block_size=4,
+                       queue_timeout_s=2.0)
+    clock = FakeClock()
+    s = Scheduler(cfg, BlockManager(64, 4), clock)
+    fresh, old, preempted = (req(r, 4, 4, clock) for r in ("fresh", "old", "preempted"))
+    old.arrival_time = preempted.arrival_time = -5.0
+    preempted.first_scheduled_time = -4.0  # it ran before: its client has tokens already
+    for r in (fresh, old, preempted):
+        s.add(r)
+    assert s.expire(clock.t) == [old]
+    assert old.status == RequestStatus.FINISHED_QUEUE_TIMEOUT and old.finish_reason == "queue_timeout"
+    assert [r.request_id for r in s.waiting] == ["preempted", "fresh"]
+    assert s.expire(clock.t + 1.0) == []
+    clock.t += 2.1
+    assert s.expire(clock.t) == [fresh]
+
+
+def test_without_a_deadline_nothing_expires():
+    s, clock = make("stall_free")
+    r = req("a", 4, 4, clock)
+    r.arrival_time = -1e9
+    s.add(r)
+    assert s.expire(clock.t) == []

@@ -1,0 +1,100 @@
+"""The door admits by the replicas' reported queues plus the prompts it admitted that no report
+shows yet, refuses over the summed bound with the Retry-After the drain rate gives, and admits
+(leaving the replicas' own bounds to decide) when its view is missing or stale."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.admission import AdmissionGate
+from autoscale.load import ReplicaLoad
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def load(rid: str, waiting: int, bound: int, drain: float, at: float) -> ReplicaLoad:
+    return ReplicaLoad(rid, waiting_tokens=waiting, queue_bound_tokens=bound, drain_tps=drain, timestamp=at)
+
+
+async def primed(loads: dict[str, ReplicaLoad], clock: Clock) -> tuple[AdmissionGate, list[int]]:
+    calls = [0]
+
+    async def fetch() -> dict[str, ReplicaLoad]:
+        calls[0] += 1
+        return loads
+
+    gate = AdmissionGate(fetch, clock=clock, refresh_s=0.05, max_age_s=1.0, reflect_grace_s=0.05)
+    gate.decide(1)  # starts the first refresh
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    return gate, calls
+
+
+async def test_refuses_over_the_summed_bound_with_retry_after_from_the_drain_rate() -> None:
+    clock = Clock()
+    loads = {"a": load("a", 900, 1000, 100.0, clock.t), "b": load("b", 1000, 1000, 100.0, clock.t)}
+    gate, _ = await primed(loads, clock)
+    assert gate.decide(100).admitted  # 1900 + 100 = 2000 <= 2000
+    refused = gate.decide(600)  # 2500 - 2000 = 500 tokens over, at 200 tokens/s
+    assert not refused.admitted and refused.retry_after_s == 3 and refused.bound_tokens == 2000
+    assert gate.num_refused == 1
+
+
+async def test_its_own_admissions_count_until_a_report_shows_them() -> None:
+    clock = Clock()
+    loads = {"a": load("a", 0, 1000, 100.0, clock.t)}
+    gate, _ = await primed(loads, clock)
+    clock.t += 0.01
+    first = gate.admit(600)
+    assert gate.decide(300).admitted  # 600 unreflected + 300 <= 1000
+    second = gate.admit(300)
+    assert not gate.decide(200).admitted  # 900 + 200 > 1000
+    gate.settle(first)  # its first token came: it is no longer queued
+    assert gate.decide(200).admitted
+    gate.settle(second)
+    # An admission older than the oldest report (minus the grace) is in that report already.
+    clock.t += 1.0
+    gate.admit(900)
+    loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
+    clock.t += 0.1  # refresh is due
+    gate.decide(1)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert gate.decide(900).admitted  # the report (queue empty) is newer than the admission
+
+
+async def test_a_stale_or_missing_view_admits() -> None:
+    clock = Clock()
+
+    async def failing() -> dict[str, ReplicaLoad]:
+        raise RuntimeError("controller gone")
+
+    gate = AdmissionGate(failing, clock=clock)
+    assert gate.decide(10**6).admitted
+    await asyncio.sleep(0)
+    assert gate.num_failed_refreshes == 1 and gate.decide(10**6).admitted
+    full = {"a": load("a", 5000, 1000, 100.0, clock.t)}
+    gate2, _ = await primed(full, clock)
+    assert not gate2.decide(10).admitted
+    clock.t += 5.0  # the snapshot is older than max_age_s and the refresh keeps failing
+    gate2._fetch = failing
+    assert gate2.decide(10).admitted
+
+
+async def test_refreshes_at_most_every_refresh_s() -> None:
+    clock = Clock()
+    gate, calls = await primed({"a": load("a", 0, 1000, 1.0, clock.t)}, clock)
+    for _ in range(100):
+        gate.decide(1)
+        await asyncio.sleep(0)
+    assert calls[0] == 1
+    clock.t += 0.06
+    gate.decide(1)
+    await asyncio.sleep(0)
+    assert calls[0] == 2

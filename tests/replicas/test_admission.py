@@ -1,0 +1,72 @@
+"""Token admission is one rule wherever it runs: an empty queue takes anything, otherwise the
+queue stays within a bound that is what drains within the deadline (at most max_queued_tokens),
+and a refusal's Retry-After is the excess over the measured drain rate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replicas.admission import (MAX_RETRY_AFTER_S, QUEUE_FILL, QueueView, admits, door_decision,
+                                drain_rate, queue_bound, retry_after_s)
+
+
+@dataclass
+class Pass:
+    start: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+def test_admits_empty_queue_always_and_otherwise_within_the_bound() -> None:
+    assert admits(0, 10_000, 64)
+    assert admits(24, 40, 64)
+    assert not admits(25, 40, 64)
+
+
+def test_drain_rate_with_a_backlog_is_the_achieved_prefill_rate() -> None:
+    # 10 passes of 0.1 s, back to back, 50 prefill tokens each: 500 tokens/s.
+    passes = [Pass(t / 10, 0.1, 50, 4) for t in range(10)]
+    assert abs(drain_rate(passes, 256, backlog=True, now=1.0) - 500.0) < 1e-6
+
+
+def test_drain_rate_without_a_backlog_counts_the_budget_left_after_decodes() -> None:
+    passes = [Pass(t / 10, 0.1, 0, 56) for t in range(10)]  # decodes only: 200 left per pass
+    assert abs(drain_rate(passes, 256, backlog=False, now=1.0) - 2000.0) < 1e-6
+    assert drain_rate(passes, 256, backlog=True, now=1.0) == 0.0  # blocked queue drains nothing
+
+
+def test_drain_rate_only_reads_the_recent_window() -> None:
+    passes = [Pass(0.0, 0.1, 1000, 0), Pass(9.5, 0.1, 100, 0)]
+    assert abs(drain_rate(passes, 256, backlog=True, now=10.0, window_s=2.0) - 200.0) < 1e-6
+    assert drain_rate(passes, 256, backlog=True, now=20.0) == 0.0
+
+
+def test_queue_bound_is_what_drains_within_the_deadline_clamped() -> None:
+    assert queue_bound(32_768, 512, 1000.0, None) == 32_768  # no deadline: the cap
+    assert queue_bound(32_768, 512, 1000.0, 10.0) == int(1000 * 10 * QUEUE_FILL)
+    assert queue_bound(4096, 512, 1000.0, 10.0) == 4096  # never above the cap
+    assert queue_bound(32_768, 512, 1.0, 10.0) == 512  # never below one prefill budget
+    assert queue_bound(32_768, 512, 0.0, 10.0) == 32_768  # nothing measured yet: the cap
+
+
+def test_retry_after_is_the_excess_over_the_drain_rate_in_whole_seconds() -> None:
+    assert retry_after_s(2500, 1000.0) == 3
+    assert retry_after_s(1, 1000.0) == 1
+    assert retry_after_s(10**9, 1.0) == MAX_RETRY_AFTER_S
+    assert retry_after_s(100, 0.0) == 1
+
+
+def test_door_sums_the_replicas_queues() -> None:
+    views = [QueueView(100, 300, 100.0), QueueView(250, 300, 50.0)]  # 350 of 600 queued
+    ok = door_decision(250, views)
+    assert ok.admitted and (ok.queued_tokens, ok.bound_tokens) == (350, 600)
+    refused = door_decision(251, views, unreflected_tokens=100)  # 450 + 251 - 600 = 101 over
+    assert not refused.admitted and refused.retry_after_s == 1  # 101 tokens at 150 tok/s
+    far = door_decision(1000, views, unreflected_tokens=200)  # 1550 - 600 = 950 over: 7 s
+    assert far.retry_after_s == 7
+
+
+def test_door_without_a_view_admits_and_an_empty_cluster_takes_a_long_prompt() -> None:
+    assert door_decision(10**6, []).admitted
+    assert door_decision(10**6, [QueueView(0, 300, 10.0)]).admitted
