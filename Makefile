@@ -20,8 +20,16 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# `make serve`: a new local Ray instance, or the one `ray start` runs on this machine.
+# `make serve RAY_ADDRESS=<head-ip>:6379`: join that cluster. With an explicit address Ray's client
+# sends its token only under RAY_AUTH_MODE=token (it turns that on by itself only for a cluster it
+# finds locally), so set it when a token is at hand: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+# ~/.ray/auth_token. A cluster started with RAY_AUTH_MODE=disabled accepts that client too. An
+# RAY_AUTH_MODE of your own (token | disabled) wins.
+SERVE_AUTH := $(if $(RAY_ADDRESS),$(if $(RAY_AUTH_MODE),,$(if $(RAY_AUTH_TOKEN)$(RAY_AUTH_TOKEN_PATH)$(wildcard $(HOME)/.ray/auth_token),RAY_AUTH_MODE=token)))
+
 serve: $(STAMP)
-	$(BIN)/serve run serve_config.yaml
+	$(SERVE_AUTH) $(BIN)/serve run serve_config.yaml
 
 # Against a running server (`make serve` in another shell); extra flags: LOADTEST_ARGS="--rps 4".
 loadtest: $(STAMP)

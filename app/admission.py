@@ -1,12 +1,12 @@
 """Admission at the cluster's door: the ingress refuses what the replicas cannot start in time.
 
 Before a request is queued anywhere (Serve's handle queue, a replica's inbox), the ingress asks
-`AdmissionGate.decide(prompt_tokens)`. The view is the controller's: every engine replica of
+`await AdmissionGate.decide(prompt_tokens)`. The view is the controller's: every engine replica of
 this application reports its waiting prompt tokens, the bound its queue admits and its measured
 drain rate (`replicas.admission`) about every 100 ms; the gate refreshes that snapshot in the
 background and adds the prompts it admitted itself that no report shows yet. Over the summed
-bound the answer is a 429 with a Retry-After computed from the summed drain rate, in
-microseconds and without touching a replica. With no fresh snapshot (controller gone, first
+bound the answer is a 429 with a Retry-After computed from the summed drain rate, without
+touching a replica: at once on a view younger than 0.2 s, else after one refresh (<= 0.25 s). With no fresh snapshot (controller gone, first
 requests) the gate admits, and the replicas' own bounds (the same rule) are the backstop.
 
 Plain asyncio and an injected clock; the snapshot source is a coroutine function, so the gate
@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -31,13 +32,15 @@ Fetch = Callable[[], Awaitable[Mapping[str, ReplicaLoad]]]
 
 
 class AdmissionGate:
-    """The door's token view of the cluster; `decide` is synchronous and O(replicas)."""
+    """The door's token view of the cluster; `decide` is O(replicas) and admits without waiting."""
 
     def __init__(self, fetch: Fetch | None, *, refresh_s: float = 0.05, max_age_s: float = 1.0,
+                 refuse_age_s: float = 0.2, refresh_wait_s: float = 0.25,
                  reflect_grace_s: float = 0.05, ticket_ttl_s: float = 120.0,
                  clock: Callable[[], float] = time.time) -> None:
         self._fetch = fetch
         self.refresh_s, self.max_age_s = refresh_s, max_age_s
+        self.refuse_age_s, self.refresh_wait_s = refuse_age_s, refresh_wait_s
         self.reflect_grace_s, self.ticket_ttl_s = reflect_grace_s, ticket_ttl_s
         self._clock = clock
         self._loads: Mapping[str, ReplicaLoad] = {}
@@ -45,20 +48,42 @@ class AdmissionGate:
         self._last_refresh = float("-inf")
         self._task: asyncio.Task[None] | None = None
         self._tickets: dict[int, tuple[int, float]] = {}  # admitted, no first token yet
+        self._settled: deque[tuple[float, float, int]] = deque(maxlen=4096)  # (admitted, settled, tokens)
         self._ids = itertools.count()
         self.num_refused = 0
         self.num_failed_refreshes = 0
 
     # ---- deciding -------------------------------------------------------------------------
 
-    def decide(self, prompt_tokens: int) -> Decision:
-        """Admit or refuse one prompt now (and start a snapshot refresh when one is due)."""
+    async def decide(self, prompt_tokens: int) -> Decision:
+        """Admit or refuse one prompt now (and start a snapshot refresh when one is due).
+
+        Admitting never waits. A refusal is only made on a view younger than `refuse_age_s`:
+        with an older one the gate first waits (at most `refresh_wait_s`) for a fresh one, so a
+        queue that drained while no request came is not refused from memory.
+        """
+        decision = self._decide(prompt_tokens, self._clock())
+        if decision.admitted or self._clock() - self._loads_at <= self.refuse_age_s:
+            return self._count(decision)
+        task = self._task
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.refresh_wait_s)
+            except Exception:  # timed out or failed: decide on what is there
+                pass
         now = self._clock()
+        if now - self._loads_at > self.refuse_age_s:  # still no fresh view: do not refuse on it
+            return Decision(True, decision.queued_tokens, decision.bound_tokens)
+        return self._count(self._decide(prompt_tokens, now))
+
+    def _decide(self, prompt_tokens: int, now: float) -> Decision:
         self._maybe_refresh(now)
         loads = self._loads if now - self._loads_at <= self.max_age_s else {}
         queues = [QueueView(load.waiting_tokens, load.queue_bound_tokens, load.drain_tps)
                   for load in loads.values() if load.queue_bound_tokens > 0]
-        decision = door_decision(prompt_tokens, queues, self._unreflected(loads, now) if queues else 0)
+        return door_decision(prompt_tokens, queues, self._unreflected(loads, now) if queues else 0)
+
+    def _count(self, decision: Decision) -> Decision:
         if not decision.admitted:
             self.num_refused += 1
         return decision
@@ -70,18 +95,26 @@ class AdmissionGate:
         return ticket
 
     def settle(self, ticket: int) -> None:
-        self._tickets.pop(ticket, None)
+        entry = self._tickets.pop(ticket, None)
+        if entry is not None:
+            tokens, at = entry
+            self._settled.append((at, self._clock(), tokens))
 
     def _unreflected(self, loads: Mapping[str, ReplicaLoad], now: float) -> int:
-        """Tokens admitted after the oldest report was taken: no report includes them yet."""
-        horizon = min(load.timestamp for load in loads.values()) - self.reflect_grace_s
+        """Our own admissions the reports do not show right: prompts admitted after the oldest
+        report was taken (not in it yet), minus those that left the queue since (still in it)."""
+        oldest = min(load.timestamp for load in loads.values())
+        horizon = oldest - self.reflect_grace_s
         total = 0
         for ticket, (tokens, at) in list(self._tickets.items()):
             if now - at > self.ticket_ttl_s:  # never settled (a lost stream): stop counting
                 del self._tickets[ticket]
             elif at >= horizon:
                 total += tokens
-        return total
+        while self._settled and self._settled[0][1] < horizon:
+            self._settled.popleft()
+        left = sum(tokens for at, settled, tokens in self._settled if at < oldest <= settled)
+        return total - left
 
     # ---- the snapshot ---------------------------------------------------------------------
 

@@ -211,7 +211,7 @@ class OpenAIIngress:
             SamplingParams(**params)  # ranges checked here, at the edge, once
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
-        self._admit(len(ids))
+        await self._admit(len(ids))
         ticket = self.gate.admit(len(ids))
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
@@ -234,9 +234,9 @@ class OpenAIIngress:
         finally:
             self.gate.settle(ticket)
 
-    def _admit(self, num_prompt_tokens: int) -> None:
+    async def _admit(self, num_prompt_tokens: int) -> None:
         """The door: 429 now, before any queue, when the replicas' queues have no room."""
-        decision = self.gate.decide(num_prompt_tokens)
+        decision = await self.gate.decide(num_prompt_tokens)
         if not decision.admitted:
             retry = decision.retry_after_s or 1
             raise OpenAIError(

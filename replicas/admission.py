@@ -105,13 +105,14 @@ class Decision:
 def door_decision(prompt_tokens: int, queues: Iterable[QueueView], unreflected_tokens: int = 0) -> Decision:
     """Admit at the cluster's door when the replicas' queues, together, have room.
 
-    `unreflected_tokens` are prompts this door admitted that no report shows yet. With no
+    `unreflected_tokens` corrects the reports by what this door knows better: prompts it
+    admitted that no report shows yet, less those that left the queue since. With no
     report at all there is no view to refuse on: admit, and let the replicas' own bounds decide.
     """
     views = list(queues)
     if not views:
         return Decision(True, unreflected_tokens, 0)
-    queued = sum(v.waiting_tokens for v in views) + unreflected_tokens
+    queued = max(0, sum(v.waiting_tokens for v in views) + unreflected_tokens)
     bound = sum(v.bound_tokens for v in views)
     if admits(queued, prompt_tokens, bound):
         return Decision(True, queued, bound)

@@ -8,10 +8,11 @@ replicas. Both live for the whole session; nothing is started for tests that nee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +117,23 @@ def serve_app(ray_serve: RayServe) -> ServeApp:
     serve.run(build_app(args), name="default", route_prefix="/")
     llm = serve.get_deployment_handle(LLM_DEPLOYMENT, app_name="default")
     return ServeApp(ray_serve.url(), args, llm)
+
+
+
+@pytest.fixture(scope="session")
+def extra_app(ray_serve: RayServe) -> Callable[[str, dict[str, Any]], contextlib.AbstractContextManager[str]]:
+    """`with extra_app(name, args) as url:` deploys another app on the session's Serve at
+    route `/<name>` and deletes it afterwards."""
+    from ray import serve
+
+    from app.builder import build_app
+
+    @contextlib.contextmanager
+    def deploy(name: str, args: dict[str, Any]) -> Iterator[str]:
+        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+        try:
+            yield ray_serve.url(f"/{name}")
+        finally:
+            serve.delete(name)
+
+    return deploy

@@ -30,7 +30,7 @@ async def primed(loads: dict[str, ReplicaLoad], clock: Clock) -> tuple[Admission
         return loads
 
     gate = AdmissionGate(fetch, clock=clock, refresh_s=0.05, max_age_s=1.0, reflect_grace_s=0.05)
-    gate.decide(1)  # starts the first refresh
+    await gate.decide(1)  # starts the first refresh
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     return gate, calls
@@ -40,8 +40,8 @@ async def test_refuses_over_the_summed_bound_with_retry_after_from_the_drain_rat
     clock = Clock()
     loads = {"a": load("a", 900, 1000, 100.0, clock.t), "b": load("b", 1000, 1000, 100.0, clock.t)}
     gate, _ = await primed(loads, clock)
-    assert gate.decide(100).admitted  # 1900 + 100 = 2000 <= 2000
-    refused = gate.decide(600)  # 2500 - 2000 = 500 tokens over, at 200 tokens/s
+    assert (await gate.decide(100)).admitted  # 1900 + 100 = 2000 <= 2000
+    refused = await gate.decide(600)  # 2500 - 2000 = 500 tokens over, at 200 tokens/s
     assert not refused.admitted and refused.retry_after_s == 3 and refused.bound_tokens == 2000
     assert gate.num_refused == 1
 
@@ -52,21 +52,21 @@ async def test_its_own_admissions_count_until_a_report_shows_them() -> None:
     gate, _ = await primed(loads, clock)
     clock.t += 0.01
     first = gate.admit(600)
-    assert gate.decide(300).admitted  # 600 unreflected + 300 <= 1000
+    assert (await gate.decide(300)).admitted  # 600 unreflected + 300 <= 1000
     second = gate.admit(300)
-    assert not gate.decide(200).admitted  # 900 + 200 > 1000
+    assert not (await gate.decide(200)).admitted  # 900 + 200 > 1000
     gate.settle(first)  # its first token came: it is no longer queued
-    assert gate.decide(200).admitted
+    assert (await gate.decide(200)).admitted
     gate.settle(second)
     # An admission older than the oldest report (minus the grace) is in that report already.
     clock.t += 1.0
     gate.admit(900)
     loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
     clock.t += 0.1  # refresh is due
-    gate.decide(1)
+    await gate.decide(1)
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert gate.decide(900).admitted  # the report (queue empty) is newer than the admission
+    assert (await gate.decide(900)).admitted  # the report (queue empty) is newer than the admission
 
 
 async def test_a_stale_or_missing_view_admits() -> None:
@@ -76,25 +76,54 @@ async def test_a_stale_or_missing_view_admits() -> None:
         raise RuntimeError("controller gone")
 
     gate = AdmissionGate(failing, clock=clock)
-    assert gate.decide(10**6).admitted
+    assert (await gate.decide(10**6)).admitted
     await asyncio.sleep(0)
-    assert gate.num_failed_refreshes == 1 and gate.decide(10**6).admitted
+    assert gate.num_failed_refreshes == 1 and (await gate.decide(10**6)).admitted
     full = {"a": load("a", 5000, 1000, 100.0, clock.t)}
     gate2, _ = await primed(full, clock)
-    assert not gate2.decide(10).admitted
+    assert not (await gate2.decide(10)).admitted
     clock.t += 5.0  # the snapshot is older than max_age_s and the refresh keeps failing
     gate2._fetch = failing
-    assert gate2.decide(10).admitted
+    assert (await gate2.decide(10)).admitted
 
 
 async def test_refreshes_at_most_every_refresh_s() -> None:
     clock = Clock()
     gate, calls = await primed({"a": load("a", 0, 1000, 1.0, clock.t)}, clock)
     for _ in range(100):
-        gate.decide(1)
+        await gate.decide(1)
         await asyncio.sleep(0)
     assert calls[0] == 1
     clock.t += 0.06
-    gate.decide(1)
+    await gate.decide(1)
     await asyncio.sleep(0)
     assert calls[0] == 2
+
+
+async def test_a_refusal_is_never_made_on_an_old_view() -> None:
+    """The cached view says full, but it is old: the gate waits for a fresh one (queue empty)."""
+    clock = Clock()
+    loads = {"a": load("a", 5000, 1000, 100.0, clock.t)}
+    gate, calls = await primed(loads, clock)
+    assert not (await gate.decide(10)).admitted
+    loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
+    clock.t += 0.5  # older than refuse_age_s (0.2 s), younger than max_age_s (1 s)
+    assert (await gate.decide(10)).admitted
+    assert calls[0] == 2
+
+
+async def test_a_report_older_than_a_settlement_does_not_count_that_prompt() -> None:
+    """A report taken while our prompt waited still shows it after it started: not counted."""
+    clock = Clock()
+    loads = {"a": load("a", 0, 100, 100.0, clock.t)}
+    gate, _ = await primed(loads, clock)
+    clock.t += 0.01
+    ticket = gate.admit(80)
+    loads["a"] = load("a", 80, 100, 100.0, clock.t + 0.01)  # the report shows it waiting
+    clock.t += 0.1
+    await gate.decide(1)  # refresh
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not (await gate.decide(50)).admitted  # 80 waiting + 50 > 100
+    gate.settle(ticket)  # its first token came after that report
+    assert (await gate.decide(50)).admitted

@@ -21,16 +21,9 @@ BURST = 120
 
 
 @pytest.fixture(scope="module")
-def overload_url(ray_serve) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py RayServe
-    from ray import serve
-
-    from app.builder import build_app
-
-    serve.run(build_app(OVERLOAD_APP_ARGS), name="overload", route_prefix="/overload")
-    try:
-        yield ray_serve.url("/overload")
-    finally:
-        serve.delete("overload")
+def overload_url(extra_app) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py
+    with extra_app("overload", OVERLOAD_APP_ARGS) as url:
+        yield url
 
 
 async def one(client: httpx.AsyncClient, i: int) -> tuple[str, dict[str, Any]]:

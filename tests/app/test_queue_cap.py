@@ -16,17 +16,9 @@ QUEUE_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-queue", "
 
 
 @pytest.fixture(scope="module")
-def queue_app_url(ray_serve) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py RayServe
-    """A second app on the session's Serve: one sequence at a time, so others must wait."""
-    from ray import serve
-
-    from app.builder import build_app
-
-    serve.run(build_app(QUEUE_APP_ARGS), name="queuecap", route_prefix="/queuecap")
-    try:
-        yield ray_serve.url("/queuecap")
-    finally:
-        serve.delete("queuecap")
+def queue_app_url(extra_app) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py
+    with extra_app("queuecap", QUEUE_APP_ARGS) as url:
+        yield url
 
 
 async def wait_queued(handle, tokens: int, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
@@ -69,6 +61,6 @@ async def test_empty_queue_admits_a_prompt_longer_than_the_cap(queue_app_url: st
     async with httpx.AsyncClient(base_url=queue_app_url, timeout=60) as client:
         resp = await client.post("/v1/completions", json={"prompt": [5] * (CAP * 3), "max_tokens": 2,
                                                           "ignore_eos": True})
-        assert resp.status_code == 200
+        assert resp.status_code == 200, resp.text
         assert resp.json()["usage"] == {"prompt_tokens": CAP * 3, "completion_tokens": 2,
                                         "total_tokens": CAP * 3 + 2}

@@ -22,16 +22,9 @@ DEATH_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-death", "
 
 
 @pytest.fixture(scope="module")
-def death_url(ray_serve) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py RayServe
-    from ray import serve
-
-    from app.builder import build_app
-
-    serve.run(build_app(DEATH_APP_ARGS), name=APP, route_prefix="/death")
-    try:
-        yield ray_serve.url("/death")
-    finally:
-        serve.delete(APP)
+def death_url(extra_app) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py
+    with extra_app(APP, DEATH_APP_ARGS) as url:
+        yield url
 
 
 def running_replicas() -> int:

@@ -1,0 +1,290 @@
+"""loadtests/overload.py's pure parts: SSE parsing, classification, statistics, the rate search,
+recovery, RSS reports, the target table. No server, no timing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loadtests import overload as ov
+
+
+def rec(**kw: object) -> ov.Rec:
+    base: dict[str, object] = {"kind": "cmpl", "sched_s": 0.0}
+    return ov.Rec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+# ---- SSE ---------------------------------------------------------------------------------------
+
+
+def test_sse_kind_tells_content_from_done_error_and_empty_chunks() -> None:
+    assert ov.sse_kind(b'data: {"choices":[{"index":0,"text":"hi","finish_reason":null}]}') == "content"
+    assert ov.sse_kind(b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}') == "other"
+    assert ov.sse_kind(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}') == "other"
+    assert ov.sse_kind(b'data: {"choices":[{"delta":{"content":"x"}}]}') == "content"
+    assert ov.sse_kind(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}') == "other"
+    assert ov.sse_kind(b"data: [DONE]") == "done"
+    assert ov.sse_kind(b'data: {"error": {"message": "boom"}}') == "error"
+    assert ov.sse_kind(b'data: {"error":{"message":"boom"}}') == "error"
+    assert ov.sse_kind(b": keep-alive") == "other"
+
+
+def test_split_events_keeps_the_unfinished_tail() -> None:
+    events, rest = ov.split_events(b"data: a\n\ndata: b\n\ndata: c")
+    assert events == [b"data: a", b"data: b"] and rest == b"data: c"
+    events, rest = ov.split_events(rest + b"\n\n")
+    assert events == [b"data: c"] and rest == b""
+    events, rest = ov.split_events(b"data: x\r\n\r\n")
+    assert events == [b"data: x"] and rest == b""
+
+
+# ---- classification ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kw", "category"), [
+    ({"status": 200, "done": True}, "ok"),
+    ({"status": 200, "done": False}, "cut"),
+    ({"status": 200, "done": True, "error_event": True}, "error_event"),
+    ({"status": 200, "done": False, "error_event": True}, "error_event"),
+    ({"status": 429}, "429"),
+    ({"status": 503}, "5xx"),
+    ({"status": 500}, "5xx"),
+    ({"status": 400}, "4xx"),
+    ({"status": None, "exc": "ConnectError"}, "transport_error"),
+    ({"status": 200, "timed_out": True}, "timeout"),
+    ({"status": None, "timed_out": True}, "timeout"),
+    ({"status": 200, "abandoned": True, "timed_out": True}, "abandoned"),
+])
+def test_classify(kw: dict[str, object], category: str) -> None:
+    assert ov.classify(rec(**kw)) == category
+
+
+def test_is_openai_error_wants_all_four_fields() -> None:
+    good = {"error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": "x"}}
+    assert ov.is_openai_error(good)
+    assert not ov.is_openai_error({"error": {"message": "busy", "type": "x", "param": None}})
+    assert not ov.is_openai_error({"error": "busy"})
+    assert not ov.is_openai_error({"detail": "busy"})
+    assert not ov.is_openai_error(["error"])
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+
+def test_percentile_matches_numpy_and_handles_empty() -> None:
+    values = [0.5, 0.1, 0.3, 0.9, 0.7]
+    assert ov.percentile(values, 99) == pytest.approx(float(np.percentile(values, 99)))
+    assert ov.percentile(values, 50) == pytest.approx(0.5)
+    assert ov.percentile([], 99) is None
+
+
+def test_summarize_counts_latencies_and_rejections() -> None:
+    recs = [rec(status=200, done=True, headers_s=0.01, ttft_s=0.1, end_s=1.0, gaps=[0.02, 0.04]),
+            rec(status=200, done=True, headers_s=0.01, ttft_s=0.3, end_s=1.2, gaps=[0.06]),
+            rec(status=200, done=False, headers_s=0.01, ttft_s=None, end_s=5.0),  # cut, waited 5 s
+            rec(status=429, headers_s=0.05, end_s=0.05, retry_after=True, json_body=True, openai_body=True),
+            rec(status=429, headers_s=0.15, end_s=0.15, retry_after=False, json_body=True, openai_body=False),
+            rec(status=500, headers_s=0.2, end_s=0.2, json_body=False, openai_body=False),
+            rec(status=None, exc="ReadError", end_s=0.3)]
+    s = ov.summarize(recs, 2.0)
+    assert s["sent"] == 7 and s["offered_req_s"] == 3.5
+    assert s["counts"]["ok"] == 2 and s["counts"]["cut"] == 1 and s["counts"]["429"] == 2
+    assert s["counts"]["5xx"] == 1 and s["counts"]["transport_error"] == 1
+    assert sum(s["counts"].values()) == 7
+    assert s["completed_ratio"] == pytest.approx(2 / 7)
+    assert s["accepted"] == 3
+    assert s["ttft_max_s"] == 5.0  # a 200 without a first token counts with its wait
+    assert s["tbt_max_s"] == 0.06 and s["num_gaps"] == 3
+    assert s["reject_max_s"] == 0.15 and s["reject_p50_s"] == pytest.approx(0.1)
+    assert s["reject_retry_after"] == 1 and s["reject_openai_body"] == 1
+    assert s["non_json_error_bodies"] == 1 and s["non_openai_error_bodies"] == 2
+    assert s["status_codes"] == {"200": 3, "429": 2, "500": 1, "none": 1}
+    assert s["transport_errors"] == {"ReadError": 1}
+
+
+def test_summarize_empty() -> None:
+    s = ov.summarize([], 0.0)
+    assert s["sent"] == 0 and s["offered_req_s"] == 0.0 and s["ttft_p99_s"] is None
+
+
+def test_step_verdict() -> None:
+    good = [rec(status=200, done=True, ttft_s=0.1, end_s=0.5) for _ in range(20)]
+    assert ov.step_verdict(ov.summarize(good, 1.0), 0.95, 2.0) == (True, "ok")
+    slow = good[:-1] + [rec(status=200, done=True, ttft_s=3.0, end_s=3.5)] * 5
+    assert not ov.step_verdict(ov.summarize(slow, 1.0), 0.95, 2.0)[0]
+    behind = good + [rec(status=200, abandoned=True)] * 2
+    ok, why = ov.step_verdict(ov.summarize(behind, 1.0), 0.95, 2.0)
+    assert not ok and "completed" in why
+    assert not ov.step_verdict(ov.summarize(good + [rec(status=429)], 1.0), 0.9, 2.0)[0]
+    assert ov.step_verdict(ov.summarize([], 1.0), 0.95, 2.0) == (False, "no requests")
+
+
+def test_next_rate_doubles_then_stops_at_the_first_failure() -> None:
+    assert ov.next_rate([], 2.0, 6, 256.0) == 2.0
+    assert ov.next_rate([(2.0, True)], 2.0, 6, 256.0) == 4.0
+    assert ov.next_rate([(2.0, True), (4.0, False)], 2.0, 6, 256.0) is None
+    assert ov.next_rate([(2.0, True), (4.0, True)], 2.0, 2, 256.0) is None  # out of steps
+    assert ov.next_rate([(128.0, True)], 128.0, 6, 200.0) is None  # above max_rate
+
+
+def test_next_rate_halves_while_nothing_passed() -> None:
+    assert ov.next_rate([(2.0, False)], 2.0, 6, 256.0) == 1.0
+    assert ov.next_rate([(2.0, False), (1.0, False)], 2.0, 6, 256.0) == 0.5
+    assert ov.next_rate([(2.0, False), (1.0, True)], 2.0, 6, 256.0) is None  # 2 already failed
+    assert ov.next_rate([(0.2, False)], 0.2, 6, 256.0) is None  # below min_rate
+
+
+def test_sustainable_rate() -> None:
+    assert ov.sustainable_rate([(2.0, True), (4.0, True), (8.0, False)]) == 4.0
+    assert ov.sustainable_rate([(2.0, False), (1.0, False)]) is None
+
+
+def test_recovery_seconds_needs_every_later_probe_normal() -> None:
+    assert ov.recovery_seconds([(0.0, True, 0.02), (0.5, True, 0.02)]) == pytest.approx(0.02)
+    probes = [(0.0, False, 9.0), (0.5, True, 0.05), (1.0, False, 3.0), (1.5, True, 0.04),
+              (2.0, True, 0.03)]
+    assert ov.recovery_seconds(probes) == pytest.approx(1.54)
+    assert ov.recovery_seconds(probes + [(2.5, False, None)]) is None
+    assert ov.recovery_seconds([]) is None
+
+
+def test_slope_per_min_is_least_squares() -> None:
+    ts = [0.0, 60.0, 120.0, 180.0]
+    assert ov.slope_per_min(ts, [100.0, 102.0, 104.0, 106.0]) == pytest.approx(2.0)
+    assert ov.slope_per_min(ts, [100.0, 100.0, 100.0, 100.0]) == pytest.approx(0.0)
+    noisy = [100.0, 103.0, 101.0, 104.0]
+    assert ov.slope_per_min(ts, noisy) == pytest.approx(60 * np.polyfit(ts, noisy, 1)[0])
+    assert ov.slope_per_min([1.0], [5.0]) is None
+    assert ov.slope_per_min([1.0, 1.0], [5.0, 6.0]) is None
+
+
+# ---- RSS ---------------------------------------------------------------------------------------
+
+
+MB = ov.MB
+SAMPLES: list[ov.Sample] = [(0.0, {"LLMServer": 500 * MB}), (1.0, {"LLMServer": 510 * MB}),
+                            (2.0, {"LLMServer": 800 * MB}), (3.0, {"LLMServer": 700 * MB}),
+                            (4.0, {"LLMServer": 590 * MB, "OpenAIIngress": 300 * MB})]
+
+
+def test_rss_at_takes_the_last_sample_at_or_before() -> None:
+    assert ov.rss_at(SAMPLES, 2.5, "LLMServer") == 800 * MB
+    assert ov.rss_at(SAMPLES, 99.0, "LLMServer") == 590 * MB
+    assert ov.rss_at(SAMPLES, -1.0, "LLMServer") == 500 * MB  # before the first: the first
+    assert ov.rss_at(SAMPLES, 1.0, "OpenAIIngress") == 300 * MB
+    assert ov.rss_at(SAMPLES, 1.0, "ProxyActor") is None
+
+
+def test_rss_report() -> None:
+    rep = ov.rss_report(SAMPLES, "LLMServer", 1.0, 2.0, 2.0, 0.2)
+    assert rep["start_mb"] == 510.0 and rep["peak_mb"] == 800.0 and rep["after_mb"] == 590.0
+    assert rep["within"] is True and rep["after_over_start"] == pytest.approx(590 / 510)
+    assert ov.rss_report(SAMPLES, "LLMServer", 1.0, 2.0, 1.0, 0.2)["within"] is False  # 700/510
+    missing = ov.rss_report(SAMPLES, "ProxyActor", 1.0, 2.0, 2.0, 0.2)
+    assert missing["start_mb"] is None and missing["within"] is None
+
+
+@pytest.mark.parametrize(("cmd", "group"), [
+    ("ray::ServeReplica:llm:LLMServer", "LLMServer"),
+    ("ray::ServeReplica:llm:LLMServer.generate", "LLMServer"),
+    ("ray::ServeReplica:llm:OpenAIIngress", "OpenAIIngress"),
+    ("ray::ProxyActor", "ProxyActor"),
+    ("ray::ServeController.listen_for_change", None),
+    ("python -m loadtests.overload --set x=LLMServer", None),
+])
+def test_group_of(cmd: str, group: str | None) -> None:
+    assert ov.group_of(cmd) == group
+
+
+# ---- workload ----------------------------------------------------------------------------------
+
+
+def test_poisson_offsets_are_seeded_and_inside_the_window() -> None:
+    a, b = ov.poisson_offsets(20.0, 30.0, 1), ov.poisson_offsets(20.0, 30.0, 1)
+    assert a == b and a != ov.poisson_offsets(20.0, 30.0, 2)
+    assert all(0 <= t < 30.0 for t in a) and a == sorted(a)
+    assert 450 < len(a) < 750  # about 600
+
+
+def test_request_bodies() -> None:
+    rng = np.random.default_rng(0)
+    spec = ov.uniform_specs(rng, 3, "m", 10, 64)[0]
+    body = json.loads(spec.payload)
+    assert spec.path == "/v1/completions" and spec.stream
+    assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 64
+    assert len(body["prompt"].split()) == 10 and body["model"] == "m"
+    kinds = set()
+    for _ in range(200):
+        s = ov.soak_spec(rng, "m", 0.35)
+        b = json.loads(s.payload)
+        kinds.add((s.path, s.stream))
+        assert b["stream"] is s.stream and ("messages" in b) == (s.path == "/v1/chat/completions")
+    assert len(kinds) == 4  # completions and chat, streaming and not
+
+
+# ---- the engine's gauges and the target table ---------------------------------------------------
+
+
+def test_engine_gauges() -> None:
+    text = "\n".join([
+        "# TYPE ray_stallfree_kv_cache_usage_perc gauge",
+        'ray_stallfree_kv_cache_usage_perc{deployment="LLMServer",replica="a"} 0.25',
+        'ray_stallfree_kv_cache_usage_perc{deployment="LLMServer",replica="b"} 0.5',
+        'ray_stallfree_num_requests_running{deployment="LLMServer",replica="a"} 2',
+        'ray_stallfree_num_requests_running{deployment="LLMServer",replica="b"} 3',
+        'ray_stallfree_num_requests_waiting{deployment="OpenAIIngress"} 9',
+        "ray_other_metric 1"])
+    assert ov.engine_gauges(text) == {"kv_cache_usage_perc": 0.5, "num_requests_running": 5.0}
+    assert ov.engine_gauges("") == {}
+
+
+CFG = {"timeout_s": 120.0, "reject_p99_s": 0.5, "tbt_factor": 1.5, "queue_deadline_s": 10.0,
+       "rss_tolerance": 0.2, "recovery_target_s": 5.0, "rss_slope_mb_min": 1.0}
+
+
+def test_overload_targets_and_table() -> None:
+    recs = ([rec(status=200, done=True, ttft_s=0.5, end_s=2.0, gaps=[0.05] * 10)] * 50
+            + [rec(status=429, headers_s=0.02, retry_after=True, json_body=True, openai_body=True)] * 50)
+    summary = ov.summarize(recs, 10.0)
+    rss = {"LLMServer": ov.rss_report(SAMPLES, "LLMServer", 1.0, 2.0, 2.0, 0.2),
+           "ProxyActor": ov.rss_report(SAMPLES, "ProxyActor", 1.0, 2.0, 2.0, 0.2)}
+    rows = ov.overload_targets(summary, 0.04, 1.5, rss, CFG)
+    status = {r["target"].split(" ")[0] + " " + r["target"].split(" ")[1]: r["status"] for r in rows}
+    assert all(r["status"] in ("PASS", "n/a") for r in rows), rows
+    assert status["ProxyActor RSS"] == "n/a" and status["normal service"] == "PASS"
+    worse = ov.overload_targets(summary, 0.02, None, rss, CFG)  # 50 ms > 1.5 x 20 ms
+    miss = {r["target"] for r in worse if r["status"] == "MISS"}
+    assert any("TBT" in t for t in miss) and any("normal service" in t for t in miss)
+    table = ov.format_targets(rows)
+    assert table.splitlines()[0].startswith("target") and table.count("PASS") >= 8
+
+
+def test_overload_targets_without_429s_are_not_applicable() -> None:
+    summary = ov.summarize([rec(status=200, done=True, ttft_s=0.5, end_s=2.0)], 1.0)
+    rows = {r["target"]: r for r in ov.overload_targets(summary, None, None, {}, CFG)}
+    assert rows["429 p99 latency < 500 ms"]["status"] == "n/a"
+    assert next(r for t, r in rows.items() if "TBT" in t)["status"] == "n/a"
+
+
+def test_soak_targets() -> None:
+    sk = {"summary": ov.summarize([rec(status=200, done=True)] * 3 + [rec(status=500)], 60.0),
+          "rss_slope_mb_per_min": {"LLMServer": 0.2, "OpenAIIngress": 3.0, "ProxyActor": None},
+          "engine": {"measured": True, "kv_cache_usage_perc": 0.0, "num_requests_running": 0.0},
+          "health": 200}
+    rows = {r["target"]: r["status"] for r in ov.soak_targets(sk, CFG)}
+    assert rows["0 errors (anything but a complete 200)"] == "MISS"
+    assert rows["LLMServer RSS slope <= 1 MB/min"] == "PASS"
+    assert rows["OpenAIIngress RSS slope <= 1 MB/min"] == "MISS"
+    assert rows["ProxyActor RSS slope <= 1 MB/min"] == "n/a"
+    assert rows["KV cache usage 0 after quiet"] == "PASS"
+    assert rows["0 requests waiting after quiet"] == "n/a"
+    assert rows["healthy after the soak"] == "PASS"
+
+
+def test_quick_fills_only_unset_options() -> None:
+    args = ov.parse_args(["--quick", "--duration-s", "7"])
+    assert args.duration_s == 7.0 and args.step_s == 3.0 and args.max_steps == 2
+    full = ov.parse_args([])
+    assert full.duration_s == 60.0 and full.soak_minutes == 30.0 and full.factor == 10.0
