@@ -47,7 +47,8 @@ class AdmissionGate:
         self._loads_at = float("-inf")  # gate clock when the snapshot arrived
         self._last_refresh = float("-inf")
         self._task: asyncio.Task[None] | None = None
-        self._tickets: dict[int, tuple[int, float]] = {}  # admitted, no first token yet
+        # Admitted, no first token yet: tokens, admitted at, acknowledged by a replica at.
+        self._tickets: dict[int, tuple[int, float, float | None]] = {}
         self._settled: deque[tuple[float, float, int]] = deque(maxlen=4096)  # (admitted, settled, tokens)
         self._ids = itertools.count()
         self.num_refused = 0
@@ -91,25 +92,32 @@ class AdmissionGate:
     def admit(self, prompt_tokens: int) -> int:
         """Count an admitted prompt until `settle(ticket)` (first token, refusal or failure)."""
         ticket = next(self._ids)
-        self._tickets[ticket] = (prompt_tokens, self._clock())
+        self._tickets[ticket] = (prompt_tokens, self._clock(), None)
         return ticket
+
+    def acknowledged(self, ticket: int) -> None:
+        """A replica queued it: its reports count it from now on."""
+        entry = self._tickets.get(ticket)
+        if entry is not None:
+            self._tickets[ticket] = (entry[0], entry[1], self._clock())
 
     def settle(self, ticket: int) -> None:
         entry = self._tickets.pop(ticket, None)
-        if entry is not None:
-            tokens, at = entry
-            self._settled.append((at, self._clock(), tokens))
+        if entry is not None and entry[2] is not None:
+            tokens, _, acked = entry
+            self._settled.append((acked, self._clock(), tokens))
 
     def _unreflected(self, loads: Mapping[str, ReplicaLoad], now: float) -> int:
-        """Our own admissions the reports do not show right: prompts admitted after the oldest
-        report was taken (not in it yet), minus those that left the queue since (still in it)."""
+        """Our own admissions the reports do not show right: prompts no replica has queued yet
+        (in Serve's handle queue, in transit) or queued after the oldest report was taken, minus
+        those that left a queue since that report (it still shows them)."""
         oldest = min(load.timestamp for load in loads.values())
         horizon = oldest - self.reflect_grace_s
         total = 0
-        for ticket, (tokens, at) in list(self._tickets.items()):
+        for ticket, (tokens, at, acked) in list(self._tickets.items()):
             if now - at > self.ticket_ttl_s:  # never settled (a lost stream): stop counting
                 del self._tickets[ticket]
-            elif at >= horizon:
+            elif acked is None or acked >= horizon:
                 total += tokens
         while self._settled and self._settled[0][1] < horizon:
             self._settled.popleft()

@@ -211,13 +211,14 @@ class OpenAIIngress:
             SamplingParams(**params)  # ranges checked here, at the edge, once
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
+        arrived_at = time.time()
         await self._admit(len(ids))
         ticket = self.gate.admit(len(ids))
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
-                gen = self.stream_llm.generate.remote(ids, params, body.priority, request_id)
+                gen = self.stream_llm.generate.remote(ids, params, body.priority, request_id, arrived_at)
                 try:
-                    first = await self._first_output(gen)
+                    first = await self._first_output(gen, ticket)
                 except BaseException as exc:
                     _cancel(gen)
                     if attempt < START_ATTEMPTS and _retryable(exc):
@@ -245,16 +246,15 @@ class OpenAIIngress:
                 f"the replicas' queues take; retry after {retry} s", code="rate_limit_exceeded",
                 headers={"Retry-After": str(retry)})
 
-    @staticmethod
-    async def _first_output(gen: DeploymentResponseGenerator) -> Any:
+    async def _first_output(self, gen: DeploymentResponseGenerator, ticket: int) -> Any:
         """The replica's first output after its acknowledgement; a refusal is raised."""
-        first = None
-        for _ in range(2):  # the acknowledgement, then the first token (or a late refusal)
-            first = await gen.__anext__()
-            if isinstance(first, RequestRejected):
-                raise first
-            if first.finished:
-                break
+        ack = await gen.__anext__()
+        if isinstance(ack, RequestRejected):
+            raise ack
+        self.gate.acknowledged(ticket)
+        first = ack if ack.finished else await gen.__anext__()  # the first token, or a late refusal
+        if isinstance(first, RequestRejected):
+            raise first
         return first
 
     async def _collect(self, gen: DeploymentResponseGenerator, outputs: AsyncIterator[Any]) -> Collected:

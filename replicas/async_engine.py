@@ -58,13 +58,20 @@ class AsyncEngine:
     # ---- caller side (any thread / event loop) ---------------------------------------
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                          request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError before anything is queued), then stream deltas."""
+                          request_id: str, priority: int = 0,
+                          arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (ValueError before anything is queued), then stream deltas.
+
+        `arrival_time` (perf_counter clock; default now) is when the request arrived, which
+        may be before it reached this replica: TTFT and the queue deadline count from it.
+        """
         self.engine.validate(prompt, params, priority)
         if not self.is_alive():
             raise EngineDeadError("engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(("add", (prompt, params, request_id, priority, time.perf_counter()), stream))
+        now = time.perf_counter()
+        arrival = now if arrival_time is None else min(arrival_time, now)
+        self._inbox.put(("add", (prompt, params, request_id, priority, arrival), stream))
         self._wake.set()
         return self._iterate(request_id, stream)
 

@@ -176,15 +176,21 @@ class LLMServer:
     # ---- generation ------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: dict[str, Any], priority: int = 0,
-                       request_id: str = "") -> AsyncIterator[RequestOutput | RequestRejected]:
+                       request_id: str = "", arrived_at: float | None = None,
+                       ) -> AsyncIterator[RequestOutput | RequestRejected]:
         """Stream one request: first an empty acknowledgement, then a delta per iteration.
 
-        A refusal (bad limits, full queue) is yielded as the first and only item instead of
-        raised, so a 429 storm does not fill the replica's log with tracebacks.
+        A refusal (bad limits, full queue, the queue deadline) is yielded as an item instead of
+        raised, so a 429 storm does not fill the replica's log with tracebacks. `arrived_at` is
+        the wall-clock time (time.time()) the request reached the server's door: the wait in
+        front of this replica counts toward its queue deadline and TTFT.
         """
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        arrival = None
+        if arrived_at is not None:  # wall clock -> this process's perf_counter clock
+            arrival = time.perf_counter() - max(0.0, time.time() - arrived_at)
         try:
-            stream = await self._accept(prompt_token_ids, params, priority, request_id)
+            stream = await self._accept(prompt_token_ids, params, priority, request_id, arrival)
         except RequestRejected as rejected:
             yield rejected
             return
@@ -208,7 +214,7 @@ class LLMServer:
                 self.engine.abort(request_id)
 
     async def _accept(self, prompt_token_ids: list[int], params: dict[str, Any], priority: int,
-                      request_id: str) -> AsyncIterator[RequestOutput]:
+                      request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Check health, parameters, queue room and limits; queue the request in the engine."""
         if not self.engine.is_healthy():
             raise ReplicaUnhealthyError("the engine loop on this replica is not running", None, 1)
@@ -221,7 +227,7 @@ class LLMServer:
         self._admit(len(prompt_token_ids))
         self._live.add(request_id)
         try:
-            return await self.engine.add_request(prompt_token_ids, sampling, request_id, priority)
+            return await self.engine.add_request(prompt_token_ids, sampling, request_id, priority, arrival)
         except ValueError as exc:
             self._live.discard(request_id)
             raise InvalidRequestError(str(exc), param_of(str(exc))) from None

@@ -60,13 +60,27 @@ async def test_its_own_admissions_count_until_a_report_shows_them() -> None:
     gate.settle(second)
     # An admission older than the oldest report (minus the grace) is in that report already.
     clock.t += 1.0
-    gate.admit(900)
+    gate.acknowledged(gate.admit(900))  # a replica queued it ...
     loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
     clock.t += 0.1  # refresh is due
     await gate.decide(1)
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert (await gate.decide(900)).admitted  # the report (queue empty) is newer than the admission
+    assert (await gate.decide(900)).admitted  # ... and a newer report (queue empty) shows it gone
+
+
+async def test_a_prompt_no_replica_has_acknowledged_counts_whatever_the_reports_say() -> None:
+    """It waits in Serve's handle queue, where no report sees it."""
+    clock = Clock()
+    loads = {"a": load("a", 0, 1000, 100.0, clock.t)}
+    gate, _ = await primed(loads, clock)
+    gate.admit(900)
+    loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
+    clock.t += 0.6
+    await gate.decide(1)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not (await gate.decide(200)).admitted
 
 
 async def test_a_stale_or_missing_view_admits() -> None:
@@ -119,6 +133,7 @@ async def test_a_report_older_than_a_settlement_does_not_count_that_prompt() -> 
     gate, _ = await primed(loads, clock)
     clock.t += 0.01
     ticket = gate.admit(80)
+    gate.acknowledged(ticket)
     loads["a"] = load("a", 80, 100, 100.0, clock.t + 0.01)  # the report shows it waiting
     clock.t += 0.1
     await gate.decide(1)  # refresh
