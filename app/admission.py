@@ -6,7 +6,7 @@ this application reports its waiting prompt tokens, the bound its queue admits a
 drain rate (`replicas.admission`) about every 100 ms; the gate refreshes that snapshot in the
 background and adds the prompts it admitted itself that no report shows yet. Over the summed
 bound the answer is a 429 with a Retry-After computed from the summed drain rate, without
-touching a replica: at once on a view younger than 0.2 s, else after one refresh (<= 0.25 s). With no fresh snapshot (controller gone, first
+touching a replica: at once on a view younger than 0.5 s, else after one refresh (<= 0.1 s). With no fresh snapshot (controller gone, first
 requests) the gate admits, and the replicas' own bounds (the same rule) are the backstop.
 
 Plain asyncio and an injected clock; the snapshot source is a coroutine function, so the gate
@@ -29,13 +29,14 @@ from replicas.admission import Decision, QueueView, door_decision
 logger = logging.getLogger(__name__)
 
 Fetch = Callable[[], Awaitable[Mapping[str, ReplicaLoad]]]
+LOG_EVERY_S = 5.0
 
 
 class AdmissionGate:
     """The door's token view of the cluster; `decide` is O(replicas) and admits without waiting."""
 
     def __init__(self, fetch: Fetch | None, *, refresh_s: float = 0.05, max_age_s: float = 1.0,
-                 refuse_age_s: float = 0.2, refresh_wait_s: float = 0.25,
+                 refuse_age_s: float = 0.5, refresh_wait_s: float = 0.1,
                  reflect_grace_s: float = 0.05, ticket_ttl_s: float = 120.0,
                  clock: Callable[[], float] = time.time) -> None:
         self._fetch = fetch
@@ -52,7 +53,9 @@ class AdmissionGate:
         self._settled: deque[tuple[float, float, int]] = deque(maxlen=4096)  # (admitted, settled, tokens)
         self._ids = itertools.count()
         self.num_refused = 0
+        self.num_decided = 0
         self.num_failed_refreshes = 0
+        self._logged_at, self._logged = float("-inf"), (0, 0)
 
     # ---- deciding -------------------------------------------------------------------------
 
@@ -85,8 +88,17 @@ class AdmissionGate:
         return door_decision(prompt_tokens, queues, self._unreflected(loads, now) if queues else 0)
 
     def _count(self, decision: Decision) -> Decision:
+        self.num_decided += 1
         if not decision.admitted:
             self.num_refused += 1
+        now = self._clock()
+        if now - self._logged_at >= LOG_EVERY_S:
+            decided, refused = self.num_decided - self._logged[0], self.num_refused - self._logged[1]
+            logger.info("admission: %d decided, %d refused in the last %.0f s; now %d prompt tokens "
+                        "queued of a bound of %d over %d replicas (view %.2f s old)", decided, refused,
+                        min(now - self._logged_at, 1e9), decision.queued_tokens, decision.bound_tokens,
+                        len(self._loads), now - self._loads_at)
+            self._logged_at, self._logged = now, (self.num_decided, self.num_refused)
         return decision
 
     def admit(self, prompt_tokens: int) -> int:

@@ -80,6 +80,14 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.queue.get()
+                # A caller slower than the loop gets the deltas that queued up as one: under
+                # load every hop downstream (Serve's stream, SSE) then carries fewer, larger items.
+                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if not isinstance(later, RequestOutput):
+                        stream.queue.put_nowait(later)  # an exception: raise it after this delta
+                        break
+                    item = item.followed_by(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -37,6 +37,13 @@ class RequestOutput:
     num_output_tokens: int
     stop_reason: str | int | None = None
 
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One delta carrying this one and the `later` one of the same request."""
+        return RequestOutput(self.request_id, self.delta_text + later.delta_text,
+                             self.delta_token_ids + later.delta_token_ids, later.finished,
+                             later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
+                             later.stop_reason)
+
 
 @dataclass
 class CompletionOutput:

@@ -224,3 +224,27 @@ def test_a_request_never_scheduled_within_the_queue_deadline_is_refused_with_que
         eng.step()
     assert len(running.output_token_ids) == 20 and running.finish_reason == "length"
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_slow_caller_gets_the_queued_deltas_merged_in_order():
+    """Deltas that pile up while the caller is busy arrive as one, text and ids in order."""
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_total_tokens=512))
+    reference = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    loop = AsyncEngine(eng)
+
+    async def run() -> list:
+        stream = await loop.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0,
+                                                                  ignore_eos=True), "slow")
+        first = await anext(stream)
+        while "slow" in loop._streams:  # the loop delivers the rest (finished last) while we wait
+            await asyncio.sleep(0.01)
+        return [first] + [out async for out in stream]
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        loop.shutdown()
+    assert len(outs) == 2  # the first delta, then the other 39 merged
+    assert [t for o in outs for t in o.delta_token_ids] == reference.token_ids
+    assert "".join(o.delta_text for o in outs) == reference.text
+    assert outs[-1].finished and outs[-1].num_output_tokens == 40 and outs[-1].finish_reason == "length"
