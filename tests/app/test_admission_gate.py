@@ -120,8 +120,8 @@ async def test_a_refusal_is_never_made_on_an_old_view() -> None:
     loads = {"a": load("a", 5000, 1000, 100.0, clock.t)}
     gate, calls = await primed(loads, clock)
     assert not (await gate.decide(10)).admitted
-    loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
-    clock.t += 0.5  # older than refuse_age_s (0.2 s), younger than max_age_s (1 s)
+    loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.7)
+    clock.t += 0.7  # older than refuse_age_s (0.5 s), younger than max_age_s (1 s)
     assert (await gate.decide(10)).admitted
     assert calls[0] == 2
 
