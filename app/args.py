@@ -93,6 +93,9 @@ class AppArgs(BaseModel):
     ingress_num_cpus: float = Field(0.5, ge=0, description="reserved per ingress replica: HTTP, "
                                     "JSON and tokenization must not starve under overload")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    ingress_max_queued_requests: int = Field(512, ge=1, description="requests the HTTP proxy "
+                                             "holds for a busy ingress; beyond it Serve answers "
+                                             "429 + Retry-After itself (plain text)")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger bodies get 413")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body not received within "
                                   "this gets 408")

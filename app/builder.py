@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from app.args import AppArgs
 from app.ingress import OpenAIIngress
@@ -62,5 +63,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     ingress = OpenAIIngress.options(
         name=INGRESS_DEPLOYMENT, num_replicas=app_args.resolved_ingress_replicas,
         max_ongoing_requests=app_args.ingress_max_ongoing_requests,
+        # The last backstop, in the proxy: Serve's own answer (plain text, not OpenAI's shape).
+        max_queued_requests=app_args.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus})
     return ingress.bind(llm.bind(app_args.replica_config()), app_args)
