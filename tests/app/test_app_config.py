@@ -93,3 +93,23 @@ def test_replica_refusals_map_to_4xx_through_ray_wrappers() -> None:
     assert from_exception(OpenAIError(404, "x")).status_code == 404
     fault = from_exception(KeyError("bug"))
     assert fault.status_code == 500 and fault.error_type == "server_error"
+
+
+def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
+    args = AppArgs()
+    assert args.engine_config().queue_timeout_s == 10.0  # the deadline reaches the scheduler
+    assert AppArgs(queue_timeout_s=None).engine_config().queue_timeout_s is None
+    assert llm_deployment_options(args)["max_queued_requests"] == args.max_queued_requests == 256
+    assert args.resolved_ingress_replicas == 1
+    assert AppArgs(num_replicas=3).resolved_ingress_replicas == 2
+    assert AppArgs(min_replicas=1, max_replicas=4, tbt_slo_ms=50).resolved_ingress_replicas == 2
+    assert AppArgs(num_replicas=3, ingress_replicas=5).resolved_ingress_replicas == 5
+    assert args.ingress_num_cpus >= 0.5
+    ingress = build_app(AppArgs(num_replicas=2)).__dict__  # the bound ingress deployment
+    deployment = ingress["_bound_deployment"]
+    assert deployment.num_replicas == 2
+    config = deployment._deployment_config
+    assert config.max_queued_requests == args.ingress_max_queued_requests
+    assert config.backpressure_config.status_code == 429
+    with pytest.raises(ValidationError, match="queue_timeout_s"):
+        AppArgs(queue_timeout_s=0)
