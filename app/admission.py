@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from autoscale.load import ReplicaLoad
@@ -48,9 +49,8 @@ class AdmissionGate:
         self._loads_at = float("-inf")  # gate clock when the snapshot arrived
         self._last_refresh = float("-inf")
         self._task: asyncio.Task[None] | None = None
-        # Admitted, no first token yet: tokens, admitted at, acknowledged by a replica at.
-        self._tickets: dict[int, tuple[int, float, float | None]] = {}
-        self._settled: deque[tuple[float, float, int]] = deque(maxlen=4096)  # (admitted, settled, tokens)
+        self._tickets: dict[int, _Ticket] = {}  # admitted, no first token yet
+        self._settled: deque[_Ticket] = deque(maxlen=4096)  # left a replica's queue lately
         self._ids = itertools.count()
         self.num_refused = 0
         self.num_decided = 0
@@ -104,37 +104,48 @@ class AdmissionGate:
     def admit(self, prompt_tokens: int) -> int:
         """Count an admitted prompt until `settle(ticket)` (first token, refusal or failure)."""
         ticket = next(self._ids)
-        self._tickets[ticket] = (prompt_tokens, self._clock(), None)
+        self._tickets[ticket] = _Ticket(prompt_tokens, self._clock())
         return ticket
 
-    def acknowledged(self, ticket: int) -> None:
-        """A replica queued it: its reports count it from now on."""
+    def acknowledged(self, ticket: int, replica_id: str | None, at: float) -> None:
+        """Replica `replica_id` queued it at `at` (its own clock): its reports from then on count it."""
         entry = self._tickets.get(ticket)
         if entry is not None:
-            self._tickets[ticket] = (entry[0], entry[1], self._clock())
+            entry.replica_id, entry.queued_at = replica_id, at
 
-    def settle(self, ticket: int) -> None:
+    def requeued(self, ticket: int) -> None:
+        """Sent again (its replica died): no replica holds it until the next acknowledgement."""
+        entry = self._tickets.get(ticket)
+        if entry is not None:
+            entry.replica_id, entry.queued_at = None, None
+
+    def settle(self, ticket: int, left_at: float | None = None) -> None:
+        """Its first token came (it left the queue at `left_at`, the replica's clock), or it ended."""
         entry = self._tickets.pop(ticket, None)
-        if entry is not None and entry[2] is not None:
-            tokens, _, acked = entry
-            self._settled.append((acked, self._clock(), tokens))
+        if entry is not None and entry.queued_at is not None and left_at is not None:
+            entry.left_at = left_at
+            self._settled.append(entry)
 
     def _unreflected(self, loads: Mapping[str, ReplicaLoad], now: float) -> int:
-        """Our own admissions the reports do not show right: prompts no replica has queued yet
-        (in Serve's handle queue, in transit) or queued after the oldest report was taken, minus
-        those that left a queue since that report (it still shows them)."""
-        oldest = min(load.timestamp for load in loads.values())
-        horizon = oldest - self.reflect_grace_s
+        """Our own admissions the reports do not show right, judged per replica on its own
+        clock: prompts no replica has queued yet (Serve's handle queue, in transit) or queued
+        after that replica's report was taken, minus those that left its queue after the report."""
         total = 0
-        for ticket, (tokens, at, acked) in list(self._tickets.items()):
-            if now - at > self.ticket_ttl_s:  # never settled (a lost stream): stop counting
+        for ticket, entry in list(self._tickets.items()):
+            if now - entry.admitted_at > self.ticket_ttl_s:  # never settled (a lost stream)
                 del self._tickets[ticket]
-            elif acked is None or acked >= horizon:
-                total += tokens
-        while self._settled and self._settled[0][1] < horizon:
+            elif entry.queued_at is None:
+                total += entry.tokens
+            elif (load := loads.get(entry.replica_id or "")) is not None and \
+                    entry.queued_at >= load.timestamp - self.reflect_grace_s:
+                total += entry.tokens
+        while self._settled and now - self._settled[0].admitted_at > self.ticket_ttl_s:
             self._settled.popleft()
-        left = sum(tokens for at, settled, tokens in self._settled if at < oldest <= settled)
-        return total - left
+        for entry in self._settled:
+            load = loads.get(entry.replica_id or "")
+            if load is not None and entry.queued_at < load.timestamp <= entry.left_at:
+                total -= entry.tokens
+        return total
 
     # ---- the snapshot ---------------------------------------------------------------------
 
@@ -160,6 +171,17 @@ class AdmissionGate:
                 logger.warning("admission: controller snapshot failed (%d times): %r",
                                self.num_failed_refreshes, exc)
             self._last_refresh = self._clock() + 1.0  # back off for about a second
+
+
+@dataclass
+class _Ticket:
+    """One admitted prompt; replica times are that replica's wall clock (its reports' clock)."""
+
+    tokens: int
+    admitted_at: float  # the gate's clock
+    replica_id: str | None = None
+    queued_at: float | None = None
+    left_at: float | None = None
 
 
 def controller_fetch(controller_name: str, namespace: str, app_name: str | None,

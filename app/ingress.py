@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
 from app.errors import OpenAIError, from_exception, install_handlers, replica_gone
-from app.middleware import BodyLimitMiddleware, StatusCountMiddleware
+from app.middleware import BodyLimitMiddleware, StatusCountMiddleware, arrival_time
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
 from app.streaming import (DONE, Collected, StreamMeta, chat_events, chat_response, collect,
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 START_ATTEMPTS = 3  # a request no replica has started is sent again when its replica died
 RETRY_BACKOFF_S = 0.2
+ACK_SLACK_S = 1.0  # beyond the queue deadline, time allowed to reach a replica
 
 api = FastAPI(title="stallfree-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 install_handlers(api)
@@ -133,8 +134,9 @@ class OpenAIIngress:
         return ModelList(data=[card])
 
     @api.post("/v1/completions", response_model=CompletionResponse)
-    async def completions(self, body: CompletionRequest) -> Any:
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
         """Text completion of one prompt (text or token ids); SSE when `stream` is true."""
+        arrived_at = arrival_time(request)
         self._check_model(body)
         prompt = body.prompt
         if isinstance(prompt, str):
@@ -142,18 +144,19 @@ class OpenAIIngress:
         else:
             ids = list(prompt)  # type: ignore[arg-type]
         meta = self._meta("cmpl", body)
-        gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens)
+        gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens, arrived_at)
         if body.stream:
             return self._sse(gen, completion_events(meta, outputs))
         return completion_response(meta, await self._collect(gen, outputs))
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         """Chat completion through the tokenizer's chat template; SSE when `stream` is true."""
+        arrived_at = arrival_time(request)
         self._check_model(body)
         ids = await self._tokenizing(self._render_chat, body)
         meta = self._meta("chatcmpl", body)
-        gen, outputs = await self._start(meta.request_id, ids, body, body.requested_max_tokens)
+        gen, outputs = await self._start(meta.request_id, ids, body, body.requested_max_tokens, arrived_at)
         if body.stream:
             return self._sse(gen, chat_events(meta, outputs))
         return chat_response(meta, await self._collect(gen, outputs))
@@ -195,7 +198,7 @@ class OpenAIIngress:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _start(self, request_id: str, ids: list[int], body: GenerationRequest,
-                     max_tokens: int | None) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
+                     max_tokens: int | None, arrived_at: float) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
         """Admit at the door, send to a replica, and wait for its first output (or refusal).
 
         Nothing is committed to the client (no 200, no SSE headers) until the request has its
@@ -211,29 +214,33 @@ class OpenAIIngress:
             SamplingParams(**params)  # ranges checked here, at the edge, once
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
-        arrived_at = time.time()
         await self._admit(len(ids))
         ticket = self.gate.admit(len(ids))
+        left_at = None  # when the first output left the replica's queue (its clock)
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
-                gen = self.stream_llm.generate.remote(ids, params, body.priority, request_id, arrived_at)
+                # A fresh id per attempt: a replica that is only unreachable may still hold the first.
+                rid = request_id if attempt == 1 else f"{request_id}-retry{attempt - 1}"
+                gen = self.stream_llm.generate.remote(ids, params, body.priority, rid, arrived_at)
                 try:
-                    first = await self._first_output(gen, ticket)
+                    first = await self._first_output(gen, ticket, arrived_at)
                 except BaseException as exc:
                     _cancel(gen)
                     if attempt < START_ATTEMPTS and _retryable(exc):
                         logger.warning("request %s: replica unavailable before it started (%s); "
                                        "retrying (%d/%d)", request_id, type(exc).__name__, attempt,
                                        START_ATTEMPTS - 1)
+                        self.gate.requeued(ticket)
                         await asyncio.sleep(RETRY_BACKOFF_S * attempt)
                         continue
                     if isinstance(exc, Exception):
                         raise from_exception(exc) from None
                     raise
+                left_at = getattr(first, "left_at", None)
                 return gen, _chain(first, gen)
             raise AssertionError("unreachable")  # the last attempt returns or raises
         finally:
-            self.gate.settle(ticket)
+            self.gate.settle(ticket, left_at)
 
     async def _admit(self, num_prompt_tokens: int) -> None:
         """The door: 429 now, before any queue, when the replicas' queues have no room."""
@@ -246,12 +253,26 @@ class OpenAIIngress:
                 f"the replicas' queues take; retry after {retry} s", code="rate_limit_exceeded",
                 headers={"Retry-After": str(retry)})
 
-    async def _first_output(self, gen: DeploymentResponseGenerator, ticket: int) -> Any:
-        """The replica's first output after its acknowledgement; a refusal is raised."""
-        ack = await gen.__anext__()
+    async def _first_output(self, gen: DeploymentResponseGenerator, ticket: int, arrived_at: float) -> Any:
+        """The replica's first output after its acknowledgement; a refusal is raised.
+
+        The acknowledgement itself is waited for until the queue deadline (plus a little):
+        a request stuck in Serve's handle queue is answered like one stuck in a replica's.
+        """
+        timeout = self.args.queue_timeout_s
+        try:
+            if timeout is None:
+                ack = await gen.__anext__()
+            else:
+                left = timeout + ACK_SLACK_S - (time.time() - arrived_at)
+                ack = await asyncio.wait_for(gen.__anext__(), max(left, ACK_SLACK_S))
+        except (asyncio.TimeoutError, TimeoutError):
+            raise OpenAIError(429, f"the request waited {timeout} s (queue_timeout_s) without reaching "
+                              "a model replica: the server is overloaded; retry later",
+                              code="queue_timeout", headers={"Retry-After": "1"}) from None
         if isinstance(ack, RequestRejected):
             raise ack
-        self.gate.acknowledged(ticket)
+        self.gate.acknowledged(ticket, getattr(ack, "replica_id", None), getattr(ack, "at", time.time()))
         first = ack if ack.finished else await gen.__anext__()  # the first token, or a late refusal
         if isinstance(first, RequestRejected):
             raise first

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -12,8 +13,11 @@ from app.errors import OpenAIError
 
 
 class BodyLimitMiddleware:
-    """Answer 413 when a body is larger than `app.state.max_body_bytes`, 408 when it does not
-    arrive within `app.state.body_timeout_s`.
+    """Answer 413 when a body is larger than `app.state.max_body_bytes`, 408 when the client
+    stops sending it for `app.state.body_timeout_s` (between two of its chunks).
+
+    Also stamps the request's arrival (`arrival_time`) before anything else reads it: the queue
+    deadline and TTFT count from there.
 
     A declared Content-Length over the limit is refused at once, unread; otherwise the body
     is read up to the limit (chunked uploads too) and replayed to the app, so a client
@@ -38,21 +42,20 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})[ARRIVED_AT] = time.time()
         limit = self._limit(scope)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             await _refuse(send, _too_large(limit))
             return
         timeout_s = self._timeout_s(scope)
-        deadline = asyncio.get_running_loop().time() + timeout_s
         chunks: list[bytes] = []
         size = 0
         while True:
             try:
-                left = deadline - asyncio.get_running_loop().time()
-                message = await asyncio.wait_for(receive(), max(left, 0.0))
+                message = await asyncio.wait_for(receive(), timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
-                await _refuse(send, OpenAIError(408, f"the request body did not arrive within "
+                await _refuse(send, OpenAIError(408, f"the request body stalled: nothing arrived for "
                                                 f"{timeout_s:g} s (body_timeout_s)", code="request_timeout"))
                 return
             if message["type"] != "http.request":  # the client left before sending it all
@@ -65,6 +68,14 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+
+ARRIVED_AT = "stallfree_arrived_at"
+
+
+def arrival_time(request: Any) -> float:
+    """When `BodyLimitMiddleware` first saw this request (time.time()); now if it did not."""
+    return float(request.scope.get("state", {}).get(ARRIVED_AT, time.time()))
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -18,30 +18,29 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type `app.errors` maps to its field
 
 
-def find_invalid_unicode(value: Any, path: str = "") -> str | None:
+def find_invalid_unicode(value: Any) -> str | None:
     """The dotted path of the first string (key or value) that is not valid Unicode text.
 
     JSON may spell lone surrogates (`"\\ud800"`); Python keeps them in the string, and the
-    tokenizer (and any UTF-8 encoder) fails on them, so they are refused at the edge.
+    tokenizer (and any UTF-8 encoder) fails on them, so they are refused at the edge. The walk
+    is iterative: nesting as deep as the JSON parser allows cannot overflow the stack.
     """
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
-            where = f"{path}.{name}" if path else name
-            if (found := find_invalid_unicode(key, where)) or (found := find_invalid_unicode(item, where)):
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            if found := find_invalid_unicode(item, f"{path}.{i}" if path else str(i)):
-                return found
+    todo: list[tuple[Any, str]] = [(value, "")]
+    while todo:
+        item, path = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, child in reversed(list(item.items())):  # reversed: popped in order
+                name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
+                where = f"{path}.{name}" if path else name
+                todo += [(child, where), (key, where)]
+        elif isinstance(item, list):
+            todo += [(child, f"{path}.{i}" if path else str(i)) for i, child in reversed(list(enumerate(item)))]
     return None
-
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")

@@ -38,13 +38,14 @@ class PassRecord(Protocol):
 
 
 def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog: bool, now: float,
-               window_s: float = DRAIN_WINDOW_S) -> float:
-    """Prompt tokens per second this replica prefills (0.0 when it has not run lately).
+               window_s: float = DRAIN_WINDOW_S) -> float | None:
+    """Prompt tokens per second this replica prefills; None when there is nothing to go by.
 
     With a backlog, the achieved prefill rate over the last `window_s` of wall time is the
-    drain rate (it includes passes the queue spent blocked on KV or sequence slots). Without
-    one the achieved rate only shows the arrivals, so the capacity of the recent passes counts
-    too: per pass, the token budget left after its decodes.
+    drain rate (it includes passes the queue spent blocked on KV or sequence slots, and is 0.0
+    when nothing was prefilled or nothing ran at all: a stalled queue). Without one the
+    achieved rate only shows the arrivals, so the capacity of the recent passes counts too:
+    per pass, the token budget left after its decodes; with no recent pass, None (unmeasured).
     """
     recent = []
     for p in reversed(passes):  # newest last; stop at the window's edge
@@ -52,7 +53,7 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog: bool, 
             break
         recent.append(p)
     if not recent:
-        return 0.0
+        return 0.0 if backlog else None
     span = max(now - recent[-1].start, sum(p.duration for p in recent), 1e-6)
     achieved = sum(p.num_prefill_tokens for p in recent) / span
     if backlog:
@@ -62,13 +63,17 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog: bool, 
     return max(achieved, capacity)
 
 
-def queue_bound(max_queued_tokens: int, prefill_budget: int, drain_tps: float,
+def queue_bound(max_queued_tokens: int, prefill_budget: int, drain_tps: float | None,
                 queue_timeout_s: float | None) -> int:
-    """Waiting prompt tokens a replica admits (see the module docstring)."""
-    if queue_timeout_s is None or drain_tps <= 0:
+    """Waiting prompt tokens a replica admits (see the module docstring).
+
+    Unmeasured (None) or no deadline: `max_queued_tokens`. A stalled queue (0.0) takes only
+    the floor, one prefill budget: what it would drain first once it moves.
+    """
+    floor = min(prefill_budget, max_queued_tokens)
+    if queue_timeout_s is None or drain_tps is None:
         return max_queued_tokens
-    drains = int(drain_tps * queue_timeout_s * QUEUE_FILL)
-    return max(min(prefill_budget, max_queued_tokens), min(max_queued_tokens, drains))
+    return max(floor, min(max_queued_tokens, int(drain_tps * queue_timeout_s * QUEUE_FILL)))
 
 
 def admits(queued_tokens: int, prompt_tokens: int, bound: int) -> bool:
@@ -76,9 +81,13 @@ def admits(queued_tokens: int, prompt_tokens: int, bound: int) -> bool:
     return queued_tokens <= 0 or queued_tokens + prompt_tokens <= bound
 
 
-def retry_after_s(excess_tokens: int, drain_tps: float, fallback_s: int = 1) -> int:
+STALLED_RETRY_AFTER_S = 5  # nothing drains now: come back in a while, not at once
+
+
+def retry_after_s(excess_tokens: int, drain_tps: float | None,
+                  fallback_s: int = STALLED_RETRY_AFTER_S) -> int:
     """Whole seconds until `excess_tokens` of the queue have drained at `drain_tps` (1..60)."""
-    if drain_tps <= 0:
+    if drain_tps is None or drain_tps <= 0:
         return max(1, min(MAX_RETRY_AFTER_S, fallback_s))
     return max(1, min(MAX_RETRY_AFTER_S, math.ceil(excess_tokens / drain_tps)))
 
@@ -89,7 +98,7 @@ class QueueView:
 
     waiting_tokens: int
     bound_tokens: int
-    drain_tps: float
+    drain_tps: float  # 0.0 when stalled or unmeasured
 
 
 @dataclass(frozen=True)
@@ -116,5 +125,5 @@ def door_decision(prompt_tokens: int, queues: Iterable[QueueView], unreflected_t
     bound = sum(v.bound_tokens for v in views)
     if admits(queued, prompt_tokens, bound):
         return Decision(True, queued, bound)
-    drain = sum(v.drain_tps for v in views)
+    drain = sum(max(0.0, v.drain_tps) for v in views)
     return Decision(False, queued, bound, retry_after_s(queued + prompt_tokens - bound, drain))

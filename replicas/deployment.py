@@ -30,7 +30,7 @@ import torch
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.reporter import LoadReporter
 from replicas import admission
-from replicas.async_engine import AsyncEngine
+from replicas.async_engine import AsyncEngine, EngineDeadError
 from replicas.config import EngineConfig
 from replicas.engine import Engine, RequestOutput
 from replicas.metrics import Backend, EngineMetrics, RayBackend
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 EngineFactory = Callable[[], Engine]
 RECENT_PASSES = 512  # passes read for the drain rate, newest first
 DRAIN_REFRESH_S = 0.1  # the drain rate is recomputed at most this often
+MAX_TRANSIT_CREDIT_S = 60.0  # time before this replica counted toward TTFT, at most (no deadline)
 
 
 class RequestRejected(Exception):
@@ -87,6 +88,22 @@ class ReplicaUnhealthyError(RequestRejected):
     status_code = 503
     error_type = "server_error"
     code = "engine_unavailable"
+
+
+@dataclass
+class Acknowledged(RequestOutput):
+    """The first item of a stream: queued on `replica_id` at `at` (the replica's wall clock, the
+    clock of its load reports, so a reader can tell whether a report counts this request)."""
+
+    replica_id: str | None = None
+    at: float = 0.0
+
+
+@dataclass
+class Started(RequestOutput):
+    """The first output of a stream: it left the replica's queue at `left_at` (same clock)."""
+
+    left_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -170,7 +187,10 @@ class LLMServer:
         # Ids streaming now. A duplicate is refused here, before the engine sees it: the
         # engine would refuse it too, but its stream cleanup would then abort the original.
         self._live: set[str] = set()
-        self._drain_tps, self._drain_at = 0.0, float("-inf")
+        timeout = config.engine.queue_timeout_s
+        self._max_transit_credit_s = timeout / 2 if timeout is not None else MAX_TRANSIT_CREDIT_S
+        self._drain_tps: float | None = None
+        self._drain_at = float("-inf")
         logger.info("replica ready: %s", self.model_info())
 
     # ---- generation ------------------------------------------------------------------
@@ -188,25 +208,35 @@ class LLMServer:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         arrival = None
         if arrived_at is not None:  # wall clock -> this process's perf_counter clock
-            arrival = time.perf_counter() - max(0.0, time.time() - arrived_at)
+            # Capped: across hosts the clocks may disagree, and skew must not expire requests.
+            credit = min(max(0.0, time.time() - arrived_at), self._max_transit_credit_s)
+            arrival = time.perf_counter() - credit
         try:
             stream = await self._accept(prompt_token_ids, params, priority, request_id, arrival)
         except RequestRejected as rejected:
             yield rejected
             return
         self._queued[request_id] = len(prompt_token_ids)
-        finished = False
+        finished = started = False
         try:
-            yield RequestOutput(request_id, "", [], False, None, len(prompt_token_ids), 0)
+            yield Acknowledged(request_id, "", [], False, None, len(prompt_token_ids), 0,
+                               replica_id=self.reporter.replica_id, at=time.time())
             async for out in stream:
                 self._queued.pop(request_id, None)
-                finished = out.finished
+                if not started:
+                    out = Started(**vars(out), left_at=time.time())
+                finished, started = out.finished, True
                 if out.finish_reason == "queue_timeout":
                     yield self._queue_timeout(len(prompt_token_ids))
                     return
                 yield out
         except ValueError as exc:  # the loop refused it at intake (it validates again there)
             raise InvalidRequestError(str(exc), param_of(str(exc))) from None
+        except EngineDeadError as exc:  # the loop died under it: a server fault, retry elsewhere
+            if not started:
+                yield ReplicaUnhealthyError(f"the engine loop on this replica stopped: {exc}", None, 1)
+                return
+            raise ReplicaUnhealthyError(f"the engine loop on this replica stopped: {exc}", None, 1) from None
         finally:
             self._live.discard(request_id)
             self._queued.pop(request_id, None)
@@ -231,6 +261,12 @@ class LLMServer:
         except ValueError as exc:
             self._live.discard(request_id)
             raise InvalidRequestError(str(exc), param_of(str(exc))) from None
+        except EngineDeadError:
+            self._live.discard(request_id)
+            raise ReplicaUnhealthyError("the engine loop on this replica is not running", None, 1) from None
+        except BaseException:
+            self._live.discard(request_id)
+            raise
 
     def _admit(self, num_prompt_tokens: int) -> None:
         """Refuse with 429 when the queue is non-empty and this prompt would overflow its bound.
@@ -254,7 +290,7 @@ class LLMServer:
         return QueueTimeoutError(f"the request waited {timeout} s (queue_timeout_s) without being "
                                  f"scheduled: the server is overloaded; retry after {retry} s", None, retry)
 
-    def drain_tps(self) -> float:
+    def drain_tps(self) -> float | None:
         """Waiting prompt tokens prefilled per second lately (`admission.drain_rate`), cached."""
         now = time.perf_counter()
         if now - self._drain_at >= DRAIN_REFRESH_S:
@@ -298,7 +334,7 @@ class LLMServer:
         report["queued_tokens"] = self.queued_tokens
         report["num_queued"] = len(self._queued)
         report["queue_bound_tokens"] = self.queue_bound_tokens()
-        report["drain_tps"] = self.drain_tps()
+        report["drain_tps"] = self.drain_tps() or 0.0
         return report
 
     def record_autoscaling_stats(self) -> dict[str, float]:

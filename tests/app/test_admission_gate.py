@@ -55,12 +55,12 @@ async def test_its_own_admissions_count_until_a_report_shows_them() -> None:
     assert (await gate.decide(300)).admitted  # 600 unreflected + 300 <= 1000
     second = gate.admit(300)
     assert not (await gate.decide(200)).admitted  # 900 + 200 > 1000
-    gate.settle(first)  # its first token came: it is no longer queued
+    gate.settle(first)  # it ended: it is no longer queued
     assert (await gate.decide(200)).admitted
     gate.settle(second)
-    # An admission older than the oldest report (minus the grace) is in that report already.
+    # Queued on a replica before that replica's report was taken: the report counts it.
     clock.t += 1.0
-    gate.acknowledged(gate.admit(900))  # a replica queued it ...
+    gate.acknowledged(gate.admit(900), "a", clock.t)  # replica "a" queued it ...
     loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
     clock.t += 0.1  # refresh is due
     await gate.decide(1)
@@ -133,12 +133,39 @@ async def test_a_report_older_than_a_settlement_does_not_count_that_prompt() -> 
     gate, _ = await primed(loads, clock)
     clock.t += 0.01
     ticket = gate.admit(80)
-    gate.acknowledged(ticket)
+    gate.acknowledged(ticket, "a", clock.t)
     loads["a"] = load("a", 80, 100, 100.0, clock.t + 0.01)  # the report shows it waiting
     clock.t += 0.1
     await gate.decide(1)  # refresh
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     assert not (await gate.decide(50)).admitted  # 80 waiting + 50 > 100
-    gate.settle(ticket)  # its first token came after that report
+    gate.settle(ticket, left_at=clock.t)  # it left the queue after that report
     assert (await gate.decide(50)).admitted
+
+
+async def test_a_resent_prompt_counts_as_unacknowledged_again() -> None:
+    clock = Clock()
+    loads = {"a": load("a", 0, 1000, 100.0, clock.t)}
+    gate, _ = await primed(loads, clock)
+    ticket = gate.admit(900)
+    gate.acknowledged(ticket, "a", clock.t)
+    loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)  # its replica died: no report shows it
+    clock.t += 0.6
+    await gate.decide(1)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert (await gate.decide(200)).admitted  # acknowledged before the report: assumed in it
+    gate.requeued(ticket)  # sent again, to another replica
+    assert not (await gate.decide(200)).admitted  # in Serve's queue again: counted
+
+
+async def test_each_replica_is_judged_on_its_own_report() -> None:
+    """Queued on "b" after b's report: counted, though "a" reported later."""
+    clock = Clock()
+    loads = {"a": load("a", 0, 500, 100.0, clock.t + 1.0), "b": load("b", 0, 500, 100.0, clock.t)}
+    gate, _ = await primed(loads, clock)
+    gate.acknowledged(gate.admit(800), "b", clock.t + 0.5)
+    assert not (await gate.decide(300)).admitted  # 800 + 300 > 1000
+    gate.acknowledged(gate.admit(100), "a", clock.t + 0.5)  # before a's report: already in it
+    assert (await gate.decide(200)).admitted  # 800 + 200 <= 1000

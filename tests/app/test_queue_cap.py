@@ -1,9 +1,11 @@
 """The replica's waiting queue is bounded by tokens: past `max_queued_tokens` a request gets
-429 with Retry-After instead of queueing, while an empty queue still takes any valid prompt."""
+429 with Retry-After instead of queueing, while an empty queue still takes any valid prompt;
+a client that stops sending its body is answered 408."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -12,7 +14,9 @@ import pytest
 
 CAP = 64  # max_queued_tokens of the app below
 QUEUE_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-queue", "max_num_seqs": 1,
-                  "max_queued_tokens": CAP, "num_cpus": 1, "ingress_num_cpus": 0.1}
+                  "max_queued_tokens": CAP, "num_cpus": 1, "ingress_num_cpus": 0.1,
+                  "queue_timeout_s": None,  # the queued request waits as long as the test needs
+                  "body_timeout_s": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +68,25 @@ async def test_empty_queue_admits_a_prompt_longer_than_the_cap(queue_app_url: st
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"] == {"prompt_tokens": CAP * 3, "completion_tokens": 2,
                                         "total_tokens": CAP * 3 + 2}
+
+
+def test_a_stalled_body_gets_408(queue_app_url: str) -> None:
+    """A client that declares a body and stops sending is answered 408, not held open."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(queue_app_url)
+    with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+        sock.sendall(f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                     '{"prompt": '.encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0].split()[1] == b"408", reply
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and "body_timeout_s" in error["message"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replicas.admission import (MAX_RETRY_AFTER_S, QUEUE_FILL, QueueView, admits, door_decision,
-                                drain_rate, queue_bound, retry_after_s)
+from replicas.admission import (MAX_RETRY_AFTER_S, QUEUE_FILL, STALLED_RETRY_AFTER_S, QueueView, admits,
+                                door_decision, drain_rate, queue_bound, retry_after_s)
 
 
 @dataclass
@@ -33,13 +33,14 @@ def test_drain_rate_with_a_backlog_is_the_achieved_prefill_rate() -> None:
 def test_drain_rate_without_a_backlog_counts_the_budget_left_after_decodes() -> None:
     passes = [Pass(t / 10, 0.1, 0, 56) for t in range(10)]  # decodes only: 200 left per pass
     assert abs(drain_rate(passes, 256, backlog=False, now=1.0) - 2000.0) < 1e-6
-    assert drain_rate(passes, 256, backlog=True, now=1.0) == 0.0  # blocked queue drains nothing
+    assert drain_rate(passes, 256, backlog=True, now=1.0) == 0.0  # a blocked queue drains nothing
 
 
 def test_drain_rate_only_reads_the_recent_window() -> None:
     passes = [Pass(0.0, 0.1, 1000, 0), Pass(9.5, 0.1, 100, 0)]
     assert abs(drain_rate(passes, 256, backlog=True, now=10.0, window_s=2.0) - 200.0) < 1e-6
-    assert drain_rate(passes, 256, backlog=True, now=20.0) == 0.0
+    assert drain_rate(passes, 256, backlog=True, now=20.0) == 0.0  # nothing ran, queue waits: stalled
+    assert drain_rate(passes, 256, backlog=False, now=20.0) is None  # idle: nothing to go by
 
 
 def test_queue_bound_is_what_drains_within_the_deadline_clamped() -> None:
@@ -47,14 +48,16 @@ def test_queue_bound_is_what_drains_within_the_deadline_clamped() -> None:
     assert queue_bound(32_768, 512, 1000.0, 10.0) == int(1000 * 10 * QUEUE_FILL)
     assert queue_bound(4096, 512, 1000.0, 10.0) == 4096  # never above the cap
     assert queue_bound(32_768, 512, 1.0, 10.0) == 512  # never below one prefill budget
-    assert queue_bound(32_768, 512, 0.0, 10.0) == 32_768  # nothing measured yet: the cap
+    assert queue_bound(32_768, 512, None, 10.0) == 32_768  # nothing measured yet: the cap
+    assert queue_bound(32_768, 512, 0.0, 10.0) == 512  # a stalled queue takes only the floor
+    assert queue_bound(64, 512, 0.0, 10.0) == 64  # (the floor never exceeds the cap)
 
 
 def test_retry_after_is_the_excess_over_the_drain_rate_in_whole_seconds() -> None:
     assert retry_after_s(2500, 1000.0) == 3
     assert retry_after_s(1, 1000.0) == 1
     assert retry_after_s(10**9, 1.0) == MAX_RETRY_AFTER_S
-    assert retry_after_s(100, 0.0) == 1
+    assert retry_after_s(100, 0.0) == retry_after_s(100, None) == STALLED_RETRY_AFTER_S
 
 
 def test_door_sums_the_replicas_queues() -> None:

@@ -244,7 +244,7 @@ def test_a_slow_caller_gets_the_queued_deltas_merged_in_order():
         outs = asyncio.run(run())
     finally:
         loop.shutdown()
-    assert len(outs) == 2  # the first delta, then the other 39 merged
+    assert 1 <= len(outs) < 40  # deltas that queued up behind the caller came merged
     assert [t for o in outs for t in o.delta_token_ids] == reference.token_ids
     assert "".join(o.delta_text for o in outs) == reference.text
     assert outs[-1].finished and outs[-1].num_output_tokens == 40 and outs[-1].finish_reason == "length"
