@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 Fetch = Callable[[], Awaitable[Mapping[str, ReplicaLoad]]]
 LOG_EVERY_S = 5.0
+SETTLED_KEEP_S = 5.0  # well past the oldest view `decide` uses (max_age_s) plus report age
 
 
 class AdmissionGate:
@@ -50,7 +51,9 @@ class AdmissionGate:
         self._last_refresh = float("-inf")
         self._task: asyncio.Task[None] | None = None
         self._tickets: dict[int, _Ticket] = {}  # admitted, no first token yet
-        self._settled: deque[_Ticket] = deque(maxlen=4096)  # left a replica's queue lately
+        # Left a replica's queue within SETTLED_KEEP_S (gate clock): only those can still be in a
+        # report fresh enough to decide on.
+        self._settled: deque[tuple[float, _Ticket]] = deque(maxlen=4096)
         self._ids = itertools.count()
         self.num_refused = 0
         self.num_decided = 0
@@ -124,7 +127,7 @@ class AdmissionGate:
         entry = self._tickets.pop(ticket, None)
         if entry is not None and entry.queued_at is not None and left_at is not None:
             entry.left_at = left_at
-            self._settled.append(entry)
+            self._settled.append((self._clock(), entry))
 
     def _unreflected(self, loads: Mapping[str, ReplicaLoad], now: float) -> int:
         """Our own admissions the reports do not show right, judged per replica on its own
@@ -139,9 +142,9 @@ class AdmissionGate:
             elif (load := loads.get(entry.replica_id or "")) is not None and \
                     entry.queued_at >= load.timestamp - self.reflect_grace_s:
                 total += entry.tokens
-        while self._settled and now - self._settled[0].admitted_at > self.ticket_ttl_s:
+        while self._settled and now - self._settled[0][0] > SETTLED_KEEP_S:
             self._settled.popleft()
-        for entry in self._settled:
+        for _, entry in self._settled:
             load = loads.get(entry.replica_id or "")
             if load is not None and entry.queued_at < load.timestamp <= entry.left_at:
                 total -= entry.tokens

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 import time
 import uuid
@@ -233,10 +232,10 @@ class LLMServer:
         except ValueError as exc:  # the loop refused it at intake (it validates again there)
             raise InvalidRequestError(str(exc), param_of(str(exc))) from None
         except EngineDeadError as exc:  # the loop died under it: a server fault, retry elsewhere
-            if not started:
-                yield ReplicaUnhealthyError(f"the engine loop on this replica stopped: {exc}", None, 1)
-                return
-            raise ReplicaUnhealthyError(f"the engine loop on this replica stopped: {exc}", None, 1) from None
+            down = _engine_down(f"the engine loop on this replica stopped: {exc}")
+            if started:
+                raise down from None
+            yield down
         finally:
             self._live.discard(request_id)
             self._queued.pop(request_id, None)
@@ -247,7 +246,7 @@ class LLMServer:
                       request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Check health, parameters, queue room and limits; queue the request in the engine."""
         if not self.engine.is_healthy():
-            raise ReplicaUnhealthyError("the engine loop on this replica is not running", None, 1)
+            raise _engine_down("the engine loop on this replica is not running")
         if request_id in self._live:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         try:
@@ -258,14 +257,12 @@ class LLMServer:
         self._live.add(request_id)
         try:
             return await self.engine.add_request(prompt_token_ids, sampling, request_id, priority, arrival)
-        except ValueError as exc:
+        except BaseException as exc:
             self._live.discard(request_id)
-            raise InvalidRequestError(str(exc), param_of(str(exc))) from None
-        except EngineDeadError:
-            self._live.discard(request_id)
-            raise ReplicaUnhealthyError("the engine loop on this replica is not running", None, 1) from None
-        except BaseException:
-            self._live.discard(request_id)
+            if isinstance(exc, ValueError):
+                raise InvalidRequestError(str(exc), param_of(str(exc))) from None
+            if isinstance(exc, EngineDeadError):
+                raise _engine_down("the engine loop on this replica is not running") from None
             raise
 
     def _admit(self, num_prompt_tokens: int) -> None:
@@ -358,6 +355,11 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _engine_down(message: str) -> ReplicaUnhealthyError:
+    """503 engine_unavailable, retry in a second (the ingress tries another replica first)."""
+    return ReplicaUnhealthyError(message, None, 1)
 
 
 def _newest(passes: Any, n: int) -> list[Any]:

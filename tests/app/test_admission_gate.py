@@ -22,6 +22,13 @@ def load(rid: str, waiting: int, bound: int, drain: float, at: float) -> Replica
     return ReplicaLoad(rid, waiting_tokens=waiting, queue_bound_tokens=bound, drain_tps=drain, timestamp=at)
 
 
+async def refreshed(gate: AdmissionGate) -> None:
+    """Start a snapshot refresh (one is due) and let it complete."""
+    await gate.decide(1)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
 async def primed(loads: dict[str, ReplicaLoad], clock: Clock) -> tuple[AdmissionGate, list[int]]:
     calls = [0]
 
@@ -30,9 +37,7 @@ async def primed(loads: dict[str, ReplicaLoad], clock: Clock) -> tuple[Admission
         return loads
 
     gate = AdmissionGate(fetch, clock=clock, refresh_s=0.05, max_age_s=1.0, reflect_grace_s=0.05)
-    await gate.decide(1)  # starts the first refresh
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await refreshed(gate)
     return gate, calls
 
 
@@ -63,9 +68,7 @@ async def test_its_own_admissions_count_until_a_report_shows_them() -> None:
     gate.acknowledged(gate.admit(900), "a", clock.t)  # replica "a" queued it ...
     loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
     clock.t += 0.1  # refresh is due
-    await gate.decide(1)
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await refreshed(gate)
     assert (await gate.decide(900)).admitted  # ... and a newer report (queue empty) shows it gone
 
 
@@ -77,9 +80,7 @@ async def test_a_prompt_no_replica_has_acknowledged_counts_whatever_the_reports_
     gate.admit(900)
     loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)
     clock.t += 0.6
-    await gate.decide(1)
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await refreshed(gate)
     assert not (await gate.decide(200)).admitted
 
 
@@ -136,9 +137,7 @@ async def test_a_report_older_than_a_settlement_does_not_count_that_prompt() -> 
     gate.acknowledged(ticket, "a", clock.t)
     loads["a"] = load("a", 80, 100, 100.0, clock.t + 0.01)  # the report shows it waiting
     clock.t += 0.1
-    await gate.decide(1)  # refresh
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await refreshed(gate)
     assert not (await gate.decide(50)).admitted  # 80 waiting + 50 > 100
     gate.settle(ticket, left_at=clock.t)  # it left the queue after that report
     assert (await gate.decide(50)).admitted
@@ -152,9 +151,7 @@ async def test_a_resent_prompt_counts_as_unacknowledged_again() -> None:
     gate.acknowledged(ticket, "a", clock.t)
     loads["a"] = load("a", 0, 1000, 100.0, clock.t + 0.5)  # its replica died: no report shows it
     clock.t += 0.6
-    await gate.decide(1)
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await refreshed(gate)
     assert (await gate.decide(200)).admitted  # acknowledged before the report: assumed in it
     gate.requeued(ticket)  # sent again, to another replica
     assert not (await gate.decide(200)).admitted  # in Serve's queue again: counted
