@@ -34,6 +34,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from autoscale.load import percentile
 from loadtests.workloads import (LengthDist, Workload, WorkloadRequest, chat_workload,
                                  long_prompt_workload)
 from replicas import Engine, EngineConfig, SamplingParams
@@ -64,20 +65,23 @@ class SystemSpec:
 
 
 def summarize(traces: list[Trace]) -> dict:
-    """Throughput and latency percentiles over all requests of one run."""
+    """Throughput and latency percentiles (nearest-rank) over all requests of one run."""
     first = min(t.arrival for t in traces)
     last = max(t.token_times[-1] for t in traces if t.token_times)
     out = sum(len(t.token_times) for t in traces)
-    ttft = np.array([t.token_times[0] - t.arrival for t in traces if t.token_times])
-    tbt = np.concatenate([np.diff(t.token_times) for t in traces] + [np.zeros(0)])
-    pct = lambda a, q: float(np.percentile(a, q)) if a.size else float("nan")  # noqa: E731
+    ttft = [t.token_times[0] - t.arrival for t in traces if t.token_times]
+    tbt = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])]
+
+    def pct(values: list[float], q: float) -> float:
+        p = percentile(values, q)
+        return float("nan") if p is None else p
+
     row = {"output_tokens": out, "elapsed_s": last - first, "output_tok_s": out / (last - first),
            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-           "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99),
-           "tbt_max_s": float(tbt.max()) if tbt.size else float("nan")}
+           "tbt_p50_s": pct(tbt, 50), "tbt_p99_s": pct(tbt, 99), "tbt_max_s": pct(tbt, 100)}
     for kind in sorted({t.kind for t in traces}):
         sub = [t.token_times[0] - t.arrival for t in traces if t.kind == kind and t.token_times]
-        row[f"ttft_p50_{kind}_s"] = float(np.median(sub)) if sub else float("nan")
+        row[f"ttft_p50_{kind}_s"] = pct(sub, 50)
     return row
 
 

@@ -6,7 +6,8 @@ Locust runs in its own process (gevent and Ray do not share one) with `loadtests
 open-loop Poisson arrivals for `--duration`, then up to `--drain` more for the requests still
 streaming. It writes `loadtest_stats.csv` (and Locust's other CSVs), `loadtest.html` and
 `samples.jsonl` (one line per request) under `--out`; the summary (`summary.json`, also
-printed) is computed from the samples, exactly, not from Locust's binned percentiles:
+printed) is computed from the samples, exactly, not from Locust's binned percentiles
+(nearest-rank, `autoscale.load.percentile`: a p99 is an observed sample):
 
 - TTFT p50/p99: send -> first content chunk. A request still waiting for its first token when
   the run ends counts with the time it waited (a lower bound), so overload is not hidden.
@@ -14,7 +15,7 @@ printed) is computed from the samples, exactly, not from Locust's binned percent
 - throughput: output tokens/s and finished requests/s over the window (first send -> last end).
 - errors: HTTP errors, in-band error events, broken streams, wrong token counts.
 - goodput: finished requests whose TTFT <= the TTFT SLO and whose every gap <= the TBT SLO,
-  per second and as a share of the requests sent (SLO attainment).
+  per second and as a share of the requests sent (`max_gap_slo_request_share`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from autoscale.load import percentile
 from loadtests.mix import MixSpec
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -103,10 +105,6 @@ def load_samples(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return meta, reqs
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def summarize(reqs: list[dict[str, Any]], ttft_slo_s: float, tbt_slo_s: float) -> dict[str, Any]:
     """Latency percentiles, throughput, errors and goodput of one run (see the module doc)."""
     ok = [r for r in reqs if not r["error"]]
@@ -123,18 +121,18 @@ def summarize(reqs: list[dict[str, Any]], ttft_slo_s: float, tbt_slo_s: float) -
     row: dict[str, Any] = {
         "requests": len(reqs), "finished": len(finished), "errors": len(reqs) - len(ok),
         "unfinished": len(unfinished), "window_s": window,
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-        "tbt_p50_s": _pct(gaps, 50), "tbt_p99_s": _pct(gaps, 99),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tbt_p50_s": percentile(gaps, 50), "tbt_p99_s": percentile(gaps, 99),
         "tbt_max_s": max(gaps) if gaps else None, "num_tbt": len(gaps),
-        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "output_tokens": tokens, "output_tok_s": tokens / window if window > 0 else 0.0,
         "req_s": len(finished) / window if window > 0 else 0.0,
         "ttft_slo_s": ttft_slo_s, "tbt_slo_s": tbt_slo_s, "good": len(good),
         "goodput_req_s": len(good) / window if window > 0 else 0.0,
-        "slo_attainment": len(good) / len(reqs) if reqs else 0.0,
+        "max_gap_slo_request_share": len(good) / len(reqs) if reqs else 0.0,
     }
     for kind in sorted({r["kind"] for r in ok}):
-        row[f"ttft_p50_{kind}_s"] = _pct([t for r, t in zip(ok, ttft) if r["kind"] == kind], 50)
+        row[f"ttft_p50_{kind}_s"] = percentile([t for r, t in zip(ok, ttft) if r["kind"] == kind], 50)
     errors: dict[str, int] = {}
     for r in reqs:
         if r["error"]:
@@ -156,7 +154,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"E2E        p50 {ms(s['e2e_p50_s'])}   p99 {ms(s['e2e_p99_s'])}",
         f"throughput {s['output_tok_s']:.1f} output tok/s, {s['req_s']:.2f} req/s",
         f"goodput    {s['goodput_req_s']:.2f} req/s meet both SLOs "
-        f"({100 * s['slo_attainment']:.0f}% of requests sent)",
+        f"({100 * s['max_gap_slo_request_share']:.0f}% of requests sent)",
     ]
     lines += [f"error      {n} x {msg}" for msg, n in s["error_messages"].items()]
     return "\n".join(lines)

@@ -59,6 +59,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from autoscale.load import percentile
 from loadtests import serve_local
 from loadtests.workloads import poisson_arrivals
 
@@ -221,11 +222,6 @@ def poisson_offsets(rate: float, duration_s: float, seed: int) -> list[float]:
 
 
 # ---- statistics -------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """numpy's linear-interpolation percentile; None for no values."""
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
 
 
 def counts(recs: Sequence[Rec]) -> dict[str, int]:

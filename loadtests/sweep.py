@@ -43,7 +43,7 @@ SWEEP_MIX = MixSpec(prompt_median=96, output_median=48, long_share=0.2, long_min
                     long_max=2048, vocab_size=2048)
 CSV_COLUMNS = ("policy", "rps", "requests", "finished", "errors", "unfinished", "ttft_p50_s",
                "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "tbt_max_s", "e2e_p50_s", "e2e_p99_s",
-               "output_tok_s", "req_s", "goodput_req_s", "slo_attainment", "mbp")
+               "output_tok_s", "req_s", "goodput_req_s", "max_gap_slo_request_share", "mbp")
 
 
 def whole_prompt_mbp(mix: MixSpec, multiple: int = 256) -> int:

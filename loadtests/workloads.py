@@ -22,6 +22,8 @@ from typing import Literal
 
 import numpy as np
 
+from autoscale.load import percentile
+
 DistKind = Literal["lognormal", "pareto", "uniform", "fixed"]
 
 
@@ -118,8 +120,8 @@ class Workload:
         return {
             "name": self.name, "seed": self.seed, "num_requests": len(self),
             "prompt_tokens": int(p.sum()), "output_tokens": int(o.sum()),
-            "prompt_len_p50": float(np.median(p)), "prompt_len_max": int(p.max()),
-            "output_len_p50": float(np.median(o)), "output_len_max": int(o.max()),
+            "prompt_len_p50": float(percentile(self.prompt_lens, 50)), "prompt_len_max": int(p.max()),
+            "output_len_p50": float(percentile(self.output_lens, 50)), "output_len_max": int(o.max()),
             "max_total_len": self.max_total_len, "last_arrival_s": round(self.duration_s, 3),
             "settings": self.settings,
         }

@@ -64,7 +64,8 @@ def cmd_capacity(a: argparse.Namespace) -> None:
     rows = [r for res in results for r in res["rows"]]
     print()
     table(rows, [("workload", "workload", "s"), ("slo", "slo", "s"), ("policy", "policy", "s"),
-                 ("mbp", "mbp", "d"), ("capacity_rps", "req/s", ".3f"), ("tbt_p99_s", "p99 TBT s", ".3f"),
+                 ("mbp", "mbp", "d"), ("capacity_rps", "req/s", ".3f"),
+                 ("tbt_bucket_p99_s", "bucket p99 TBT s", ".3f"),
                  ("sched_delay_p50_s", "p50 delay s", ".3f"), ("ttft_p99_s", "p99 TTFT s", ".3f")])
     for res in results:
         for slo, ratio in res["stall_free_over_dynamic"].items():
@@ -84,8 +85,8 @@ def cmd_routing(a: argparse.Namespace) -> None:
     print()
     table(rows, [("arrivals", "arrivals", "s"), ("replicas", "replicas", "d"), ("router", "router", "s"),
                  ("ttft_p50_s", "p50 TTFT s", ".3f"), ("ttft_p99_s", "p99 TTFT s", ".3f"),
-                 ("tbt_p99_s", "p99 TBT s", ".3f"), ("sched_delay_p99_s", "p99 delay s", ".3f"),
-                 ("slo_attainment", "SLO att.", ".3f")])
+                 ("tbt_bucket_p99_s", "bucket p99 TBT s", ".3f"), ("sched_delay_p99_s", "p99 delay s", ".3f"),
+                 ("tpot_slo_request_share", "TPOT SLO req.", ".3f")])
     write_json(a.json, {"results": out})
 
 
@@ -94,8 +95,9 @@ def cmd_autoscale(a: argparse.Namespace) -> None:
                        progress=not a.quiet)
     print()
     table(res["rows"], [("scenario", "scenario", "s"), ("fleet", "fleet", "s"),
-                        ("slo_attainment", "SLO att.", ".3f"), ("tbt_attainment", "TBT att.", ".3f"),
-                        ("ttft_p99_s", "p99 TTFT s", ".2f"), ("tbt_p99_s", "p99 TBT s", ".3f"),
+                        ("tpot_slo_request_share", "TPOT SLO req.", ".3f"),
+                        ("tbt_slo_token_share", "TBT SLO tok.", ".3f"),
+                        ("ttft_p99_s", "p99 TTFT s", ".2f"), ("tbt_bucket_p99_s", "bucket p99 TBT s", ".3f"),
                         ("replica_seconds", "replica-s", ".0f"), ("max_replicas", "max repl.", "d")])
     timelines = res.pop("timelines")
     write_json(a.json, res)

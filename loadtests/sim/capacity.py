@@ -26,11 +26,12 @@ SCHED_DELAY_LIMIT_S = 2.0
 
 @dataclass(frozen=True)
 class Criteria:
-    tbt_p99_s: float
+    tbt_p99_s: float  # limits, not measurements
     sched_delay_p50_s: float = SCHED_DELAY_LIMIT_S
 
     def passes(self, s: dict[str, Any]) -> bool:
-        return (s["completed"] > 0 and s["tbt_p99_s"] <= self.tbt_p99_s
+        # The bucket p99 is at most one 0.1 ms bin above the observed one: passing is conservative.
+        return (s["completed"] > 0 and s["tbt_bucket_p99_s"] <= self.tbt_p99_s
                 and s["sched_delay_p50_s"] <= self.sched_delay_p50_s)
 
 

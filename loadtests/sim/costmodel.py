@@ -37,6 +37,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from autoscale.load import percentile
+
 PROFILES_PATH = Path(__file__).with_name("profiles.json")
 Form = Literal["max", "sum"]
 
@@ -248,12 +250,12 @@ def fit(x: np.ndarray, y: np.ndarray, form: Form = "sum", max_iter: int = 50) ->
 
 
 def fit_error(model: CostModel, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    """Relative error of per-iteration predictions: median, p90, mean, and R^2."""
+    """Relative error of per-iteration predictions: p50, p90 (nearest-rank), mean, and R^2."""
     pred = model.predict(np.asarray(x, float))
     y = np.asarray(y, float)
     rel = np.abs(pred - y) / np.maximum(y, 1e-12)
     ss_res, ss_tot = float(((pred - y) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
-    return {"rel_err_p50": float(np.median(rel)), "rel_err_p90": float(np.percentile(rel, 90)),
+    return {"rel_err_p50": percentile(rel.tolist(), 50), "rel_err_p90": percentile(rel.tolist(), 90),
             "rel_err_mean": float(rel.mean()), "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
             "total_time_err": float(pred.sum() / y.sum() - 1.0), "n": int(len(y))}
 

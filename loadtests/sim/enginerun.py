@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from autoscale.load import percentile
 from loadtests.sim.costmodel import batch_features, features, load_profiles
 from loadtests.sim.traffic import Trace, length_dist
 from loadtests.workloads import chat_workload
@@ -107,9 +108,8 @@ def run_metrics(arrivals: list[float], token_times: list[list[float]]) -> dict[s
     ttft = [tt[0] - a for a, tt in zip(arrivals, token_times) if tt]
     out_tokens = sum(len(tt) for tt in token_times)
     span = max(tt[-1] for tt in token_times if tt) - min(arrivals)
-    return {"tbt_p50_s": float(np.percentile(gaps, 50, method="inverted_cdf")),
-            "tbt_p99_s": float(np.percentile(gaps, 99, method="inverted_cdf")),
-            "ttft_p50_s": float(np.percentile(ttft, 50, method="inverted_cdf")),
+    return {"tbt_p50_s": percentile(gaps, 50), "tbt_p99_s": percentile(gaps, 99),
+            "ttft_p50_s": percentile(ttft, 50),
             "output_tokens_per_s": out_tokens / span, "duration_s": span}
 
 

@@ -56,10 +56,11 @@ def capacity(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str = 
             at = res["at_capacity"] or {}
             rows.append({"workload": workload, "slo": slo_name, "tbt_slo_s": slo, "policy": policy, "mbp": mbp,
                          "capacity_rps": res["capacity_rps"], "upper_bound_rps": res["upper_bound_rps"],
-                         "tbt_p99_s": at.get("tbt_p99_s"), "sched_delay_p50_s": at.get("sched_delay_p50_s"),
+                         "tbt_bucket_p99_s": at.get("tbt_bucket_p99_s"),
+                         "sched_delay_p50_s": at.get("sched_delay_p50_s"),
                          "ttft_p99_s": at.get("ttft_p99_s"), "output_tokens_per_s": at.get("output_tokens_per_s"),
-                         "points": [{k: p[k] for k in ("rate", "passed", "stopped", "tbt_p99_s", "sched_delay_p50_s")}
-                                    for p in res["points"]],
+                         "points": [{k: p[k] for k in ("rate", "passed", "stopped", "tbt_bucket_p99_s",
+                                                       "sched_delay_p50_s")} for p in res["points"]],
                          "search_s": time.perf_counter() - t0})
             log(f"  {workload:8s} {slo_name:7s} {policy:10s} mbp {mbp:5d}: {res['capacity_rps']:.3f} req/s "
                 f"({len(res['points'])} points, {time.perf_counter() - t0:.1f}s)")
@@ -91,12 +92,12 @@ def routing(replica_counts: tuple[int, ...] = (16, 64), per_replica_rps: float =
             res = Simulator(cfg, trace).run(progress=progress, desc=f"{router}@{n}")
             s = res.summary
             rows.append({"replicas": n, "router": router, "rate_rps": n * per_replica_rps, "arrivals": arrivals,
-                         **{k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p99_s",
+                         **{k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_bucket_p99_s",
                                               "sched_delay_p50_s", "sched_delay_p99_s", "e2e_p99_s",
-                                              "slo_attainment", "goodput_rps", "preemptions", "completed")},
+                                              "tpot_slo_request_share", "goodput_rps", "preemptions", "completed")},
                          "wall_s": res.wall_s})
             log(f"  {n:3d} replicas {router:13s} TTFT p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f}s "
-                f"TBT p99 {s['tbt_p99_s'] * 1e3:.0f}ms ({res.wall_s:.1f}s)")
+                f"TBT bucket p99 {s['tbt_bucket_p99_s'] * 1e3:.0f}ms ({res.wall_s:.1f}s)")
     return {"gpu": gpu, "model": model, "workload": workload, "policy": policy, "mbp": mbp,
             "per_replica_rps": per_replica_rps, "arrivals": arrivals, "rows": rows}
 
@@ -156,17 +157,17 @@ def autoscale(per_replica_rps: float | None = None, peak_rps: float = 24.0, low_
             res = Simulator(cfg, trace).run(progress=progress, desc=f"{name}/{fleet}")
             s = res.summary
             row = {"scenario": name, "fleet": fleet, "requests": len(trace),
-                   **{k: s[k] for k in ("slo_attainment", "tbt_attainment", "no_stall_attainment", "ttft_p50_s",
-                                        "ttft_p99_s", "tbt_p99_s", "goodput_rps", "replica_seconds",
-                                        "max_replicas", "completed")},
+                   **{k: s[k] for k in ("tpot_slo_request_share", "tbt_slo_token_share", "max_gap_slo_request_share",
+                                        "ttft_p50_s", "ttft_p99_s", "tbt_bucket_p99_s", "goodput_rps",
+                                        "replica_seconds", "max_replicas", "completed")},
                    "wall_s": res.wall_s}
             rows.append(row)
             if res.scaling:
                 timelines[name] = [{"t": t, "ready": ready, "provisioned": prov, "desired": want, "reason": why}
                                    for t, ready, prov, want, why in res.scaling]
-            log(f"  {name:8s} {fleet:10s} SLO attainment {s['slo_attainment']:.3f} (tokens {s['tbt_attainment']:.3f})"
-                f" TTFT p99 {s['ttft_p99_s']:.2f}s replica-s {s['replica_seconds']:.0f}"
-                f" max replicas {s['max_replicas']} ({res.wall_s:.1f}s)")
+            log(f"  {name:8s} {fleet:10s} TPOT SLO request share {s['tpot_slo_request_share']:.3f}"
+                f" (token share {s['tbt_slo_token_share']:.3f}) TTFT p99 {s['ttft_p99_s']:.2f}s"
+                f" replica-s {s['replica_seconds']:.0f} max replicas {s['max_replicas']} ({res.wall_s:.1f}s)")
     return {"gpu": gpu, "model": model, "workload": workload, "policy": policy, "mbp": mbp,
             "per_replica_capacity_rps": per_replica_rps, "peak_fleet": peak_fleet, "startup_s": startup_s,
             "scaling": scaling.to_dict(), "scenarios": {k: v.summary() for k, v in scenarios.items()},
@@ -192,5 +193,6 @@ def speed(num_requests: int = 100_000, replicas: int = 64, per_replica_rps: floa
             "cpu_s": s["sim_cpu_s"], "iterations": s["iterations"], "output_tokens": int(trace.output_len.sum()),
             "us_per_output_token": s["sim_cpu_s"] / int(trace.output_len.sum()) * 1e6,
             "prompt_tokens": int(trace.prompt_len.sum()), "simulated_s": s["duration_s"], "loadavg": os.getloadavg(),
-            "summary": {k: s[k] for k in ("ttft_p99_s", "tbt_p99_s", "slo_attainment", "throughput_rps")}}
+            "summary": {k: s[k] for k in ("ttft_p99_s", "tbt_bucket_p99_s", "tpot_slo_request_share",
+                                          "throughput_rps")}}
 

@@ -1,14 +1,19 @@
-"""What a simulation measures: per-request latencies, pooled TBT, SLO attainment, goodput.
+"""What a simulation measures: per-request latencies, pooled TBT, SLO shares, goodput.
 
 TBT (time between tokens) is pooled over every decode gap of every request, the way Sarathi-Serve
 reports P99 TBT. A request's gaps are taken from its token times when it finishes (numpy, off the
 per-token path); tens of millions of gaps do not fit in memory at cluster scale, so they are
-folded into a histogram of `bin_s` (0.1 ms) bins every million gaps; percentiles are exact to
-one bin. Finished requests leave scalars only.
+folded into a histogram of `bin_s` (0.1 ms) bins every million gaps. Its percentiles are named
+`tbt_bucket_p99_s` etc.: the upper edge of the bin that holds the nearest-rank gap, so at most one
+bin above the observed value that `autoscale.load.percentile` would give. The largest gap and the
+share of gaps within the SLO are kept exactly. Per-request percentiles are nearest-rank
+(`autoscale.load.percentile`). Finished requests leave scalars only.
 
-SLO attainment, per request (DistServe's goodput definition): TTFT <= ttft_slo and TPOT (the
-request's mean TBT) <= tbt_slo. `no_stall_attainment` asks more: the request's worst gap is
-<= tbt_slo. `tbt_attainment` is per token: the share of gaps <= tbt_slo.
+SLO shares, each in [0, 1]:
+- `tpot_slo_request_share` (DistServe's goodput definition): requests whose TTFT <= ttft_slo and
+  whose TPOT (mean gap) <= tbt_slo, over all requests of the trace (refused or unfinished: missed).
+- `max_gap_slo_request_share` asks more: the request's worst gap is <= tbt_slo.
+- `tbt_slo_token_share` is per token: the share of pooled gaps <= tbt_slo.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import math
 from typing import Any
 
 import numpy as np
+
+from autoscale.load import percentile
 
 NAN = float("nan")
 
@@ -47,6 +54,7 @@ class Recorder:
         self.overflow: list[float] = []  # exact gaps of max_s and more
         self.num_gaps = 0
         self.num_over_slo = 0  # gaps > tbt_slo, up to the last flush
+        self.gap_max = -math.inf  # the largest gap, up to the last flush
         self.num_late_start = 0  # requests whose scheduling delay exceeded late_start_s
         self.late_start_s = 2.0
         self.num_finished = 0
@@ -74,13 +82,15 @@ class Recorder:
         self._buffered = 0
         self.num_gaps += len(g)
         self.num_over_slo += int((g > self.tbt_slo_s).sum())
+        if len(g):
+            self.gap_max = max(self.gap_max, float(g.max()))
         k = (g * self.inv_bin).astype(np.int64)
         inside = k < self.top
         self.hist += np.bincount(k[inside], minlength=self.top)
         self.overflow.extend(g[~inside].tolist())
 
-    def tbt_percentile(self, q: float) -> float:
-        """Nearest-rank percentile of all gaps (upper edge of the bin it falls in)."""
+    def tbt_bucket_percentile(self, q: float) -> float:
+        """Upper edge of the bin holding the nearest-rank percentile of all gaps (exact above max_s)."""
         self.flush()
         cum = np.cumsum(self.hist)
         total = int(cum[-1]) + len(self.overflow)
@@ -92,14 +102,10 @@ class Recorder:
             return (idx + 1) * self.bin_s
         return sorted(self.overflow)[rank - int(cum[-1]) - 1]
 
-    def tbt_share_within(self, limit_s: float) -> float:
-        """Share of gaps <= limit_s (gaps in limit_s's own bin count as over: conservative)."""
+    def tbt_slo_token_share(self) -> float:
+        """Share of all gaps <= tbt_slo (exact: counted before the gaps are binned)."""
         self.flush()
-        total = int(self.hist.sum()) + len(self.overflow)
-        if total == 0:
-            return NAN
-        k = min(int(limit_s * self.inv_bin), self.top)
-        return int(self.hist[:k].sum()) / total
+        return 1.0 - self.num_over_slo / self.num_gaps if self.num_gaps else NAN
 
     # ---- summary ----------------------------------------------------------------------------
 
@@ -112,30 +118,35 @@ class Recorder:
         e2e = np.array(self.e2e)[done]
         span = max(self.last_finish - self.first_arrival, 1e-9)
         single = np.isnan(tpot)  # one output token: no gap, TPOT trivially met
-        ok = (ttft <= self.ttft_slo_s) & (single | (tpot <= self.tbt_slo_s))
-        no_stall = (ttft <= self.ttft_slo_s) & (single | (worst <= self.tbt_slo_s))
-        n_done = int(done.sum())
+        tpot_ok = (ttft <= self.ttft_slo_s) & (single | (tpot <= self.tbt_slo_s))
+        max_gap_ok = (ttft <= self.ttft_slo_s) & (single | (worst <= self.tbt_slo_s))
+        n_done, n_sent = int(done.sum()), len(self.e2e)
 
         def pct(a: np.ndarray, q: float) -> float:
-            a = a[~np.isnan(a)]
-            return float(np.percentile(a, q, method="inverted_cdf")) if len(a) else NAN
+            p = percentile(a[~np.isnan(a)].tolist(), q)
+            return NAN if p is None else p
+
+        def request_share(ok: np.ndarray) -> float:
+            return float(ok.sum()) / n_sent if n_sent else NAN
 
         out = {
-            "num_requests": len(self.e2e), "completed": n_done, "rejected": int(sum(self.rejected)),
+            "num_requests": n_sent, "completed": n_done, "rejected": int(sum(self.rejected)),
             "duration_s": span,
             "throughput_rps": n_done / span,
             "output_tokens_per_s": self.output_tokens / span,
             "total_tokens_per_s": (self.output_tokens + self.prompt_tokens) / span,
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
-            "tbt_p50_s": self.tbt_percentile(50), "tbt_p90_s": self.tbt_percentile(90),
-            "tbt_p99_s": self.tbt_percentile(99), "tbt_max_s": self.tbt_percentile(100),
+            "tbt_bucket_p50_s": self.tbt_bucket_percentile(50),
+            "tbt_bucket_p90_s": self.tbt_bucket_percentile(90),
+            "tbt_bucket_p99_s": self.tbt_bucket_percentile(99),
+            "tbt_max_s": self.gap_max if self.num_gaps else NAN,
             "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
             "sched_delay_p50_s": pct(delay, 50), "sched_delay_p99_s": pct(delay, 99),
             "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
-            "tbt_attainment": self.tbt_share_within(self.tbt_slo_s),
-            "slo_attainment": float(ok.mean()) if n_done else NAN,
-            "no_stall_attainment": float(no_stall.mean()) if n_done else NAN,
-            "goodput_rps": float(ok.sum()) / span,
+            "tbt_slo_token_share": self.tbt_slo_token_share(),
+            "tpot_slo_request_share": request_share(tpot_ok),
+            "max_gap_slo_request_share": request_share(max_gap_ok),
+            "goodput_rps": float(tpot_ok.sum()) / span,
             "preemptions": int(sum(self.preemptions)),
             "tbt_slo_s": self.tbt_slo_s, "ttft_slo_s": self.ttft_slo_s,
         }

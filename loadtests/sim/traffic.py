@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from autoscale.load import percentile
 from loadtests.sim.costmodel import load_profiles
 from loadtests.workloads import LengthDist
 
@@ -58,8 +59,9 @@ class Trace:
     def summary(self) -> dict[str, Any]:
         p, o = self.prompt_len, self.output_len
         return {"name": self.name, "num_requests": len(self), "duration_s": round(self.duration_s, 3),
-                "prompt_p50": float(np.median(p)), "prompt_mean": float(p.mean()), "prompt_max": int(p.max()),
-                "output_p50": float(np.median(o)), "output_mean": float(o.mean()), "output_max": int(o.max()),
+                "prompt_p50": float(percentile(p.tolist(), 50)), "prompt_mean": float(p.mean()),
+                "prompt_max": int(p.max()), "output_p50": float(percentile(o.tolist(), 50)),
+                "output_mean": float(o.mean()), "output_max": int(o.max()),
                 **{k: v for k, v in self.settings.items() if not isinstance(v, dict)}}
 
 

@@ -24,7 +24,7 @@ def test_summarize_computes_ttft_tbt_and_throughput() -> None:
     assert row["output_tokens"] == 5
     assert row["elapsed_s"] == pytest.approx(6.0)
     assert row["output_tok_s"] == pytest.approx(5 / 6)
-    assert row["ttft_p50_s"] == pytest.approx(2.0)  # TTFTs 1.0 and 3.0
+    assert row["ttft_p50_s"] == 1.0  # TTFTs 1.0 and 3.0: nearest rank, an observed one, no midpoint
     assert row["tbt_p50_s"] == pytest.approx(0.5)  # gaps 0.5, 0.5, 2.0 pooled
     assert row["tbt_max_s"] == pytest.approx(2.0)
     assert row["ttft_p50_long_s"] == pytest.approx(3.0)

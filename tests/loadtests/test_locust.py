@@ -47,9 +47,9 @@ def test_summary_counts_goodput_errors_and_censored_ttft() -> None:
     s = summarize(reqs, ttft_slo_s=1.0, tbt_slo_s=0.5)
     assert (s["requests"], s["finished"], s["errors"], s["unfinished"]) == (5, 3, 1, 1)
     assert s["good"] == 1 and s["goodput_req_s"] == pytest.approx(1 / 10)
-    assert s["slo_attainment"] == pytest.approx(1 / 5)
+    assert s["max_gap_slo_request_share"] == pytest.approx(1 / 5)
     assert s["window_s"] == pytest.approx(10.0)
-    assert s["ttft_p50_s"] == pytest.approx(1.75)  # of 0.5, 0.5, 3.0 and the censored 8.0
+    assert s["ttft_p50_s"] == 0.5  # nearest rank of 0.5, 0.5, 3.0 and the censored 8.0
     assert s["tbt_max_s"] == pytest.approx(0.9) and s["num_tbt"] == 5
     assert s["output_tokens"] == 3 + 3 + 2
     assert s["error_messages"] == {"HTTP 429: full": 1}
