@@ -117,21 +117,21 @@ def cmd_speed(a: argparse.Namespace) -> None:
     write_json(a.json, res)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "calibrate":
-        from loadtests.sim.calibrate import main as calibrate
-
-        calibrate(argv[1:])
-        return
-    ap = argparse.ArgumentParser(prog="python -m loadtests.sim", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    p = sub.add_parser("run", help="one simulation")
+def _gpu_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="A100-80GB")
     p.add_argument("--model", default="mistral-7b")
+
+
+def _seed_json(p: argparse.ArgumentParser, json_name: str, seed: bool = True) -> None:
+    """What experiments share: a seed, and where the JSON goes (under docs/)."""
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=DOCS / json_name)
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser("run", help="one simulation")
+    _gpu_model(p)
     p.add_argument("--tp", type=int)
     p.add_argument("--policy", choices=POLICIES, default="stall_free")
     p.add_argument("--mbp", type=int, default=512)
@@ -144,52 +144,74 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--router", choices=ROUTERS + WHAT_IF_ROUTERS, default="token_load")
     p.add_argument("--tbt-slo", type=float, default=0.1)
     p.add_argument("--ttft-slo", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=DOCS / "sim_run.json")
+    _seed_json(p, "sim_run.json")
     p.set_defaults(fn=cmd_run)
 
+
+def _add_capacity(sub: Any) -> None:
     p = sub.add_parser("capacity", help="capacity of each policy under a strict and a relaxed SLO")
-    p.add_argument("--gpu", default="A100-80GB")
-    p.add_argument("--model", default="mistral-7b")
+    _gpu_model(p)
     p.add_argument("--workloads", nargs="+", default=["sharegpt", "arxiv"])
     p.add_argument("-n", "--num-requests", type=int, default=1000, help="requests per rate tried")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=DOCS / "sim_capacity.json")
+    _seed_json(p, "sim_capacity.json")
     p.add_argument("--png", type=Path, default=DOCS / "capacity.png")
     p.set_defaults(fn=cmd_capacity)
 
+
+def _add_routing(sub: Any) -> None:
     p = sub.add_parser("routing", help="TTFT of token-load routing vs power-of-two and round robin")
     p.add_argument("--replicas", type=int, nargs="+", default=[16, 64])
     p.add_argument("--arrivals", nargs="+", default=["poisson", "bursty"])
     p.add_argument("--per-replica-rps", type=float, default=3.0)
     p.add_argument("--requests-per-replica", type=int, default=250)
     p.add_argument("--routers", nargs="+", choices=ROUTERS + WHAT_IF_ROUTERS, default=list(ROUTERS + WHAT_IF_ROUTERS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=DOCS / "sim_routing.json")
+    _seed_json(p, "sim_routing.json")
     p.set_defaults(fn=cmd_routing)
 
+
+def _add_autoscale(sub: Any) -> None:
     p = sub.add_parser("autoscale", help="autoscaler vs a fixed fleet sized for the peak")
     p.add_argument("--per-replica-rps", type=float, help="replica capacity (default: found by bisection)")
     p.add_argument("--peak", type=float, default=24.0)
     p.add_argument("--low", type=float, default=4.0)
     p.add_argument("--duration", type=float, default=1800.0)
     p.add_argument("--startup", type=float, default=60.0, help="replica start-up delay (s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=DOCS / "sim_autoscale.json")
+    _seed_json(p, "sim_autoscale.json")
     p.add_argument("--csv", type=Path, default=DOCS / "sim_autoscale_timeline.csv")
     p.set_defaults(fn=cmd_autoscale)
 
+
+def _add_speed(sub: Any) -> None:
     p = sub.add_parser("speed", help="time one large simulation")
     p.add_argument("-n", "--num-requests", type=int, default=100_000)
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--per-replica-rps", type=float, default=3.0)
     p.add_argument("--router", choices=ROUTERS, default="token_load")
-    p.add_argument("--json", type=Path, default=DOCS / "sim_speed.json")
+    _seed_json(p, "sim_speed.json", seed=False)
     p.set_defaults(fn=cmd_speed)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: one sub-command per experiment (`calibrate` has its own parser)."""
+    ap = argparse.ArgumentParser(prog="python -m loadtests.sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in (_add_run, _add_capacity, _add_routing, _add_autoscale, _add_speed):
+        add(sub)
     p = sub.add_parser("calibrate", help="fit the cost model to the CPU engine (see: calibrate --help)")
     p.set_defaults(fn=lambda _: main(["calibrate"]))
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "calibrate":
+        from loadtests.sim.calibrate import main as calibrate
+
+        calibrate(argv[1:])
+        return
+    a = build_parser().parse_args(argv)
     a.fn(a)
 
 

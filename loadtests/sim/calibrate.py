@@ -57,8 +57,23 @@ def compare(real: dict[str, float], sim: dict[str, float]) -> dict[str, float]:
     return {k: sim[sk] / real[k] - 1.0 for k, sk in COMPARED.items()}
 
 
-# (name, seed, Poisson rate or None for all at t=0, requests, used for the fit)
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.iterations:
+        return fit_file(args.iterations)
+    if args.load_runs:
+        runs, info = load_runs(args.load_runs)
+    else:
+        runs, info = serve_runs(args)
+        if args.save_runs:
+            save_runs(args.save_runs, runs, info)
+    report = build_report(args, runs, info)
+    print_report(report)
+    write_report(args.json, report, runs)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded:mid")
     ap.add_argument("--policy", default="stall_free")
@@ -71,33 +86,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--load-runs", type=Path, help="refit and resimulate stored runs; no engine")
     ap.add_argument("--iterations", type=Path, help="fit IterationStats dicts from this JSON file and exit")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    args = ap.parse_args(argv)
+    return ap
 
-    if args.iterations:
-        return fit_file(args.iterations)
-    if args.load_runs:
-        runs, info = load_runs(args.load_runs)
-    else:
-        runs, info = serve_runs(args)
-        if args.save_runs:
-            save_runs(args.save_runs, runs, info)
 
+def build_report(args: argparse.Namespace, runs: dict[str, EngineRun], info: dict[str, Any]) -> dict[str, Any]:
+    """Fit both forms on the fit runs, keep the better, and simulate every run with it."""
     fit_names = [name for name, *_, used in PLAN if used and name in runs]
     x = np.vstack([runs[k].xy()[0] for k in fit_names])
     y = np.concatenate([runs[k].xy()[1] for k in fit_names])
     fits = {form: fit(x, y, form) for form in ("sum", "max")}
     errors = {form: fit_error(m, x, y) for form, m in fits.items()}
     best = min(fits, key=lambda f: errors[f]["rel_err_mean"])
+    spec = ReplicaSpec(EngineConfig(**info["engine_config"]), info["num_blocks"], fits[best], info["max_model_len"])
     held = {}
     for name, run in runs.items():
         xh, yh = run.xy()
-        spec = ReplicaSpec(EngineConfig(**info["engine_config"]), info["num_blocks"], fits[best],
-                           info["max_model_len"])
         real, sim = run.metrics(), simulate_run(run, spec)
         held[name] = {"used_for_fit": name in fit_names, "real": real, "sim": sim, "error": compare(real, sim),
                       "iteration_fit_error": fit_error(fits[best], xh, yh), "engine_iterations": len(yh)}
     all_iters = [d for r in runs.values() for d in r.iterations]
-    report = {
+    return {
         "model": args.model, **info, "torch_threads": args.threads,
         "replayed_from": str(args.load_runs) if args.load_runs else None,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
@@ -110,11 +118,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": held, "target": "within 15% on p50 TBT and throughput (held-out runs)",
         "traces": {k: r.trace.summary() for k, r in runs.items()},
     }
-    print_report(report)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2, default=float))
-    print(f"wrote {args.json}")
-    csv_path = args.json.with_name(args.json.stem + "_iterations.csv")
+
+
+def write_report(path: Path, report: dict[str, Any], runs: dict[str, EngineRun]) -> None:
+    """The report as JSON, and every engine iteration as CSV next to it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=float))
+    print(f"wrote {path}")
+    csv_path = path.with_name(path.stem + "_iterations.csv")
     with open(csv_path, "w", newline="") as f:
         cols = ["run", "start", "step_s", "step_wall_s", "duration", "num_prefill_tokens", "num_decode_tokens",
                 "context_tokens", "num_seqs", "pairs", "padded"]
@@ -124,7 +135,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for d in r.iterations:
                 w.writerow([name] + [d[c] for c in cols[1:]])
     print(f"wrote {csv_path}")
-    return report
 
 
 def fit_file(path: Path) -> dict[str, Any]:

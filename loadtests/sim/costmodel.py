@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -81,10 +81,6 @@ class CostModel:
         m = self.weights_s + self.per_kv_token_s * context + self.per_padded_kv_token_s * padded
         body = (c if c > m else m) if self.form == "max" else c + m
         return self.overhead_s + self.per_seq_s * num_seqs + self.comm_per_token_s * (prefill + decode) + body
-
-    def time_batch(self, batch: Any) -> float:
-        """Predicted duration of a `SchedulerOutput`."""
-        return self.iteration_time(*batch_features(batch))
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Vectorised over rows of feature columns (P, D, C, S, A, X); see `FEATURES`."""
@@ -258,8 +254,3 @@ def fit_error(model: CostModel, x: np.ndarray, y: np.ndarray) -> dict[str, float
     return {"rel_err_p50": percentile(rel.tolist(), 50), "rel_err_p90": percentile(rel.tolist(), 90),
             "rel_err_mean": float(rel.mean()), "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
             "total_time_err": float(pred.sum() / y.sum() - 1.0), "n": int(len(y))}
-
-
-def attn_pairs(starts: Sequence[int], lens: Sequence[int]) -> int:
-    """Query-key pairs of causal attention for chunks of `lens` tokens starting at `starts`."""
-    return sum(n * s + n * (n + 1) // 2 for s, n in zip(starts, lens))

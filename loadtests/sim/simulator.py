@@ -176,103 +176,119 @@ class Simulator:
             stop_every_s: float = 1.0, desc: str = "sim") -> SimResult:
         """Simulate the whole trace; `stop(sim, now)` may end it early by returning a reason."""
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        rec, trace, clock, heap = self.rec, self.trace, self.clock, self._heap
-        arrivals = trace.arrival_s.tolist()
-        plens, olens = trace.prompt_len.tolist(), trace.output_len.tolist()
-        n = len(arrivals)
-        rec.arrival, rec.prompt_len, rec.output_len = list(arrivals), plens, olens
-        rec.first_arrival = arrivals[0] if n else 0.0
-        rec.late_start_s = 2.0
-        if self.scaler is not None:
-            self._push(self.scaler.interval_s, SCALE, None)
-        if stop is not None:
-            self._push(stop_every_s, CHECK, None)
-        bar = tqdm(total=n, desc=desc, unit="req", disable=not progress, mininterval=0.5, leave=False)
+        self._prime(stop is not None, stop_every_s)
+        bar = tqdm(total=len(self.trace), desc=desc, unit="req", disable=not progress, mininterval=0.5, leave=False)
         gc_was = gc.isenabled()
         gc.disable()  # the loop allocates many short-lived objects and no cycles
-        stopped: str | None = None
-        i, events, shown = 0, 0, 0
-        spec, router, params = self.cfg.spec, self.router, self._params
-        pop = heapq.heappop
         try:
-            while True:
-                ta = arrivals[i] if i < n else INF
-                if heap and heap[0][0] <= ta:
-                    t, _, kind, obj = pop(heap)
-                    clock.t = t
-                    if kind == ITER_END:
-                        obj.finish_iteration(t)
-                        if self._reports:
-                            self._maybe_report(obj, t)
-                        if obj.scheduler.has_unfinished():
-                            end = obj.start_iteration(t)
-                            if end is not None:
-                                self._push(end, ITER_END, obj)
-                            elif self._reports:
-                                self._maybe_report(obj, t, force=True)
-                        elif self._reports:
-                            self._maybe_report(obj, t, force=True)
-                    elif kind == READY:
-                        if obj in self.pending:  # not cancelled meanwhile
-                            self.pending.remove(obj)
-                            obj.ready_t = t
-                            self.routable.append(obj)
-                    elif kind == SCALE:
-                        self._scale_tick(t)
-                        if i < n or any(r.scheduler.has_unfinished() for r in self.replicas):
-                            self._push(t + self.scaler.interval_s, SCALE, None)
-                    elif kind == CHECK:
-                        stopped = stop(self, t)
-                        if stopped:
-                            break
-                        if i < n or heap:
-                            self._push(t + stop_every_s, CHECK, None)
-                    events += 1
-                    if progress and events % 4096 == 0 and rec.num_finished - shown > 0:
-                        bar.update(rec.num_finished - shown)
-                        shown = rec.num_finished
-                    continue
-                if i >= n:
-                    break
-                clock.t = ta
-                plen, olen = plens[i], olens[i]
-                if spec.rejects(plen, olen):
-                    rec.rejected[i] = True
-                    i += 1
-                    continue
-                sp = params.get(olen)
-                if sp is None:
-                    sp = params[olen] = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
-                # The scheduler reads only the prompt's length (tests/loadtests/test_sim.py checks it),
-                # so a range stands in for token ids at no memory cost.
-                req = Request(str(i), range(plen), sp, 0, ta)
-                cost = RequestCost(plen, plen + olen)
-                r = router.choose(cost, self.routable, ta)
-                r.add(req)
-                r.tokens_moved += plen
-                router.routed(req.request_id, r, cost, ta)
-                if r.batch is None:
-                    self._kick(r, ta)
-                i += 1
+            stopped = self._loop(stop, stop_every_s, bar if progress else None)
         finally:
             if gc_was:
                 gc.enable()
-            bar.update(rec.num_finished - shown)
+            bar.update(self.rec.num_finished - bar.n)
             bar.close()
-        end_t = clock.t
+        return self._result(stopped, wall0, cpu0)
+
+    def _prime(self, checks: bool, stop_every_s: float) -> None:
+        """The recorder learns the trace; the first scaling tick and stop check are queued."""
+        rec, trace = self.rec, self.trace
+        rec.arrival = trace.arrival_s.tolist()
+        rec.prompt_len, rec.output_len = trace.prompt_len.tolist(), trace.output_len.tolist()
+        rec.first_arrival = rec.arrival[0] if len(trace) else 0.0
+        rec.late_start_s = 2.0
+        if self.scaler is not None:
+            self._push(self.scaler.interval_s, SCALE, None)
+        if checks:
+            self._push(stop_every_s, CHECK, None)
+
+    def _loop(self, stop: Callable[[Simulator, float], str | None] | None, stop_every_s: float,
+              bar: tqdm | None) -> str | None:
+        """Events and arrivals in time order (an event first on a tie); the stop reason or None."""
+        rec, clock, heap, pop = self.rec, self.clock, self._heap, heapq.heappop
+        arrivals, plens, olens = list(rec.arrival), rec.prompt_len, rec.output_len
+        n = len(arrivals)
+        i, events = 0, 0
+        while True:
+            ta = arrivals[i] if i < n else INF
+            if heap and heap[0][0] <= ta:
+                t, _, kind, obj = pop(heap)
+                clock.t = t
+                if kind == ITER_END:
+                    self._pass_ended(obj, t)
+                elif kind == READY:
+                    if obj in self.pending:  # not cancelled meanwhile
+                        self.pending.remove(obj)
+                        obj.ready_t = t
+                        self.routable.append(obj)
+                elif kind == SCALE:
+                    self._scale_tick(t)
+                    if i < n or any(r.scheduler.has_unfinished() for r in self.replicas):
+                        self._push(t + self.scaler.interval_s, SCALE, None)
+                elif kind == CHECK:
+                    stopped = stop(self, t)
+                    if stopped:
+                        return stopped
+                    if i < n or heap:
+                        self._push(t + stop_every_s, CHECK, None)
+                events += 1
+                if bar is not None and events % 4096 == 0 and rec.num_finished > bar.n:
+                    bar.update(rec.num_finished - bar.n)
+                continue
+            if i >= n:
+                return None
+            clock.t = ta
+            self._arrive(i, ta, plens[i], olens[i])
+            i += 1
+
+    def _pass_ended(self, r: SimReplica, t: float) -> None:
+        """Finish `r`'s pass, report if due, and start its next pass (or report it idle)."""
+        r.finish_iteration(t)
+        if self._reports:
+            self._maybe_report(r, t)
+        if r.scheduler.has_unfinished():
+            end = r.start_iteration(t)
+            if end is not None:
+                self._push(end, ITER_END, r)
+            elif self._reports:
+                self._maybe_report(r, t, force=True)
+        elif self._reports:
+            self._maybe_report(r, t, force=True)
+
+    def _arrive(self, i: int, ta: float, plen: int, olen: int) -> None:
+        """Request `i` arrives: refused outright, or routed and its replica kicked if idle."""
+        if self.cfg.spec.rejects(plen, olen):
+            self.rec.rejected[i] = True
+            return
+        sp = self._params.get(olen)
+        if sp is None:
+            sp = self._params[olen] = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
+        # The scheduler reads only the prompt's length (tests/loadtests/test_sim.py checks it),
+        # so a range stands in for token ids at no memory cost.
+        req = Request(str(i), range(plen), sp, 0, ta)
+        cost = RequestCost(plen, plen + olen)
+        r = self.router.choose(cost, self.routable, ta)
+        r.add(req)
+        r.tokens_moved += plen
+        self.router.routed(req.request_id, r, cost, ta)
+        if r.batch is None:
+            self._kick(r, ta)
+
+    def _result(self, stopped: str | None, wall0: float, cpu0: float) -> SimResult:
+        """Close every replica's lifetime at the last event and summarise the run."""
+        end_t = self.clock.t
         for r in self.replicas:
             if r.stop_t is None:
                 r.stop_t = max(end_t, r.start_t)
         everyone = self.retired + self.replicas
         replica_s = sum(r.stop_t - r.start_t for r in everyone)
-        summary = rec.summary(replica_seconds=replica_s)
+        summary = self.rec.summary(replica_seconds=replica_s)
         summary["iterations"] = sum(r.num_iterations for r in everyone)
         summary["max_replicas"] = max((p[2] for p in self.scaler.trace.points), default=self.cfg.num_replicas) \
             if self.scaler else self.cfg.num_replicas
         per_replica = [{"id": r.replica_id, "iterations": r.num_iterations, "busy_s": r.busy_s,
                         "start_t": r.start_t, "stop_t": r.stop_t} for r in everyone]
         summary["sim_cpu_s"] = time.process_time() - cpu0
-        return SimResult(summary, self.cfg.describe(), trace.summary(), time.perf_counter() - wall0, stopped,
+        return SimResult(summary, self.cfg.describe(), self.trace.summary(), time.perf_counter() - wall0, stopped,
                          per_replica, list(self.scaler.trace.points) if self.scaler else [])
 
     def _scale_tick(self, now: float) -> None:

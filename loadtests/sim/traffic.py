@@ -52,10 +52,6 @@ class Trace:
         return dataclasses.replace(self, arrival_s=self.arrival_s * (base / rate),
                                    settings={**self.settings, "rate": rate})
 
-    def head(self, n: int) -> Trace:
-        return dataclasses.replace(self, arrival_s=self.arrival_s[:n], prompt_len=self.prompt_len[:n],
-                                   output_len=self.output_len[:n])
-
     def summary(self) -> dict[str, Any]:
         p, o = self.prompt_len, self.output_len
         return {"name": self.name, "num_requests": len(self), "duration_s": round(self.duration_s, 3),

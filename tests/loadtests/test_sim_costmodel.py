@@ -8,7 +8,7 @@ import pytest
 
 from loadtests.sim import capacity
 from loadtests.sim.capacity import Criteria
-from loadtests.sim.costmodel import CostModel, attn_pairs, fit, fit_error, kv_capacity_tokens, load_profiles
+from loadtests.sim.costmodel import CostModel, fit, fit_error, kv_capacity_tokens, load_profiles
 from loadtests.sim.deploy import replica_spec
 from loadtests.sim.simulator import SimConfig
 from loadtests.sim.traffic import make_trace
@@ -34,7 +34,7 @@ def test_mistral_decode_at_batch_one_is_weight_bandwidth_bound():
 
 def test_mistral_prefill_of_4096_tokens_is_compute_bound():
     m = CostModel.from_profile("A100-80GB", "mistral-7b")
-    pairs = attn_pairs([0], [4096])
+    pairs = 4096 * 4097 // 2  # causal: the i-th prompt token attends i keys
     assert m.compute_s(4096, 0, pairs) > 5 * m.memory_s(4096)
     flops = 2 * 7.24e9 * 4096 + 4 * 32 * 4096 * pairs
     assert m.iteration_time(4096, 0, 4096, 1, pairs) == pytest.approx(m.overhead_s + flops / (312e12 * 0.6), rel=1e-6)
