@@ -3,10 +3,10 @@
     python -m loadtests.bench_routing            # 90 s per router (about 6-7 minutes)
     python -m loadtests.bench_routing --quick    # 30 s per router (about 3-4 minutes)
 
-For each router it starts a private Ray + Serve (this module's `--serve` mode, a subprocess:
-`serve_local`'s pattern plus a Ray metrics export port) with `--replicas` replicas of the
-embedded model, warms it up, drives it with the same Locust workload (`loadtests/locustfile.py`:
-open-loop Poisson at a fixed rate, a share of long prompts, same seed) and stops it. Requests
+For each router it starts a private Ray + Serve (`serve_local` in a subprocess, with a Ray
+metrics export port) with `--replicas` replicas of the embedded model, warms it up, drives it
+with the same Locust workload (`loadtests/locustfile.py`: open-loop Poisson at a fixed rate, a
+share of long prompts, same seed) and stops it. Requests
 per replica come from Ray's Prometheus export: `ray_stallfree_request_success_total` summed
 per `replica` label (after minus before the load).
 
@@ -23,10 +23,6 @@ import json
 import os
 import platform
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,46 +42,6 @@ BENCH_MIX = MixSpec(prompt_median=96, output_median=48, long_share=0.3, long_min
                     long_max=1536, vocab_size=2048)
 TTFT_SLO_MS = 2000.0
 TBT_SLO_MS = 500.0
-
-
-# ---- server (subprocess) ---------------------------------------------------------------------
-
-
-def serve_with_metrics(port: int, metrics_port: int, app_args: dict[str, Any], ray_cpus: int) -> None:
-    """`serve_local.serve_forever` plus a Ray metrics export port; blocks until SIGTERM."""
-    import ray
-    from ray import serve
-
-    from app.builder import build_app
-
-    stop = threading.Event()
-    ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False, configure_logging=False,
-             log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args), name="llm", route_prefix="/")
-        print(f"{serve_local.READY} http://127.0.0.1:{port}", flush=True)
-        stop.wait()
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-
-
-def launch(port: int, metrics_port: int, app_args: dict[str, Any], *, ray_cpus: int,
-           log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "loadtests.bench_routing", "--serve", "--port", str(port),
-           "--metrics-port", str(metrics_port), "--ray-cpus", str(ray_cpus),
-           "--app-args", json.dumps(app_args)]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RAY_ADDRESS", None)
-    out = open(log_path, "w")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
 
 
 # ---- metrics ---------------------------------------------------------------------------------
@@ -147,8 +103,8 @@ def run_router(args: argparse.Namespace, router: str, mix: MixSpec) -> dict[str,
     port, metrics_port = serve_local.free_port(), serve_local.free_port()
     base = f"http://127.0.0.1:{port}"
     args.runs_dir.mkdir(parents=True, exist_ok=True)
-    proc = launch(port, metrics_port, app_args(args, router), ray_cpus=args.ray_cpus,
-                  log_path=str(args.runs_dir / f"server_{router}.log"))
+    proc = serve_local.launch(port, app_args(args, router), ray_cpus=args.ray_cpus,
+                              log_path=str(args.runs_dir / f"server_{router}.log"), metrics_port=metrics_port)
     try:
         serve_local.wait_healthy(base, proc, timeout_s=600)
         for _ in range(args.replicas):  # the router spreads these; first-call costs stay out
@@ -226,11 +182,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the private Ray instance")
     p.add_argument("--ttft-slo-ms", type=float, default=TTFT_SLO_MS)
     p.add_argument("--tbt-slo-ms", type=float, default=TBT_SLO_MS)
-    # --serve: the server subprocess (internal)
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--metrics-port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--app-args", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.duration is None:
         args.duration = 30.0 if args.quick else 90.0
@@ -240,11 +191,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.serve:
-        serve_with_metrics(args.port, args.metrics_port, json.loads(args.app_args), args.ray_cpus)
-        return None
     mix = dataclasses.replace(BENCH_MIX, rps=args.rps, long_share=args.long_share, seed=args.seed)
     config = {"model": args.model, "replicas": args.replicas, "routers": args.routers,
               "rps": args.rps, "duration_s": args.duration, "drain_s": args.drain,

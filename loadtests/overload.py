@@ -1097,8 +1097,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=_Help)
     f, i = float, int
     add = p.add_argument
-    add("--quick", action="store_true", help="smoke run: 2 search steps of 3 s, 10 s overload, "
-        "5 s recovery and RSS wait, 1 min soak (explicit options still win)")
+    q = QUICK
+
+    def by_mode(flag: str, kind: type, text: str) -> None:
+        """An option whose default depends on --quick (DEFAULTS and QUICK say which)."""
+        key = flag[2:].replace("-", "_")
+        add(flag, type=kind, help=f"{text} (default {DEFAULTS[key]:g}; quick {q[key]:g})")
+
+    add("--quick", action="store_true", help=f"smoke run: {q['max_steps']} search steps of {q['step_s']:g} s, "
+        f"{q['duration_s']:g} s overload, {q['recovery_s']:g} s recovery and RSS wait, "
+        f"{q['soak_minutes']:g} min soak (explicit options still win)")
     add("--url", help="use this running server instead of starting one")
     add("--server-pid", type=i, help="with --url: RSS only of this process's descendants")
     add("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -1113,28 +1121,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--rate", type=f, help="the sustainable rate, req/s: skip the search (one step measures it)")
     add("--start-rate", type=f, default=2.0, help="first search step, req/s")
     add("--max-rate", type=f, default=256.0, help="the search stops above it")
-    add("--max-steps", type=i, help="rate-search steps (default 6; quick 2)")
-    add("--step-s", type=f, help="seconds per search step (default 10; quick 3)")
+    by_mode("--max-steps", i, "rate-search steps")
+    by_mode("--step-s", f, "seconds per search step")
     add("--keep-up", type=f, default=0.95, help="sustainable: completed/offered at least this")
     add("--ttft-bound-s", type=f, default=2.0, help="sustainable: p99 TTFT under this")
-    add("--settle-s", type=f, help="pause after a failed step (default 5; quick 2)")
+    by_mode("--settle-s", f, "pause after a failed step")
     add("--factor", type=f, default=10.0, help="overload = factor x sustainable")
-    add("--duration-s", type=f, help="overload seconds (default 60; quick 10)")
-    add("--recovery-s", type=f, help="seconds of recovery probes (default 30; quick 5)")
+    by_mode("--duration-s", f, "overload seconds")
+    by_mode("--recovery-s", f, "seconds of recovery probes")
     add("--probe-interval-s", type=f, default=0.5, help="recovery probe spacing")
     add("--recovery-ttft-factor", type=f, default=5.0, help="normal: TTFT <= this x unloaded")
     add("--recovery-target-s", type=f, default=5.0, help="target: normal service within this")
-    add("--rss-after-s", type=f, help="RSS sample this long after the overload (default 30; quick 5)")
+    by_mode("--rss-after-s", f, "RSS sample this long after the overload")
     add("--rss-tolerance", type=f, default=0.2, help="target: RSS after <= (1 + this) x start")
     add("--reject-p99-s", type=f, default=0.5, help="target: 429 p99 latency under this")
     add("--tbt-factor", type=f, default=1.5, help="target: accepted p99 TBT <= this x sustainable's")
     add("--queue-deadline-s", type=f, default=10.0, help="target: accepted p99 TTFT under this")
     add("--soak", action="store_true", help="soak instead of overload")
-    add("--soak-minutes", type=f, help="soak length (default 30; quick 1)")
+    by_mode("--soak-minutes", f, "soak length")
     add("--soak-fraction", type=f, default=0.7, help="soak rate = this x sustainable")
-    add("--soak-warmup-s", type=f, help="RSS slope ignores the soak's first seconds (default 60; quick 5)")
+    by_mode("--soak-warmup-s", f, "RSS slope ignores the soak's first seconds")
     add("--rss-slope-mb-min", type=f, default=1.0, help="soak target: RSS slope at most this")
-    add("--quiet-s", type=f, help="quiet after the soak before the KV gauges (default 15; quick 5)")
+    by_mode("--quiet-s", f, "quiet after the soak before the KV gauges")
     add("--metrics-url", help="Ray's Prometheus /metrics (default: found from our server)")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():

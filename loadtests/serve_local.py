@@ -48,16 +48,21 @@ def parse_sets(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int) -> None:
-    """Start Ray + Serve + the app; block until a termination signal."""
+def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_port: int | None = None) -> None:
+    """Start Ray + Serve + the app; block until a termination signal.
+
+    With `metrics_port`, Ray exports its Prometheus metrics there, refreshed every second.
+    """
     import ray
     from ray import serve
 
     from app.builder import build_app
 
     stop = threading.Event()
+    metrics: dict[str, Any] = {} if metrics_port is None else {
+        "_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
     ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False,
-             configure_logging=False, log_to_driver=False)
+             configure_logging=False, log_to_driver=False, **metrics)
     # After ray.init: Ray installs a SIGTERM handler of its own that exits without cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -77,10 +82,12 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int) -> None:
 
 
 def launch(port: int, app_args: dict[str, Any], *, ray_cpus: int = 4,
-           log_path: str | None = None) -> subprocess.Popen:
+           log_path: str | None = None, metrics_port: int | None = None) -> subprocess.Popen:
     """Start this module in a subprocess (its own process group); returns the Popen."""
     cmd = [sys.executable, "-m", "loadtests.serve_local", "--port", str(port), "--ray-cpus",
            str(ray_cpus)] + [a for k, v in app_args.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)  # never attach to someone else's cluster
     out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
@@ -123,12 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="an app.args.AppArgs field (repeatable)")
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the private Ray instance")
+    p.add_argument("--metrics-port", type=int, help="export Ray's Prometheus metrics on this port")
     args = p.parse_args(argv)
     app_args = parse_sets(args.sets)
     for key in ("policy", "model"):
         if getattr(args, key) is not None:
             app_args[key] = getattr(args, key)
-    serve_forever(args.port, app_args, args.ray_cpus)
+    serve_forever(args.port, app_args, args.ray_cpus, args.metrics_port)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,7 @@ class CostModel:
     def iteration_time(self, prefill: int, decode: int, context: int, num_seqs: int, pairs: int = 0,
                        padded: int = 0) -> float:
         """Predicted duration of one pass (seconds)."""
-        c = self.per_prefill_token_s * prefill + self.per_decode_token_s * decode + self.per_attn_pair_s * pairs
-        m = self.weights_s + self.per_kv_token_s * context + self.per_padded_kv_token_s * padded
+        c, m = self.compute_s(prefill, decode, pairs), self.memory_s(context, padded)
         body = (c if c > m else m) if self.form == "max" else c + m
         return self.overhead_s + self.per_seq_s * num_seqs + self.comm_per_token_s * (prefill + decode) + body
 
