@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoscale.load import ReplicaLoad
+from replicas.protocol import ReplicaLoad
 from replicas.admission import Decision, QueueView, door_decision
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
         except Exception:
             handle.clear()  # look it up again next time (it may have restarted)
             raise
-        return {key: ReplicaLoad.from_dict(load) for key, load in snap["replicas"].items()
+        return {key: load for key, load in snap.replicas.items()
                 if _is_replica_of(key, app_name, deployment)}
 
     return fetch

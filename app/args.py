@@ -7,17 +7,22 @@ so a limit is defined (and validated) in exactly one place.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.scaling import ScalingConfig
-from replicas.config import EngineConfig
-from replicas.deployment import ReplicaConfig
-from replicas.models import DEFAULT_MODEL
+from autoscale.serve_options import RouterName
+from replicas.config import DEFAULT_MODEL, Dtype, EngineConfig, Policy, ReplicaConfig
 
-
-_ENGINE = EngineConfig()  # engine defaults are defined once, in EngineConfig
+# Defaults are defined once, in the dataclasses they configure.
+_ENGINE = EngineConfig()
+_REPLICA = ReplicaConfig()
+_SCALING = {f.name: f.default for f in dataclasses.fields(ScalingConfig)
+            if f.default is not dataclasses.MISSING}
 
 
 class AppArgs(BaseModel):
@@ -30,11 +35,11 @@ class AppArgs(BaseModel):
                        description="HF model directory, hub id, or embedded:tiny / embedded:mid")
     served_model_name: str | None = Field(None, description="name clients send; default: model")
     trust_remote_code: bool = False
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = _ENGINE.dtype
     device: str = Field("auto", description="auto: cuda when num_gpus > 0, else cpu")
 
     # ---- engine budgets (EngineConfig) -----------------------------------------------
-    policy: Literal["stall_free", "dynamic", "static"] = "stall_free"
+    policy: Policy = _ENGINE.policy
     max_batch_prefill_tokens: int = Field(_ENGINE.max_batch_prefill_tokens, description="token budget of one forward pass "
                                           "(the prefill chunk size under stall_free)")
     max_batch_total_tokens: int | None = Field(None, description="KV capacity in tokens; "
@@ -53,29 +58,29 @@ class AppArgs(BaseModel):
                                       "replica; None: the replica's num_cpus (at least 1)")
 
     # ---- replica behaviour -----------------------------------------------------------
-    max_queued_tokens: int = Field(32_768, ge=1, description="prompt tokens a replica may hold "
+    max_queued_tokens: int = Field(_REPLICA.max_queued_tokens, ge=1, description="prompt tokens a replica may hold "
                                    "waiting; beyond it requests get 429 + Retry-After")
     queue_timeout_s: float | None = Field(10.0, gt=0, description="a request not scheduled this "
                                           "long after it arrived gets 429 (None: no deadline); "
                                           "also bounds what the queues admit (replicas/admission.py)")
     tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens SLO")
-    wedge_timeout_s: float = Field(60.0, gt=0, description="one iteration longer than this "
+    wedge_timeout_s: float = Field(_REPLICA.wedge_timeout_s, gt=0, description="one iteration longer than this "
                                    "fails the health check")
 
     # ---- routing and autoscaling (autoscale/) --------------------------------------------
-    router: Literal["token_load", "power_of_two"] = Field(
+    router: RouterName = Field(
         "token_load", description="token_load: least predicted token load with KV headroom; "
         "power_of_two: Serve's default, for comparison")
     autoscale_by: Literal["tbt_slo", "ongoing_requests"] = Field(
         "tbt_slo", description="with max_replicas: scale against tbt_slo_ms (needs it), or "
         "Serve's default request-count policy")
-    scaling_window_s: float = Field(30.0, gt=0, description="TBT p99 sliding window")
-    downscale_margin: float = Field(0.7, gt=0, le=1, description="scale down only when the "
+    scaling_window_s: float = Field(_SCALING["window_s"], gt=0, description="TBT p99 sliding window")
+    downscale_margin: float = Field(_SCALING["downscale_margin"], gt=0, le=1, description="scale down only when the "
                                     "remaining replicas keep p99 TBT under SLO * margin")
-    upscale_cooldown_s: float = Field(5.0, ge=0)
-    downscale_cooldown_s: float = Field(30.0, ge=0)
-    controller_name: str = Field("stallfree_controller", min_length=1)
-    controller_namespace: str = Field("stallfree", min_length=1)
+    upscale_cooldown_s: float = Field(_SCALING["upscale_cooldown_s"], ge=0)
+    downscale_cooldown_s: float = Field(_SCALING["downscale_cooldown_s"], ge=0)
+    controller_name: str = Field(DEFAULT_CONTROLLER_NAME, min_length=1)
+    controller_namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
 
     # ---- Serve deployment --------------------------------------------------------------
     num_replicas: int = Field(1, ge=1)
@@ -96,8 +101,8 @@ class AppArgs(BaseModel):
     ingress_max_queued_requests: int = Field(512, ge=1, description="requests the HTTP proxy "
                                              "holds for a busy ingress; beyond it Serve answers "
                                              "429 + Retry-After itself (plain text)")
-    max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger bodies get 413")
-    body_timeout_s: float = Field(30.0, gt=0, description="a request body not received within "
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger bodies get 413")
+    body_timeout_s: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0, description="a request body not received within "
                                   "this gets 408")
 
     @model_validator(mode="after")
@@ -159,5 +164,4 @@ class AppArgs(BaseModel):
 
     def replica_config(self) -> ReplicaConfig:
         return ReplicaConfig(self.model, self.engine_config(), self.max_queued_tokens,
-                             self.wedge_timeout_s, self.tbt_slo_ms, self.kv_cache_memory_fraction,
-                             self.controller_name, self.controller_namespace)
+                             self.wedge_timeout_s, self.tbt_slo_ms, self.kv_cache_memory_fraction)

@@ -7,6 +7,7 @@ field-by-field errors, before any replica starts.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ray import serve
@@ -15,6 +16,7 @@ from ray.serve.config import BackpressureConfig
 
 from app.args import AppArgs
 from app.ingress import OpenAIIngress
+from autoscale.reporter import LoadReporter
 from autoscale.serve_options import deployment_options, graceful_shutdown_timeout
 from replicas.deployment import LLMServer
 
@@ -67,4 +69,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         max_queued_requests=app_args.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus})
-    return ingress.bind(llm.bind(app_args.replica_config()), app_args)
+    # The replica reports its load to the controller through this (replicas/ imports nothing above it).
+    reporter = functools.partial(LoadReporter, controller_name=app_args.controller_name,
+                                 namespace=app_args.controller_namespace)
+    return ingress.bind(llm.bind(app_args.replica_config(), reporter_factory=reporter), app_args)

@@ -21,7 +21,7 @@ from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.schemas import INVALID_UNICODE
-from replicas.deployment import RequestRejected
+from replicas.protocol import RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,10 @@ def install_handlers(api: FastAPI) -> None:
     @api.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @api.exception_handler(RequestRejected)  # e.g. SamplingParams' InvalidRequestError
+    async def _rejected(_: Request, exc: RequestRejected) -> JSONResponse:
+        return from_exception(exc).response()
 
     @api.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,7 +1,8 @@
 """FastAPI ingress deployment: OpenAI routes, tokenization at the edge, SSE streaming.
 
-The ingress tokenizes once (chat template included) and sends token ids to a replica; the
-engine checks every limit once, before queueing, and its refusals come back as 4xx. Each
+The ingress tokenizes once (chat template included), builds the typed `SamplingParams` (its
+ranges checked once, here) and sends both to a replica, which checks what only it knows (context
+length, KV capacity, its queue) once, before queueing; its refusals come back as 4xx. Each
 generation is a streaming handle call whose first item is the replica's acknowledgement,
 so refusals (400, 429) are answered before a 200 and SSE headers are sent.
 """
@@ -12,7 +13,6 @@ so refusals (400, 429) are answered before a 200 and SSE headers are sent.
 import asyncio
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
@@ -33,9 +32,8 @@ from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, Completi
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
 from app.streaming import (DONE, Collected, StreamMeta, chat_events, chat_response, collect,
                            completion_events, completion_response, sse)
-from replicas.deployment import ReplicaUnhealthyError, RequestRejected, param_of
-from replicas.models import resolve_model_path
-from replicas.request import SamplingParams
+from replicas.model_files import load_tokenizer
+from replicas.protocol import ReplicaUnhealthyError, RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +46,6 @@ api = FastAPI(title="stallfree-serve", description="OpenAI-compatible LLM servin
 install_handlers(api)
 api.add_middleware(BodyLimitMiddleware)
 api.add_middleware(StatusCountMiddleware)  # added last: outermost
-
-
-def load_tokenizer(model: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Load only the tokenizer of `model` (no weights), never touching the hub for a directory."""
-    path = resolve_model_path(model)
-    return AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path),
-                                         trust_remote_code=trust_remote_code)
 
 
 async def _chain(first: Any, rest: DeploymentResponseGenerator) -> AsyncIterator[Any]:
@@ -164,7 +155,9 @@ class OpenAIIngress:
     # ---- helpers -----------------------------------------------------------------------
 
     async def model_info(self) -> dict[str, Any]:
-        """The replicas' limits, asked once (every replica runs the same config)."""
+        """The model's limits, asked once: /v1/models shows its context length, which every
+        replica derives from the same model and config (KV capacity may differ by replica, so
+        nothing at the edge is derived from it)."""
         if self._info is None:
             self._info = await self.llm.model_info.remote()
         return self._info
@@ -205,15 +198,8 @@ class OpenAIIngress:
         first token, so a refusal found late (the queue deadline) is still a plain 429, and a
         request whose replica died before starting it is sent again, to another replica.
         """
-        if max_tokens is None:  # chat default: whatever the context and KV cache leave
-            info = await self.model_info()
-            room = min(info["max_model_len"], info["max_batch_total_tokens"]) - len(ids)
-            max_tokens = max(1, room)  # a prompt with no room gets the engine's error message
-        params = body.sampling_params(max_tokens)
-        try:
-            SamplingParams(**params)  # ranges checked here, at the edge, once
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
+        # max_tokens None (chat's default): the replica fills in what its context and KV leave.
+        params = body.sampling_params(max_tokens)  # InvalidRequestError -> 400 naming the field
         await self._admit(len(ids))
         ticket = self.gate.admit(len(ids))
         left_at = None  # when the first output left the replica's queue (its clock)

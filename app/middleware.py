@@ -11,6 +11,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
 
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
 
 class BodyLimitMiddleware:
     """Answer 413 when a body is larger than `app.state.max_body_bytes`, 408 when the client
@@ -24,8 +27,8 @@ class BodyLimitMiddleware:
     cannot make the server buffer more than the limit, nor hold a request open by stalling.
     """
 
-    def __init__(self, app: ASGIApp, default_limit: int = 1024 * 1024,
-                 default_timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, default_limit: int = DEFAULT_MAX_BODY_BYTES,
+                 default_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.app = app
         self.default_limit = default_limit
         self.default_timeout_s = default_timeout_s

@@ -14,6 +14,8 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
+from replicas.protocol import SamplingParams
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type `app.errors` maps to its field
 
@@ -110,8 +112,9 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments for `SamplingParams` (it checks the ranges)."""
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The request's `SamplingParams`, checked once, here (InvalidRequestError names the
+        field). `max_tokens` None: what the serving replica's context and KV cache leave."""
         params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
         for name in ("temperature", "top_p", "seed"):
             if (value := getattr(self, name)) is not None:
@@ -122,7 +125,7 @@ class GenerationRequest(BaseModel):
             params["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.stop_token_ids:
             params["stop_token_ids"] = tuple(self.stop_token_ids)
-        return params
+        return SamplingParams(**params)
 
 
 class CompletionRequest(GenerationRequest):

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from app.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                          ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse,
                          Usage)
-from replicas.engine import RequestOutput
+from replicas.protocol import RequestOutput
 
 DONE = "data: [DONE]\n\n"
 

@@ -1,6 +1,6 @@
 """The controller: the cluster's view of load, as one named Ray actor.
 
-Replicas push `ReplicaLoad` dicts (`report`, fire-and-forget, ~every 50-100 ms); the router and
+Replicas push their `ReplicaLoad` (`report`, fire-and-forget, ~every 50-100 ms); the router and
 the autoscaling policy read `snapshot()`. The actor only gathers: per replica the latest load
 and a sliding window of TBT samples; replicas silent for `stale_after_s` are dropped. Every
 decision is made elsewhere, by the pure functions in `routing` and `scaling`.
@@ -20,7 +20,8 @@ router and policy look replicas up by `replica_key(replica_id)`, the same string
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -61,15 +62,14 @@ class LoadBook:
         self._last_seen: dict[str, float] = {}  # controller clock: skew-free staleness
         self._tbt: dict[str, SlidingWindow] = {}
 
-    def report(self, replica_id: str, load: Mapping[str, Any]) -> None:
+    def report(self, replica_id: str, load: ReplicaLoad) -> None:
         """Record one replica's load; its new TBT samples join the window at receive time."""
         now = self._clock()
-        entry = ReplicaLoad.from_dict({**load, "replica_id": replica_id})
         window = self._tbt.get(replica_id)
         if window is None:
             window = self._tbt[replica_id] = SlidingWindow(self.window_s, self._max_samples)
-        window.extend(entry.tbt_samples, now)
-        self._loads[replica_id] = ReplicaLoad.from_dict({**entry.to_dict(), "tbt_samples": ()})
+        window.extend(load.tbt_samples, now)
+        self._loads[replica_id] = dataclasses.replace(load, replica_id=replica_id, tbt_samples=())
         self._last_seen[replica_id] = now
 
     def remove(self, replica_id: str) -> None:
@@ -92,8 +92,8 @@ class LoadBook:
 
     def snapshot(self, replica_ids: Sequence[str] | None = None, window_s: float | None = None,
                  since: float | None = None, tbt_slo_s: float | None = None,
-                 with_tbt: bool = True) -> dict[str, Any]:
-        """A `ClusterSnapshot` as a dict, over `replica_ids` (default: all live replicas).
+                 with_tbt: bool = True) -> ClusterSnapshot:
+        """A `ClusterSnapshot` over `replica_ids` (default: all live replicas).
 
         TBT aggregates cover the last `window_s` (default: the retention window) and samples no
         older than `since`; `with_tbt=False` skips them (the router only needs loads).
@@ -108,7 +108,7 @@ class LoadBook:
             since = start if since is None else max(since, start)
             for r in ids:
                 samples.extend(self._tbt[r].values(now, since))
-        return ClusterSnapshot.build(loads, samples, tbt_slo_s, now).to_dict()
+        return ClusterSnapshot.build(loads, samples, tbt_slo_s, now)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)

@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from autoscale.load import ReplicaLoad
+from replicas.protocol import ReplicaLoad
 from autoscale.routing import RequestCost
 
 

@@ -1,22 +1,44 @@
-"""Load reports: one replica's token load, the cluster's aggregate, and a time-windowed TBT window.
+"""The cluster's view of load: the aggregate of replica loads and a time-windowed TBT window.
 
-A `ReplicaLoad` is what a replica pushes to the controller at iteration granularity; a
-`ClusterSnapshot` is what the router and the scaling decision read back. Both are plain data
-(dicts on the wire, so a report never drags a class across Ray), and nothing here imports Ray:
-the simulator builds the same snapshots from its own replicas.
-
-Token load of a replica = running tokens (KV tokens of running sequences) + waiting tokens
-(prompt tokens still to prefill). That is the number routing balances and scaling predicts from.
+A replica pushes its `replicas.protocol.ReplicaLoad` (the one load record, built by its
+scheduler) to the controller at iteration granularity; a `ClusterSnapshot` is what the router,
+the door's admission and the scaling decision read back. Both are plain frozen dataclasses,
+pickled as they are across Ray, and nothing here imports Ray: the simulator builds the same
+snapshots from its own replicas.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from replicas.protocol import ReplicaLoad
+
+__all__ = ["MAX_PENDING_SAMPLES", "ClusterSnapshot", "ReplicaLoad", "ReportThrottle", "SlidingWindow",
+           "percentile"]
+
+MAX_PENDING_SAMPLES = 2048  # TBT samples a replica keeps between two load reports, at most
+
+
+@dataclass(frozen=True)
+class ReportThrottle:
+    """When a replica sends its next load report: every `interval_s`, sooner (but not within
+    `min_interval_s`) when its token load moved by `change_tokens` or `change_fraction` of the
+    last reported load. The reporter's rule, and the simulator's."""
+
+    interval_s: float = 0.1
+    min_interval_s: float = 0.02
+    change_tokens: int = 256
+    change_fraction: float = 0.25
+
+    def due(self, elapsed_s: float, token_change: int, last_tokens: int) -> bool:
+        elapsed = elapsed_s + 1e-9  # float clocks: 0.3 - 0.2 < 0.1
+        if elapsed >= self.interval_s:
+            return True
+        jump = abs(token_change) >= max(self.change_tokens, self.change_fraction * last_tokens)
+        return jump and elapsed >= self.min_interval_s
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -69,84 +91,6 @@ class SlidingWindow:
 
 
 @dataclass(frozen=True)
-class ReplicaLoad:
-    """One replica's load at `timestamp` (the replica's wall clock when it was sampled)."""
-
-    replica_id: str
-    running_tokens: int = 0
-    waiting_tokens: int = 0  # prompt tokens not yet prefilled, incl. accepted-but-not-scheduled
-    free_blocks: int = 0
-    total_blocks: int = 0
-    block_size: int = 16
-    num_running: int = 0  # decode batch size
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    tbt_samples: tuple[float, ...] = ()  # TBT samples new since this replica's previous report
-    iterations: int = 0  # forward passes since the previous report
-    iteration_mean_s: float = 0.0
-    iteration_max_s: float = 0.0
-    queue_bound_tokens: int = 0  # waiting prompt tokens it admits (replicas.admission.queue_bound)
-    drain_tps: float = 0.0  # waiting prompt tokens it prefills per second lately
-    timestamp: float = 0.0
-
-    @property
-    def token_load(self) -> int:
-        return self.running_tokens + self.waiting_tokens
-
-    @property
-    def free_kv_tokens(self) -> int:
-        return self.free_blocks * self.block_size
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.total_blocks * self.block_size
-
-    @classmethod
-    def from_engine_load(cls, replica_id: str, load: Any, timestamp: float,
-                         tbt_samples: Sequence[float] = (), iterations: int = 0,
-                         iteration_mean_s: float = 0.0, iteration_max_s: float = 0.0) -> ReplicaLoad:
-        """Build from `replicas.engine.EngineLoad` or the replica's `load()` dict.
-
-        A dict may carry `queued_tokens` (prompt tokens the replica accepted that have not
-        produced a token yet, including ones still in the engine's inbox); the larger of it and
-        the scheduler's `waiting_tokens` counts as waiting, because the snapshot lags intake.
-        """
-        get = load.get if isinstance(load, Mapping) else lambda k, d=None: getattr(load, k, d)
-        waiting = max(int(get("waiting_tokens", 0) or 0), int(get("queued_tokens", 0) or 0))
-        num_waiting = max(int(get("num_waiting", 0) or 0), int(get("num_queued", 0) or 0))
-        return cls(
-            replica_id=replica_id,
-            running_tokens=int(get("running_tokens", 0) or 0),
-            waiting_tokens=waiting,
-            free_blocks=int(get("free_blocks", 0) or 0),
-            total_blocks=int(get("total_blocks", 0) or 0),
-            block_size=int(get("block_size", 16) or 16),
-            num_running=int(get("num_running", 0) or 0),
-            num_waiting=num_waiting,
-            kv_usage=float(get("kv_usage", 0.0) or 0.0),
-            tbt_samples=tuple(float(x) for x in tbt_samples),
-            iterations=iterations,
-            iteration_mean_s=iteration_mean_s,
-            iteration_max_s=iteration_max_s,
-            queue_bound_tokens=int(get("queue_bound_tokens", 0) or 0),
-            drain_tps=float(get("drain_tps", 0.0) or 0.0),
-            timestamp=timestamp,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["tbt_samples"] = list(self.tbt_samples)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ReplicaLoad:
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in known}
-        kwargs["tbt_samples"] = tuple(kwargs.get("tbt_samples", ()))
-        return cls(**kwargs)
-
-
-@dataclass(frozen=True)
 class ClusterSnapshot:
     """What the controller knows now: live replicas' latest loads plus windowed TBT aggregates."""
 
@@ -154,7 +98,7 @@ class ClusterSnapshot:
     tbt_p50_s: float | None = None
     tbt_p99_s: float | None = None
     num_tbt_samples: int = 0
-    slo_attainment: float | None = None  # fraction of windowed TBT samples <= the SLO
+    tbt_slo_token_share: float | None = None  # fraction of windowed TBT samples (gaps) <= the SLO
     timestamp: float = 0.0
 
     @property
@@ -178,14 +122,3 @@ class ClusterSnapshot:
             attainment = sum(1 for x in tbt_samples if x <= tbt_slo_s) / len(tbt_samples)
         return cls(dict(loads), percentile(tbt_samples, 50), percentile(tbt_samples, 99),
                    len(tbt_samples), attainment, timestamp)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["replicas"] = {k: v.to_dict() for k, v in self.replicas.items()}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ClusterSnapshot:
-        replicas = {k: ReplicaLoad.from_dict(v) for k, v in d.get("replicas", {}).items()}
-        return cls(replicas, d.get("tbt_p50_s"), d.get("tbt_p99_s"), int(d.get("num_tbt_samples", 0)),
-                   d.get("slo_attainment"), float(d.get("timestamp", 0.0)))

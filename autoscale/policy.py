@@ -30,7 +30,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
-from autoscale.load import ClusterSnapshot, ReplicaLoad
+from autoscale.load import ClusterSnapshot
+from replicas.protocol import ReplicaLoad
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
 
 logger = logging.getLogger(__name__)
@@ -117,11 +118,11 @@ class TbtSloPolicy:
                     ("current_replicas", "Engine replicas running now."),
                     ("desired_replicas", "Engine replicas the TBT-SLO policy asks for."),
                     ("cluster_tbt_p99_seconds", "p99 TBT over the scaling window, all replicas."),
-                    ("cluster_slo_attainment", "Fraction of TBT samples within the SLO (window)."))}
+                    ("cluster_tbt_slo_token_share", "Fraction of TBT samples (gaps) within the SLO (window)."))}
             except Exception:
                 self._gauges = {}
         values = {"current_replicas": current, "desired_replicas": desired,
-                  "cluster_tbt_p99_seconds": snapshot.tbt_p99_s, "cluster_slo_attainment": snapshot.slo_attainment}
+                  "cluster_tbt_p99_seconds": snapshot.tbt_p99_s, "cluster_tbt_slo_token_share": snapshot.tbt_slo_token_share}
         for key, gauge in self._gauges.items():
             if values[key] is not None:
                 try:
@@ -144,7 +145,7 @@ class TbtSloPolicy:
         if fut is not None and fut.done():
             self._pending = None
             try:
-                self._latest = ClusterSnapshot.from_dict(fut.result())
+                self._latest = fut.result()
             except Exception as exc:
                 logger.debug("controller snapshot failed: %r", exc)
                 self._controller, self._latest = None, None

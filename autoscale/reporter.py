@@ -1,41 +1,37 @@
 """The replica side of load reporting: throttled, fire-and-forget pushes to the controller.
 
-A `LoadReporter` lives inside a replica (it is not an actor). Feed it the engine's latest
-`EngineLoad` (or the replica's `load()` dict) as often as you like, e.g. after every iteration
-or from a 20 ms poll; it sends at most every `interval_s` (~100 ms), sooner (but not within
-`min_interval_s`) when the token load jumps. Between sends it collects the TBT samples that are
-new since the last call, so the controller's window sees (nearly) every sample even though the
-engine's snapshot only carries the last 64. Sending never raises and never blocks on the
-controller: a dead or missing controller is looked up again later, and routing falls back to
-its local view meanwhile.
+A `LoadReporter` lives inside a replica (it is not an actor). Feed it the replica's latest
+`ReplicaLoad` as often as you like, e.g. after every iteration or from a 20 ms poll; it sends at
+most every `interval_s` (~100 ms), sooner (but not within `min_interval_s`) when the token load
+jumps. Between sends it collects the TBT samples that are new since the last call (from the
+engine's (count, latest samples) pair), so the controller's window sees (nearly) every sample.
+Sending never raises and never blocks on the controller: a dead or missing controller is looked
+up again later, and routing falls back to its local view meanwhile.
 
-Integration in the deployment (`replicas/deployment.py`):
-
-    self._reporter = LoadReporter()                  # replica id from Serve's replica context
-    self._reporter.start(self.load, lambda: self.engine.engine.iterations)
-    def record_autoscaling_stats(self): return self._reporter.autoscaling_stats()
-    # on shutdown: self._reporter.stop()
+The app builder hands the replica a factory for it (`replicas.deployment.LoadSink`); the replica
+calls `start(load, iterations, tbt)`, `autoscaling_stats()` and `stop()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
 from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, current_replica_key,
                                   get_or_create_controller)
-from autoscale.load import ReplicaLoad, SlidingWindow, percentile
+from autoscale.load import MAX_PENDING_SAMPLES, ReportThrottle, SlidingWindow, percentile
+from replicas.protocol import ReplicaLoad
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING_SAMPLES = 2048
 LOOKUP_RETRY_S = 2.0
 
 
@@ -49,10 +45,6 @@ def new_tbt_samples(seen: int, total: int, tail: Sequence[float]) -> list[float]
     return list(tail[len(tail) - min(fresh, len(tail)):])
 
 
-def _get(load: Any, key: str, default: Any = None) -> Any:
-    return load.get(key, default) if isinstance(load, Mapping) else getattr(load, key, default)
-
-
 class LoadReporter:
     """Throttled load reports from one replica to the controller."""
 
@@ -61,12 +53,11 @@ class LoadReporter:
                  interval_s: float = 0.1, min_interval_s: float = 0.02, change_tokens: int = 256,
                  change_fraction: float = 0.25, tbt_window_s: float = 30.0,
                  clock: Callable[[], float] = time.time,
-                 send: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 send: Callable[[str, ReplicaLoad], None] | None = None) -> None:
         self._replica_id = replica_id
         self._controller = controller
         self.controller_name, self.namespace = controller_name, namespace
-        self.interval_s, self.min_interval_s = interval_s, min_interval_s
-        self.change_tokens, self.change_fraction = change_tokens, change_fraction
+        self.throttle = ReportThrottle(interval_s, min_interval_s, change_tokens, change_fraction)
         self._clock = clock
         self._send_fn = send
         self._window = SlidingWindow(tbt_window_s)  # local TBT window for record_autoscaling_stats
@@ -82,52 +73,58 @@ class LoadReporter:
         self._stop = threading.Event()
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
-        self._no_context = False
+        self._context_after = 0.0  # when to look for Serve's replica context again
+        self._poll_failing = False
         self.num_sent = 0
         self.num_failed = 0
 
     @property
     def replica_id(self) -> str | None:
         """Given, or Serve's key for the replica we run in; None outside a replica (then the
-        reporter stays idle: an engine built in a plain test must not start reporting)."""
-        if self._replica_id is None and not self._no_context:
+        reporter stays idle: an engine built in a plain test must not start reporting). The
+        context is looked up again every LOOKUP_RETRY_S, so one failed lookup is not final."""
+        if self._replica_id is None and self._clock() >= self._context_after:
             try:
                 self._replica_id = current_replica_key()
-            except Exception:
-                self._no_context = True
-                logger.info("not inside a Serve replica: load reports disabled")
+            except Exception as exc:
+                if self._context_after == 0.0:
+                    logger.info("no Serve replica context (%r): load reports wait for one", exc)
+                self._context_after = self._clock() + LOOKUP_RETRY_S
         return self._replica_id
 
     # ---- feeding --------------------------------------------------------------------------
 
-    def maybe_report(self, load: Any, now: float | None = None,
-                     iterations: Sequence[Any] | None = None) -> bool:
-        """Take the latest load; send a report if one is due. True when one was sent."""
+    def maybe_report(self, load: ReplicaLoad, now: float | None = None,
+                     iterations: Sequence[Any] | None = None,
+                     tbt: tuple[int, Sequence[float]] = (0, ())) -> bool:
+        """Take the latest load; send a report if one is due. True when one was sent.
+
+        `tbt` is (TBT samples the engine ever took, its latest samples, oldest first).
+        """
         replica_id = self.replica_id
         if replica_id is None:
             return False
         now = self._clock() if now is None else now
-        total = int(_get(load, "num_tbt_samples", 0) or 0)
-        fresh = new_tbt_samples(self._seen_tbt, total, _get(load, "recent_tbt_s", None) or [])
+        total, tail = tbt
+        fresh = new_tbt_samples(self._seen_tbt, total, tail)
         self._seen_tbt = total
         self._pending_tbt.extend(fresh)
         self._window.extend(fresh, now)
         if iterations is not None:
             self._collect_iterations(iterations)
 
-        tokens = ReplicaLoad.from_engine_load(replica_id, load, now).token_load
-        elapsed = now - self._last_sent + 1e-9  # float clocks: 0.3 - 0.2 < 0.1
-        jump = abs(tokens - self._last_tokens) >= max(self.change_tokens, self.change_fraction * self._last_tokens)
-        if elapsed < self.interval_s and not (jump and elapsed >= self.min_interval_s):
+        tokens = load.token_load
+        if not self.throttle.due(now - self._last_sent, tokens - self._last_tokens, self._last_tokens):
             return False
 
         durations, self._iter_durations = self._iter_durations, []
-        entry = ReplicaLoad.from_engine_load(
-            replica_id, load, now, tuple(self._pending_tbt), len(durations),
-            sum(durations) / len(durations) if durations else 0.0, max(durations, default=0.0))
+        entry = dataclasses.replace(
+            load, replica_id=replica_id, tbt_samples=tuple(self._pending_tbt),
+            iterations=len(durations), iteration_mean_s=sum(durations) / len(durations) if durations else 0.0,
+            iteration_max_s=max(durations, default=0.0), timestamp=now)
         self._pending_tbt.clear()
         self._last_sent, self._last_tokens, self._last_load = now, tokens, entry
-        self._send(replica_id, entry.to_dict())
+        self._send(replica_id, entry)
         return True
 
     def _collect_iterations(self, iterations: Sequence[Any]) -> None:
@@ -151,7 +148,7 @@ class LoadReporter:
 
     # ---- sending --------------------------------------------------------------------------
 
-    def _send(self, replica_id: str, payload: dict[str, Any]) -> None:
+    def _send(self, replica_id: str, payload: ReplicaLoad) -> None:
         try:
             if self._send_fn is not None:
                 self._send_fn(replica_id, payload)
@@ -201,37 +198,47 @@ class LoadReporter:
 
     # ---- polling ----------------------------------------------------------------------------
 
-    def start(self, get_load: Callable[[], Any],
-              get_iterations: Callable[[], Sequence[Any]] | None = None, poll_s: float = 0.02) -> None:
-        """Poll `get_load()` every `poll_s`: an asyncio task on the running loop, else a thread."""
+    def start(self, get_load: Callable[[], ReplicaLoad],
+              get_iterations: Callable[[], Sequence[Any]] | None = None,
+              get_tbt: Callable[[], tuple[int, Sequence[float]]] | None = None,
+              poll_s: float = 0.02) -> None:
+        """Poll every `poll_s`: an asyncio task on the running loop, else a thread."""
+        def poll() -> None:
+            self.maybe_report(get_load(), iterations=get_iterations() if get_iterations else None,
+                              tbt=get_tbt() if get_tbt else (0, ()))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         if loop is not None:
-            self._task = loop.create_task(self.run(get_load, get_iterations, poll_s))
+            self._task = loop.create_task(self.run(poll, poll_s))
         else:
-            self._thread = threading.Thread(target=self._run_thread, args=(get_load, get_iterations, poll_s),
+            self._thread = threading.Thread(target=self._run_thread, args=(poll, poll_s),
                                             name="load-reporter", daemon=True)
             self._thread.start()
 
-    async def run(self, get_load: Callable[[], Any],
-                  get_iterations: Callable[[], Sequence[Any]] | None = None, poll_s: float = 0.02) -> None:
+    async def run(self, poll: Callable[[], None], poll_s: float = 0.02) -> None:
         """The polling loop as a coroutine (until `stop`)."""
         while not self._stop.is_set():
-            self._poll_once(get_load, get_iterations)
+            self._poll_once(poll)
             await asyncio.sleep(poll_s)
 
-    def _run_thread(self, get_load: Callable[[], Any],
-                    get_iterations: Callable[[], Sequence[Any]] | None, poll_s: float) -> None:
+    def _run_thread(self, poll: Callable[[], None], poll_s: float) -> None:
         while not self._stop.wait(poll_s):
-            self._poll_once(get_load, get_iterations)
+            self._poll_once(poll)
 
-    def _poll_once(self, get_load: Callable[[], Any], get_iterations: Callable[[], Sequence[Any]] | None) -> None:
+    def _poll_once(self, poll: Callable[[], None]) -> None:
+        """One poll; a failure is logged once (with its cause) until polls succeed again."""
         try:
-            self.maybe_report(get_load(), iterations=get_iterations() if get_iterations else None)
+            poll()
         except Exception:  # a bad poll must not end reporting
-            logger.exception("load report poll failed")
+            if not self._poll_failing:
+                logger.exception("load report poll failed; retrying every poll (logged once)")
+            self._poll_failing = True
+            return
+        if self._poll_failing:
+            logger.info("load report polls work again")
+            self._poll_failing = False
 
     def stop(self, deregister: bool = True) -> None:
         """Stop polling and (by default) tell the controller this replica is gone."""
@@ -241,5 +248,5 @@ class LoadReporter:
         if deregister and self._send_fn is None and self._controller is not None and self._replica_id:
             try:
                 self._controller.remove.remote(self._replica_id)
-            except Exception:
-                pass
+            except Exception as exc:  # the controller drops silent replicas itself soon
+                logger.debug("deregistering from the controller failed: %r", exc)

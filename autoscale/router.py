@@ -39,7 +39,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
 from autoscale.inflight import InFlightBook
-from autoscale.load import ReplicaLoad
+from replicas.protocol import ReplicaLoad
 from autoscale.routing import RequestCost, choose_replica, request_cost
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class TokenLoadRouter(RequestRouter):
             ids = [self._key(r) for r in self.curr_replicas]
             ref = self._controller.snapshot.remote(ids, with_tbt=False)
             snap = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._snapshot_timeout_s)
-            self._loads = {k: ReplicaLoad.from_dict(v) for k, v in snap["replicas"].items()}
+            self._loads = dict(snap.replicas)
             self._loads_at = time.time()
         except Exception as exc:  # controller gone or slow: keep routing on the local view
             logger.debug("controller snapshot failed: %r", exc)

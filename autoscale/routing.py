@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoscale.load import ReplicaLoad
+from replicas.protocol import ReplicaLoad
 
 CHARS_PER_TOKEN = 4  # a text prompt's token estimate when the caller did not tokenize
 

@@ -20,7 +20,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.scaling import ScalingConfig
 
-RouterName = Literal["token_load", "power_of_two"]
+ROUTERS = ("token_load", "power_of_two")
+RouterName = Literal[ROUTERS]  # type: ignore[valid-type]
 TOKEN_LOAD_ROUTER = "autoscale.router.TokenLoadRouter"
 TBT_SLO_POLICY = "autoscale.policy:TbtSloPolicy"
 
@@ -33,7 +34,7 @@ def request_router_config(router: RouterName = "token_load", *,
     if router == "power_of_two":
         return RequestRouterConfig()
     if router != "token_load":
-        raise ValueError(f"router must be 'token_load' or 'power_of_two', got {router!r}")
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     return RequestRouterConfig(
         request_router_class=TOKEN_LOAD_ROUTER,
         request_router_kwargs={"controller_name": controller_name, "namespace": namespace, **router_kwargs})

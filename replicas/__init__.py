@@ -1,8 +1,28 @@
-"""One model replica: the continuous-batching engine and the Serve deployment that hosts it."""
+"""One model replica: the continuous-batching engine and the Serve deployment that hosts it.
 
-from replicas.config import EngineConfig
-from replicas.engine import CompletionOutput, Engine, EngineLoad, RequestOutput
-from replicas.request import RequestStatus, SamplingParams
+The package root is lazy: `import replicas.protocol` (the ingress does) must not load torch.
+"""
 
-__all__ = ["CompletionOutput", "Engine", "EngineConfig", "EngineLoad", "RequestOutput",
-           "RequestStatus", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Engine": "replicas.engine",
+    "CompletionOutput": "replicas.engine",
+    "EngineConfig": "replicas.config",
+    "RequestOutput": "replicas.protocol",
+    "ReplicaLoad": "replicas.protocol",
+    "SamplingParams": "replicas.protocol",
+    "RequestStatus": "replicas.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'replicas' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

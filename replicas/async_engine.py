@@ -15,8 +15,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from replicas.engine import Engine, EngineLoad, RequestOutput
-from replicas.request import SamplingParams
+from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
+from replicas.engine import Engine
+from replicas.protocol import ReplicaLoad, RequestOutput, SamplingParams
+from replicas.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, wedge_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine: Engine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S) -> None:
         self.engine = engine
         self.wedge_timeout_s = wedge_timeout_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -50,28 +52,35 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._busy_since: float | None = None  # set while a step runs (wedge detection)
         self.error: BaseException | None = None
-        self.load_snapshot: EngineLoad = engine.load()
+        # Published by the loop thread after every change, read by any thread: the scheduler's
+        # load and the TBT samples (count ever taken, latest ones), never half-updated.
+        self.load_snapshot: ReplicaLoad = engine.last_load
+        self.tbt_snapshot: tuple[int, tuple[float, ...]] = (0, ())
         self._idle_told_at: float | None = None  # when observers last heard on_idle
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     # ---- caller side (any thread / event loop) ---------------------------------------
 
-    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                           request_id: str, priority: int = 0,
                           arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError before anything is queued), then stream deltas.
+        """Check the request here (InvalidRequestError before anything is queued), queue it on
+        the loop without checking again, then stream its deltas.
 
-        `arrival_time` (perf_counter clock; default now) is when the request arrived, which
-        may be before it reached this replica: TTFT and the queue deadline count from it.
+        Token ids only: the tokenizer belongs to the loop thread (detokenization). The
+        `arrival_time` (perf_counter clock; default now) is when the request arrived, which may
+        be before it reached this replica: TTFT and the queue deadline count from it.
         """
-        self.engine.validate(prompt, params, priority)
+        if isinstance(prompt_token_ids, str):
+            raise TypeError("AsyncEngine.add_request takes prompt token ids, not text")
+        now = time.perf_counter()
+        arrival = now if arrival_time is None else min(arrival_time, now)
+        req = self.engine.make_request(prompt_token_ids, params, request_id, priority, arrival)
         if not self.is_alive():
             raise EngineDeadError("engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        now = time.perf_counter()
-        arrival = now if arrival_time is None else min(arrival_time, now)
-        self._inbox.put(("add", (prompt, params, request_id, priority, arrival), stream))
+        self._inbox.put(("add", req, stream))
         self._wake.set()
         return self._iterate(request_id, stream)
 
@@ -135,9 +144,9 @@ class AsyncEngine:
                     outputs = []
                 finally:
                     self._busy_since = None
-                # Refresh the load before delivering, so no caller holds a token that the
+                # Publish the load before delivering, so no caller holds a token that the
                 # snapshot still shows as waiting.
-                self.load_snapshot = self.engine.load()
+                self._publish()
                 for out in outputs:
                     self._deliver(out)
         except BaseException as exc:  # pragma: no cover - last resort, reported by health
@@ -167,18 +176,26 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                prompt, params, request_id, priority, arrival = payload
+                req: Request = payload
                 try:
-                    self.engine.add_request(prompt, params, request_id, priority, arrival)
+                    self.engine.enqueue(req)
                 except Exception as exc:  # e.g. a duplicate id: only this request fails
-                    stream.put(exc if isinstance(exc, ValueError) else RuntimeError(str(exc)))
+                    if not isinstance(exc, ValueError):
+                        logger.exception("enqueue of %s failed", req.request_id)
+                    stream.put(exc)
                     continue
-                self._streams[request_id] = stream
+                self._streams[req.request_id] = stream
             else:
                 out = self.engine.abort(payload)
                 if out is not None:
                     self._deliver(out)
-        self.load_snapshot = self.engine.load()
+        self._publish()
+
+    def _publish(self) -> None:
+        engine = self.engine
+        self.load_snapshot = engine.last_load
+        if self.tbt_snapshot[0] != engine.num_tbt_samples:
+            self.tbt_snapshot = (engine.num_tbt_samples, tuple(engine.recent_tbt))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

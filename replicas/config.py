@@ -1,4 +1,7 @@
-"""Engine configuration: one frozen, validated source of truth for every limit."""
+"""Engine and replica configuration: one frozen, validated source of truth for every limit.
+
+Light on purpose (no torch): the app's arguments and the ingress import it.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-Policy = Literal["static", "dynamic", "stall_free"]
-POLICIES: tuple[str, ...] = ("static", "dynamic", "stall_free")
+POLICIES = ("static", "dynamic", "stall_free")
+Policy = Literal[POLICIES]  # type: ignore[valid-type]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+Dtype = Literal[DTYPES]  # type: ignore[valid-type]
+DEFAULT_MODEL = "embedded:tiny"
+DEFAULT_WEDGE_TIMEOUT_S = 60.0  # one iteration longer than this fails the replica's health check
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,11 @@ class EngineConfig:
     # A request still waiting for its first forward pass this long after it arrived is refused
     # (finish reason "queue_timeout"; the replica answers 429). None: it waits as long as it takes.
     queue_timeout_s: float | None = None
+    # Admission keeps this fraction of the KV blocks free while requests run, so running decodes
+    # rarely preempt.
+    kv_watermark: float = 0.01
+    # The latest time-between-tokens samples the engine keeps for load reports.
+    tbt_sample_window: int = 512
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -56,16 +68,41 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.priority_aging_s <= 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s must be > 0 or None, got {self.queue_timeout_s!r}")
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
+        _positive("tbt_sample_window", self.tbt_sample_window)
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What one replica needs besides the engine: model, engine budgets, queue cap, SLO."""
+
+    model: str = DEFAULT_MODEL
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    max_queued_tokens: int = 32_768  # prompt tokens waiting for their first token, at most
+    wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S
+    tbt_slo_ms: float | None = None  # reported for the controller; the engine ignores it
+    # KV cache = this fraction of the memory free once the weights are loaded (device memory
+    # on a GPU, available RAM on CPU); replaces engine.kv_cache_memory_bytes when set.
+    kv_cache_memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_queued_tokens", self.max_queued_tokens)
+        if not self.wedge_timeout_s > 0:
+            raise ValueError(f"wedge_timeout_s must be > 0, got {self.wedge_timeout_s}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction < 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
 
 
 def _positive(name: str, value: int) -> None:

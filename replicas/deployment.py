@@ -20,21 +20,20 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
-from autoscale.reporter import LoadReporter
 from replicas import admission
 from replicas.async_engine import AsyncEngine, EngineDeadError
-from replicas.config import EngineConfig
-from replicas.engine import Engine, RequestOutput
+from replicas.config import ReplicaConfig
+from replicas.engine import Engine
 from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
-from replicas.request import SamplingParams
+from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
+                               ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
+                               SamplingParams, Started)
 
 logger = logging.getLogger(__name__)
 
@@ -44,91 +43,19 @@ DRAIN_REFRESH_S = 0.1  # the drain rate is recomputed at most this often
 MAX_TRANSIT_CREDIT_S = 60.0  # time before this replica counted toward TTFT, at most (no deadline)
 
 
-class RequestRejected(Exception):
-    """A request the replica refuses; carries what the ingress needs for an HTTP error.
+class LoadSink(Protocol):
+    """Where a replica's load reports go (`autoscale.reporter.LoadReporter`, injected by the app
+    builder so this package never imports the controller's)."""
 
-    Every constructor argument goes to `Exception.args` so the error pickles across Ray.
-    """
+    @property
+    def replica_id(self) -> str | None: ...
 
-    status_code = 400
-    error_type = "invalid_request_error"
-    code: str | None = None
+    def start(self, get_load: Callable[[], ReplicaLoad], get_iterations: Callable[[], Sequence[Any]],
+              get_tbt: Callable[[], tuple[int, Sequence[float]]]) -> None: ...
 
-    def __init__(self, message: str, param: str | None = None,
-                 retry_after_s: int | None = None) -> None:
-        super().__init__(message, param, retry_after_s)
-        self.message, self.param, self.retry_after_s = message, param, retry_after_s
+    def autoscaling_stats(self) -> dict[str, float]: ...
 
-    def __str__(self) -> str:
-        return self.message
-
-
-class InvalidRequestError(RequestRejected):
-    """The client's mistake (a limit, a bad parameter): 400."""
-
-
-class QueueFullError(RequestRejected):
-    """The replica's waiting queue is over its token cap: 429 with Retry-After."""
-
-    status_code = 429
-    error_type = "rate_limit_error"
-    code = "rate_limit_exceeded"
-
-
-class QueueTimeoutError(QueueFullError):
-    """The request waited past the queue deadline without being scheduled: 429, retry later."""
-
-    code = "queue_timeout"
-
-
-class ReplicaUnhealthyError(RequestRejected):
-    """The engine loop is dead or wedged: 503 (the controller replaces the replica)."""
-
-    status_code = 503
-    error_type = "server_error"
-    code = "engine_unavailable"
-
-
-@dataclass
-class Acknowledged(RequestOutput):
-    """The first item of a stream: queued on `replica_id` at `at` (the replica's wall clock, the
-    clock of its load reports, so a reader can tell whether a report counts this request)."""
-
-    replica_id: str | None = None
-    at: float = 0.0
-
-
-@dataclass
-class Started(RequestOutput):
-    """The first output of a stream: it left the replica's queue at `left_at` (same clock)."""
-
-    left_at: float = 0.0
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """What one replica needs besides the engine: model, engine budgets, queue cap, SLO."""
-
-    model: str
-    engine: EngineConfig
-    max_queued_tokens: int = 32_768  # prompt tokens waiting for their first token, at most
-    wedge_timeout_s: float = 60.0  # one iteration longer than this fails health checks
-    tbt_slo_ms: float | None = None  # reported for the controller; the engine ignores it
-    # KV cache = this fraction of the memory free once the weights are loaded (device memory
-    # on a GPU, available RAM on CPU); replaces engine.kv_cache_memory_bytes when set.
-    kv_cache_memory_fraction: float | None = None
-    # The controller actor this replica reports its load to (routing and autoscaling).
-    controller_name: str = DEFAULT_CONTROLLER_NAME
-    controller_namespace: str = DEFAULT_NAMESPACE
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_queued_tokens, int) or self.max_queued_tokens <= 0:
-            raise ValueError(f"max_queued_tokens must be a positive integer, got {self.max_queued_tokens!r}")
-        if self.wedge_timeout_s <= 0:
-            raise ValueError(f"wedge_timeout_s must be > 0, got {self.wedge_timeout_s}")
-        fraction = self.kv_cache_memory_fraction
-        if fraction is not None and not 0 < fraction < 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
+    def stop(self) -> None: ...
 
 
 def free_memory_bytes(device: str) -> int:
@@ -152,20 +79,12 @@ def build_engine(config: ReplicaConfig) -> Engine:
     return Engine(model, tokenizer, engine_config.replace(kv_cache_memory_bytes=max(1, budget)))
 
 
-def param_of(message: str) -> str | None:
-    """The request field an engine/params error message names (they start with it)."""
-    if "max_tokens" in message and ("context length" in message or "capacity" in message):
-        return "max_tokens"  # prompt + max_tokens over a limit: max_tokens is what to change
-    first = message.split(" ", 1)[0]
-    known = {f.name for f in dataclasses.fields(SamplingParams)} | {"priority", "prompt"}
-    return first if first in known else None
-
-
 class LLMServer:
     """One engine replica. Wrap with `serve.deployment` to host it on Ray Serve."""
 
     def __init__(self, config: ReplicaConfig, engine_factory: EngineFactory | None = None,
-                 metrics_backend: Backend | None = None) -> None:
+                 metrics_backend: Backend | None = None,
+                 reporter_factory: Callable[[], LoadSink] | None = None) -> None:
         self.config = config
         factory = engine_factory or functools.partial(build_engine, config)
         engine = factory()
@@ -175,11 +94,11 @@ class LLMServer:
             slo = config.tbt_slo_ms / 1000 if config.tbt_slo_ms else None
             engine.observers.append(EngineMetrics(backend, config.model, slo))
         self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s)
-        # Load reports to the controller at iteration granularity (idle outside Serve).
-        self.reporter = LoadReporter(controller_name=config.controller_name,
-                                     namespace=config.controller_namespace)
-        if in_serve:
-            self.reporter.start(self.load, lambda: self.engine.engine.iterations)
+        # Load reports to the controller at iteration granularity (only inside Serve).
+        self.reporter = reporter_factory() if reporter_factory is not None else None
+        if in_serve and self.reporter is not None:
+            self.reporter.start(self.load, lambda: self.engine.engine.iterations,
+                                lambda: self.engine.tbt_snapshot)
         # Prompt tokens of accepted requests that have not produced a token yet. Kept here,
         # not read from the loop's snapshot, because the snapshot lags intake by an iteration.
         self._queued: dict[str, int] = {}
@@ -194,7 +113,7 @@ class LLMServer:
 
     # ---- generation ------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], params: dict[str, Any], priority: int = 0,
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                        request_id: str = "", arrived_at: float | None = None,
                        ) -> AsyncIterator[RequestOutput | RequestRejected]:
         """Stream one request: first an empty acknowledgement, then a delta per iteration.
@@ -219,7 +138,7 @@ class LLMServer:
         finished = started = False
         try:
             yield Acknowledged(request_id, "", [], False, None, len(prompt_token_ids), 0,
-                               replica_id=self.reporter.replica_id, at=time.time())
+                               replica_id=self.replica_id, at=time.time())
             async for out in stream:
                 self._queued.pop(request_id, None)
                 if not started:
@@ -229,8 +148,8 @@ class LLMServer:
                     yield self._queue_timeout(len(prompt_token_ids))
                     return
                 yield out
-        except ValueError as exc:  # the loop refused it at intake (it validates again there)
-            raise InvalidRequestError(str(exc), param_of(str(exc))) from None
+        except InvalidRequestError as rejected:  # the loop refused it at intake (a duplicate id)
+            yield rejected
         except EngineDeadError as exc:  # the loop died under it: a server fault, retry elsewhere
             down = _engine_down(f"the engine loop on this replica stopped: {exc}")
             if started:
@@ -242,25 +161,25 @@ class LLMServer:
             if not finished:  # cancelled (client gone) or failed: free its KV blocks now
                 self.engine.abort(request_id)
 
-    async def _accept(self, prompt_token_ids: list[int], params: dict[str, Any], priority: int,
+    async def _accept(self, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Check health, parameters, queue room and limits; queue the request in the engine."""
+        """Check health, queue room and limits (once, here); queue the request in the engine.
+
+        `params` was checked when it was built (at the ingress); this checks what only the
+        replica knows: its context length, KV capacity and queue.
+        """
         if not self.engine.is_healthy():
             raise _engine_down("the engine loop on this replica is not running")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams", "params")
         if request_id in self._live:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
-        try:
-            sampling = SamplingParams(**params)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(str(exc), param_of(str(exc))) from None
         self._admit(len(prompt_token_ids))
         self._live.add(request_id)
         try:
-            return await self.engine.add_request(prompt_token_ids, sampling, request_id, priority, arrival)
+            return await self.engine.add_request(prompt_token_ids, params, request_id, priority, arrival)
         except BaseException as exc:
             self._live.discard(request_id)
-            if isinstance(exc, ValueError):
-                raise InvalidRequestError(str(exc), param_of(str(exc))) from None
             if isinstance(exc, EngineDeadError):
                 raise _engine_down("the engine loop on this replica is not running") from None
             raise
@@ -325,18 +244,25 @@ class LLMServer:
             "tbt_slo_ms": self.config.tbt_slo_ms,
         }
 
-    def load(self) -> dict[str, Any]:
-        """Token load for routing and autoscaling: the engine's last snapshot plus intake."""
-        report = dataclasses.asdict(self.engine.load_snapshot)
-        report["queued_tokens"] = self.queued_tokens
-        report["num_queued"] = len(self._queued)
-        report["queue_bound_tokens"] = self.queue_bound_tokens()
-        report["drain_tps"] = self.drain_tps() or 0.0
-        return report
+    @property
+    def replica_id(self) -> str | None:
+        return self.reporter.replica_id if self.reporter is not None else None
+
+    def load(self) -> ReplicaLoad:
+        """Token load for routing and autoscaling: the engine's last snapshot plus intake.
+
+        The snapshot lags intake by up to an iteration, so requests accepted here that have no
+        token yet count as waiting when they are more than the scheduler shows.
+        """
+        snap = self.engine.load_snapshot
+        return dataclasses.replace(
+            snap, waiting_tokens=max(snap.waiting_tokens, self.queued_tokens),
+            num_waiting=max(snap.num_waiting, len(self._queued)),
+            queue_bound_tokens=self.queue_bound_tokens(), drain_tps=self.drain_tps() or 0.0)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling metrics hook: TBT percentiles and token load of this replica."""
-        return self.reporter.autoscaling_stats()
+        return self.reporter.autoscaling_stats() if self.reporter is not None else {}
 
     def check_health(self) -> None:
         """Serve's health probe: raises when the engine loop died or one step is wedged."""
@@ -346,7 +272,8 @@ class LLMServer:
 
     def shutdown(self) -> None:
         """Stop load reports and the engine loop thread."""
-        self.reporter.stop()
+        if self.reporter is not None:
+            self.reporter.stop()
         self.engine.shutdown()
 
     def __del__(self) -> None:  # Serve calls this on graceful replica shutdown

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -17,33 +18,11 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.kv_cache import BlockManager
 from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
-from replicas.request import Request, RequestStatus, SamplingParams
+from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
+                               check_priority)
+from replicas.request import Request, RequestStatus
 from replicas.sampler import sample, stop_token_hit
 from replicas.scheduler import Scheduler, SchedulerOutput
-
-PRIORITY_RANGE = (-1_000, 1_000)
-
-
-@dataclass
-class RequestOutput:
-    """What one iteration produced for one request (a streaming delta)."""
-
-    request_id: str
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    stop_reason: str | int | None = None
-
-    def followed_by(self, later: RequestOutput) -> RequestOutput:
-        """One delta carrying this one and the `later` one of the same request."""
-        return RequestOutput(self.request_id, self.delta_text + later.delta_text,
-                             self.delta_token_ids + later.delta_token_ids, later.finished,
-                             later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                             later.stop_reason)
-
 
 @dataclass
 class CompletionOutput:
@@ -58,10 +37,6 @@ class CompletionOutput:
     arrival_time: float
     num_preemptions: int = 0
 
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] - self.arrival_time if self.token_times else None
-
 
 @dataclass
 class IterationStats:
@@ -75,22 +50,6 @@ class IterationStats:
     context_tokens: int  # KV tokens attended over all sequences
     num_preempted: int = 0
     num_stalled: int = 0  # running requests that were decoding but got no token this pass
-
-
-@dataclass
-class EngineLoad:
-    """A replica's load, as the router and autoscaler see it."""
-
-    num_running: int
-    num_waiting: int
-    running_tokens: int
-    waiting_tokens: int
-    free_blocks: int
-    total_blocks: int
-    block_size: int
-    kv_usage: float
-    recent_tbt_s: list[float] = field(default_factory=list)  # the latest TBT samples, oldest first
-    num_tbt_samples: int = 0  # TBT samples ever taken: tells a reader which of the tail are new
 
 
 class EngineObserver(Protocol):
@@ -116,13 +75,16 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(model, self.blocks)
+        self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
+                             config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.iterations: deque[IterationStats] = deque(maxlen=100_000)
-        self.recent_tbt: deque[float] = deque(maxlen=512)
+        self.recent_tbt: deque[float] = deque(maxlen=config.tbt_sample_window)
         self.num_tbt_samples = 0
+        self.last_load: ReplicaLoad = self.scheduler.load()  # refreshed after every change
         # Called after every iteration with (stats, batch, engine): metrics, load reports.
         self.observers: list[EngineObserver] = []
 
@@ -152,50 +114,46 @@ class Engine:
 
     # ---- intake ----------------------------------------------------------------------
 
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
-        """Check a request against every limit; returns its prompt token ids or raises ValueError."""
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, priority: int = 0,
+                     arrival_time: float | None = None) -> Request:
+        """Check a request against every limit and build it; raises InvalidRequestError.
+
+        A text prompt is tokenized here, so call it from the thread that owns the tokenizer
+        (the async engine takes token ids only). Nothing is queued: see `enqueue`.
+        """
+        params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
+            raise InvalidRequestError("params must be a SamplingParams")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
         else:
             ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if not isinstance(priority, int) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
-            raise ValueError(f"priority must be an integer in {list(PRIORITY_RANGE)}, got {priority!r}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {total} tokens ({len(ids)} in the prompt, {params.max_tokens} for "
-                "max_tokens). Please reduce the prompt or max_tokens.")
-        if total > self.max_batch_total_tokens:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens ({len(ids)} + {params.max_tokens}) exceeds "
-                f"the KV cache capacity (max_batch_total_tokens = {self.max_batch_total_tokens})")
-        mbp = self.config.max_batch_prefill_tokens
-        if self.config.policy == "dynamic" and len(ids) > mbp:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_batch_prefill_tokens = "
-                             f"{mbp}, which the dynamic policy prefills in one pass")
-        return ids
+            self.limits.check_prompt_ids(ids)
+        check_priority(priority)
+        max_tokens = self.limits.max_tokens(len(ids), params.max_tokens)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(request_id, ids, params, priority,
+                       arrival_time if arrival_time is not None else time.perf_counter())
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request built by `make_request` (no checks again but the id's uniqueness)."""
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {req.request_id!r} is already in use", "request_id")
+        self.requests[req.request_id] = req
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                             req.params.stop)
+        self.scheduler.add(req)
+        self.last_load = self.scheduler.load()
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> Request:
-        """Validate and queue a request; nothing is admitted if this raises."""
-        params = params or SamplingParams()
-        ids = self.validate(prompt, params, priority)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, priority,
-                      arrival_time if arrival_time is not None else time.perf_counter())
-        self.requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self.scheduler.add(req)
+        """Check and queue a request; nothing is admitted if this raises."""
+        req = self.make_request(prompt, params, request_id, priority, arrival_time)
+        self.enqueue(req)
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -204,6 +162,7 @@ class Engine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.last_load = self.scheduler.load()
         for observer in self.observers:
             observer.on_abort(req)
         return self._emit(req)
@@ -225,14 +184,19 @@ class Engine:
         now = time.perf_counter()
         stats = self._record(batch, start, now)
         outputs = self._postprocess(batch, token_ids, now)
+        self.last_load = self.scheduler.load()
         for observer in self.observers:
             observer.on_iteration(stats, batch, self)
         return expired + outputs
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past the queue deadline leave before the pass is scheduled."""
+        expired = self.scheduler.expire(self.scheduler.clock())
+        if not expired:
+            return []
+        self.last_load = self.scheduler.load()
         outputs = []
-        for req in self.scheduler.expire(self.scheduler.clock()):
+        for req in expired:
             for observer in self.observers:
                 observer.on_abort(req)
             outputs.append(self._emit(req))
@@ -240,22 +204,17 @@ class Engine:
 
     def _postprocess(self, batch: SchedulerOutput, token_ids: list[int], now: float) -> list[RequestOutput]:
         outputs = []
-        sampled = iter(token_ids)
-        for seq in batch.seqs:
-            req = seq.request
-            req.num_computed_tokens += seq.num_tokens
-            if not seq.samples:
-                continue
-            token = next(sampled)
-            if req.token_times:
-                self.recent_tbt.append(now - req.token_times[-1])
-                self.num_tbt_samples += 1
-            req.output_token_ids.append(token)
-            req.token_times.append(now)
-            status = self._check_stop(req, token)
+        tbt, n_tbt = self.recent_tbt, 0
+        for req in self.scheduler.advance(batch, token_ids, now):
+            times = req.token_times
+            if len(times) > 1:
+                tbt.append(now - times[-2])
+                n_tbt += 1
+            status = self._check_stop(req, req.output_token_ids[-1])
             if status is not None:
                 self.scheduler.finish(req, status)
             outputs.append(self._emit(req))
+        self.num_tbt_samples += n_tbt
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -304,9 +263,9 @@ class Engine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
-        for p, sp in zip(prompts, plist):  # validate all before admitting any
-            self.validate(p, sp)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [self.make_request(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
+        for req in reqs:
+            self.enqueue(req)
         texts = {r.request_id: [] for r in reqs}
         while any(not r.is_finished for r in reqs):
             for out in self.step():
@@ -315,12 +274,6 @@ class Engine:
         return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                                  "".join(texts[r.request_id]), r.finish_reason, list(r.token_times),
                                  r.arrival_time, r.num_preemptions) for r in reqs]
-
-    def load(self) -> EngineLoad:
-        s = self.scheduler
-        return EngineLoad(len(s.running), len(s.waiting), s.num_running_tokens, s.num_waiting_tokens,
-                          self.blocks.num_free, self.blocks.num_blocks, self.blocks.block_size,
-                          self.blocks.usage, list(self.recent_tbt), self.num_tbt_samples)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -151,7 +151,7 @@ class EngineMetrics:
             self.slo_tokens.record(within, {**tags, "within_slo": "true"})
         if late:
             self.slo_tokens.record(late, {**tags, "within_slo": "false"})
-        self.record_load(engine.load())
+        self.record_load(engine.last_load)
 
     def on_abort(self, request: Any) -> None:
         """Count the request, and show the load it left (the replica may now be idle)."""
@@ -159,7 +159,7 @@ class EngineMetrics:
 
     def on_idle(self, engine: Engine) -> None:
         """The loop has nothing to run: gauges read the (empty) load instead of the last pass's."""
-        self.record_load(engine.load())
+        self.record_load(engine.last_load)
 
     def record_load(self, load: Any) -> None:
         tags = self.tags

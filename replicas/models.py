@@ -12,12 +12,9 @@ tests run with no network access to a model hub.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import random
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,10 +22,14 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Llama
                           LlamaForCausalLM, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
-EMBEDDED_PREFIX = "embedded:"
-DEFAULT_MODEL = "embedded:tiny"
-# Bump when the build recipe (corpus, config, seed handling) changes, so stale caches are ignored.
-_RECIPE_VERSION = 2
+from replicas.config import DEFAULT_MODEL
+from replicas.model_files import (EMBEDDED_MODELS, EMBEDDED_PREFIX, EmbeddedSpec, cache_root,
+                                  ensure_embedded, resolve_model_path)
+
+__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "EMBEDDED_PREFIX", "EmbeddedSpec", "build_embedded",
+           "build_tokenizer", "cache_root", "check_supported", "ensure_embedded", "load_model",
+           "model_max_length", "resolve_model_path"]
+
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -41,27 +42,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-
-@dataclass(frozen=True)
-class EmbeddedSpec:
-    """Shape of a locally built Llama model (random weights, trained BPE tokenizer)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    max_position_embeddings: int
-    seed: int = 0
-
-
-EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
-    # Default served model and test model: must stay fast on a 2-core CPU.
-    "tiny": EmbeddedSpec(64, 176, 2, 4, 2, 2048, 2048),
-    # Benchmark model: large enough that scheduling, not Python overhead, dominates.
-    "mid": EmbeddedSpec(512, 1408, 8, 8, 4, 32000, 4096),
-}
 
 # Fixed English text so common words become single tokens; the pseudo-words below supply the
 # volume needed to reach a 32k vocabulary.  Nothing is read from the environment.
@@ -129,7 +109,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0,
     return fast
 
 
-def _build_embedded(spec: EmbeddedSpec, out_dir: Path) -> None:
+def build_embedded(spec: EmbeddedSpec, out_dir: Path) -> None:
     """Write tokenizer + randomly initialised Llama weights for ``spec`` into ``out_dir``."""
     tokenizer = build_tokenizer(spec.vocab_size, spec.seed, spec.max_position_embeddings)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
@@ -150,50 +130,6 @@ def _build_embedded(spec: EmbeddedSpec, out_dir: Path) -> None:
     model.generation_config.pad_token_id = eos_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-
-
-def cache_root() -> Path:
-    """``$STALLFREE_CACHE`` if set, else ``~/.cache/stallfree-serve``."""
-    env = os.environ.get("STALLFREE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "stallfree-serve"
-
-
-def ensure_embedded(name: str) -> Path:
-    """Return the directory of embedded model ``name``, building it once if needed.
-
-    Several replica processes may start at once: a file lock serialises the build and the
-    result is renamed into place atomically, so readers never see a half-written directory.
-    """
-    if name not in EMBEDDED_MODELS:
-        known = ", ".join(EMBEDDED_PREFIX + k for k in EMBEDDED_MODELS)
-        raise ValueError(f"unknown embedded model {name!r}; known: {known}")
-    parent = cache_root() / "models"
-    final = parent / f"{name}-v{_RECIPE_VERSION}"
-    if (final / "config.json").is_file():
-        return final
-    parent.mkdir(parents=True, exist_ok=True)
-    with open(parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        if (final / "config.json").is_file():  # another process built it while we waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
-        try:
-            tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
-            _build_embedded(EMBEDDED_MODELS[name], tmp)
-            if final.exists():  # leftover without config.json: not a usable model
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
-
-
-def resolve_model_path(model: str) -> str:
-    """Map ``embedded:<name>`` to its built directory; return anything else unchanged."""
-    if model.startswith(EMBEDDED_PREFIX):
-        return str(ensure_embedded(model[len(EMBEDDED_PREFIX):]))
-    return model
 
 
 # Model types whose attention is verified to run through transformers' AttentionInterface

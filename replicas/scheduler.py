@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
+from replicas.protocol import ReplicaLoad
 from replicas.request import Request, RequestStatus
 
 
@@ -84,24 +85,66 @@ class Scheduler:
         # Both queues stay sorted by `urgency` (most urgent first); see its docstring.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # Kept as the queues change, so a load report is O(1): tokens still to compute of the
+        # waiting requests, and tokens (prompt + output) of the running ones.
+        self.num_waiting_tokens = 0
+        self.num_running_tokens = 0
         # Keep a little KV headroom when admitting, so running decodes rarely preempt.
-        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+        self.watermark_blocks = max(1, int(block_manager.num_blocks * config.kv_watermark))
 
     # ---- queue management -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=self.urgency)
+        self._insert_waiting(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Evict a request that finished (or was aborted) and free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.num_running_tokens -= request.num_tokens
+        elif not request.is_finished:
+            self.waiting.remove(request)
+            self.num_waiting_tokens -= request.num_tokens_to_compute
         request.status = status
         request.finish_time = self.clock()
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
         self.blocks.free(request.request_id)
+
+    def advance(self, batch: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
+        """The pass in `batch` ran: every scheduled sequence advances by its tokens, and those
+        that sample get their token (`sampled`, in batch order) stamped at `now`.
+
+        Returns the requests that got a token, in batch order; stop checks are the caller's
+        (the engine checks stop strings and EOS, the simulator only max_tokens).
+        """
+        got: list[Request] = []
+        tokens = iter(sampled)
+        for seq in batch.decodes:
+            req = seq.request
+            req.num_computed_tokens += 1
+            req.output_token_ids.append(next(tokens))
+            req.token_times.append(now)
+            got.append(req)
+        for seq in batch.prefills:
+            req = seq.request
+            req.num_computed_tokens += seq.num_tokens
+            if seq.samples:
+                req.output_token_ids.append(next(tokens))
+                req.token_times.append(now)
+                got.append(req)
+        self.num_running_tokens += len(got)
+        return got
+
+    def load(self) -> ReplicaLoad:
+        """The scheduler's share of a load report: queue and KV counts, O(1)."""
+        b = self.blocks
+        return ReplicaLoad(running_tokens=self.num_running_tokens, waiting_tokens=self.num_waiting_tokens,
+                           free_blocks=b.num_free, total_blocks=b.num_blocks, block_size=b.block_size,
+                           num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=b.usage)
+
+    def _insert_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self.urgency)
+        self.num_waiting_tokens += request.num_tokens_to_compute
 
     def expire(self, now: float) -> list[Request]:
         """Finish the waiting requests never scheduled within `queue_timeout_s` of arrival.
@@ -119,14 +162,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(r.num_tokens_to_compute for r in self.waiting)
-
-    @property
-    def num_running_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.running)
 
     def urgency(self, request: Request) -> tuple[float, float]:
         """Sort key, smaller first: aged priority class, then arrival (FCFS).
@@ -255,15 +290,18 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         self.waiting.remove(req)
+        self.num_waiting_tokens -= req.num_tokens_to_compute
         bisect.insort(self.running, req, key=self.urgency)
+        self.num_running_tokens += req.num_tokens
         req.status = RequestStatus.RUNNING
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        self.num_running_tokens -= req.num_tokens
         self.blocks.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        bisect.insort(self.waiting, req, key=self.urgency)
+        self._insert_waiting(req)
         out.preempted.append(req)
         out.prefills = [s for s in out.prefills if s.request is not req]

@@ -2,24 +2,26 @@
 
 `start_iteration` is the engine's `schedule()` call; instead of running the model, the cost model
 says how long the pass takes. `finish_iteration` is the engine's postprocess at the pass's end
-time (replicas/engine.py `_postprocess`): every scheduled sequence advances by its tokens, those
-that sample get one output token and a `token_times` stamp at that time, and a request that
+time, through the same `Scheduler.advance` the engine uses: every scheduled sequence advances by
+its tokens, those that sample get one output token stamped at that time, and a request that
 reached max_tokens finishes with FINISHED_LENGTH (ignore_eos: the simulator has no token
 values). Its latencies are read off its token times when it finishes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from autoscale.load import ReplicaLoad, SlidingWindow
+from autoscale.load import MAX_PENDING_SAMPLES, ReplicaLoad, SlidingWindow
 from loadtests.sim.costmodel import CostModel, batch_features
 from loadtests.sim.metrics import Recorder
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
+from replicas.protocol import InvalidRequestError, Limits
 from replicas.request import Request, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerOutput
 
@@ -51,15 +53,19 @@ class ReplicaSpec:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.engine.block_size
 
+    @property
+    def limits(self) -> Limits:
+        """The engine's request limits for this replica (`Engine.limits`)."""
+        return Limits(self.max_model_len, self.kv_capacity_tokens,
+                      self.engine.max_batch_prefill_tokens, self.engine.policy)
+
     def rejects(self, prompt_len: int, max_tokens: int) -> str | None:
-        """Why the engine's `validate` would refuse this request (None: accepted)."""
-        total = prompt_len + max_tokens
-        if total > self.max_model_len:
-            return "max_model_len"
-        if total > self.kv_capacity_tokens:
-            return "kv_capacity"
-        if self.engine.policy == "dynamic" and prompt_len > self.engine.max_batch_prefill_tokens:
-            return "prompt_over_mbp"
+        """Why the engine would refuse this request (None: accepted): the field the refusal
+        names ("max_tokens": over the context or KV capacity; "prompt": over dynamic's MBP)."""
+        try:
+            self.limits.check(prompt_len, max_tokens)
+        except InvalidRequestError as exc:
+            return exc.param or "invalid"
         return None
 
 
@@ -122,27 +128,20 @@ class SimReplica:
         """The engine's postprocess at the pass's end time `now`."""
         batch, self.batch = self.batch, None
         rec, pending = self.rec, self.pending_tbt
-        for seqs in (batch.decodes, batch.prefills):
-            for seq in seqs:
-                req = seq.request
-                req.num_computed_tokens += seq.num_tokens
-                if not seq.samples:
-                    continue
-                out = req.output_token_ids
-                out.append(0)
-                times = req.token_times
-                if not times:  # first token
-                    i = int(req.request_id)
-                    rec.ttft[i] = now - req.arrival_time
-                    rec.sched_delay[i] = delay = req.first_scheduled_time - req.arrival_time
-                    if delay > rec.late_start_s:
-                        rec.num_late_start += 1
-                elif pending is not None:  # the scaler's TBT window wants gaps as they happen
-                    pending.append(now - times[-1])
-                times.append(now)
-                if len(out) >= req.params.max_tokens:
-                    self.scheduler.finish(req, FINISHED)
-                    self._finished(req, now)
+        sampled = [0] * sum(1 for s in batch.seqs if s.samples)  # no token values in a simulation
+        for req in self.scheduler.advance(batch, sampled, now):
+            times = req.token_times
+            if len(times) == 1:  # first token
+                i = int(req.request_id)
+                rec.ttft[i] = now - req.arrival_time
+                rec.sched_delay[i] = delay = req.first_scheduled_time - req.arrival_time
+                if delay > rec.late_start_s:
+                    rec.num_late_start += 1
+            elif pending is not None:  # the scaler's TBT window wants gaps as they happen
+                pending.append(now - times[-2])
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                self.scheduler.finish(req, FINISHED)
+                self._finished(req, now)
 
     def _finished(self, req: Request, now: float) -> None:
         rec = self.rec
@@ -167,16 +166,15 @@ class SimReplica:
     # ---- load reports -------------------------------------------------------------------------
 
     def report(self, now: float) -> ReplicaLoad:
-        """The load report a replica pushes (what `EngineLoad` carries), with its new TBT samples."""
-        s, b = self.scheduler, self.blocks
+        """The load report a replica pushes: its scheduler's load (as in the engine), with the
+        TBT samples new since the last report (at most what the reporter keeps between sends)."""
         samples: tuple[float, ...] = ()
         if self.pending_tbt is not None:
-            samples = tuple(self.pending_tbt[-2048:])  # the reporter keeps at most 2048 between sends
+            samples = tuple(self.pending_tbt[-MAX_PENDING_SAMPLES:])
             self.pending_tbt.clear()
             self.window.extend(samples, now)
-        load = ReplicaLoad(self.replica_id, s.num_running_tokens, s.num_waiting_tokens, b.num_free,
-                           b.num_blocks, b.block_size, len(s.running), len(s.waiting), b.usage,
-                           samples, timestamp=now)
+        load = dataclasses.replace(self.scheduler.load(), replica_id=self.replica_id,
+                                   tbt_samples=samples, timestamp=now)
         self.last_report, self.last_report_t = load, now
         self.last_report_tokens = load.token_load
         self.tokens_moved = 0

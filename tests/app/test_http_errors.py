@@ -125,4 +125,4 @@ def test_server_healthy_after_bad_requests(client: httpx.Client, serve_app) -> N
     assert client.get("/health").status_code == 200
     ok = client.post(C, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-    assert serve_app.load()["num_running"] == 0
+    assert serve_app.load().num_running == 0

@@ -1,5 +1,5 @@
 """Percentiles are nearest-rank over exactly the samples inside the time window, and a replica's
-load converts from the engine's `EngineLoad` (or its `load()` dict) without losing a field."""
+load is one record from the scheduler to the controller."""
 
 from __future__ import annotations
 
@@ -40,33 +40,38 @@ def test_sliding_window_caps_samples():
     assert w.values(now=0.0) == [2.0, 3.0, 4.0]
 
 
-def test_from_engine_load_dataclass_and_dict():
-    from replicas.engine import EngineLoad
+def test_replica_load_from_the_scheduler_and_the_replica():
+    """The scheduler builds the record in O(1); the replica's intake and the reporter only
+    complete it: the same type the controller, router and simulator read."""
+    import dataclasses
 
-    eng = EngineLoad(num_running=3, num_waiting=2, running_tokens=300, waiting_tokens=500,
-                     free_blocks=10, total_blocks=64, block_size=16, kv_usage=0.84,
-                     recent_tbt_s=[0.01, 0.02])
-    r = ReplicaLoad.from_engine_load("r1", eng, timestamp=5.0, tbt_samples=[0.02])
-    assert (r.running_tokens, r.waiting_tokens, r.token_load) == (300, 500, 800)
-    assert (r.free_kv_tokens, r.kv_capacity_tokens, r.num_running, r.num_waiting) == (160, 1024, 3, 2)
-    assert r.tbt_samples == (0.02,) and r.timestamp == 5.0 and r.kv_usage == 0.84
-    # The replica's load() dict adds intake the engine snapshot has not seen yet.
-    d = {"num_running": 3, "num_waiting": 2, "running_tokens": 300, "waiting_tokens": 500,
-         "free_blocks": 10, "total_blocks": 64, "block_size": 16, "kv_usage": 0.84,
-         "queued_tokens": 900, "num_queued": 4}
-    r2 = ReplicaLoad.from_engine_load("r1", d, timestamp=5.0)
-    assert (r2.waiting_tokens, r2.num_waiting) == (900, 4)
+    from replicas.config import EngineConfig
+    from replicas.kv_cache import BlockManager
+    from replicas.protocol import SamplingParams
+    from replicas.request import Request
+    from replicas.scheduler import Scheduler
+
+    sched = Scheduler(EngineConfig(max_batch_prefill_tokens=64), BlockManager(64, 16), clock=lambda: 0.0)
+    for i, n in enumerate((300, 500)):
+        sched.add(Request(str(i), list(range(n)), SamplingParams(max_tokens=4)))
+    load = sched.load()
+    assert (load.running_tokens, load.waiting_tokens, load.num_running, load.num_waiting) == (0, 800, 0, 2)
+    batch = sched.schedule()  # 64 prompt tokens of request 0 start
+    assert sched.advance(batch, [], now=1.0) == []  # a prompt chunk samples nothing
+    load = sched.load()
+    assert (load.running_tokens, load.waiting_tokens, load.free_kv_tokens) == (300, 500, 60 * 16)
+    assert (load.num_running, load.num_waiting, load.token_load, load.kv_usage) == (1, 1, 800, 4 / 64)
+    done = dataclasses.replace(load, replica_id="r1", tbt_samples=(0.02,), timestamp=5.0)
+    assert done.tbt_samples == (0.02,) and done.timestamp == 5.0 and done.token_load == 800
 
 
-def test_round_trip_and_cluster_aggregates():
+def test_cluster_aggregates():
     a = ReplicaLoad("a", running_tokens=100, waiting_tokens=50, tbt_samples=(0.1,), timestamp=1.0)
     b = ReplicaLoad("b", running_tokens=10, waiting_tokens=0, timestamp=2.0)
-    assert ReplicaLoad.from_dict(a.to_dict()) == a
     samples = [0.01] * 90 + [0.5] * 10
     snap = ClusterSnapshot.build({"a": a, "b": b}, samples, tbt_slo_s=0.1, timestamp=3.0)
     assert (snap.running_tokens, snap.waiting_tokens, snap.token_load) == (110, 50, 160)
     assert snap.tbt_p50_s == 0.01 and snap.tbt_p99_s == 0.5 and snap.num_tbt_samples == 100
-    assert snap.slo_attainment == pytest.approx(0.9)
-    assert ClusterSnapshot.from_dict(snap.to_dict()) == snap
+    assert snap.tbt_slo_token_share == pytest.approx(0.9)
     empty = ClusterSnapshot.build({}, [], tbt_slo_s=0.1, timestamp=0.0)
-    assert empty.tbt_p99_s is None and empty.slo_attainment is None and empty.token_load == 0
+    assert empty.tbt_p99_s is None and empty.tbt_slo_token_share is None and empty.token_load == 0

@@ -3,32 +3,22 @@ sample that is new since its last report exactly once, and never raises when sen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from autoscale.reporter import LoadReporter, new_tbt_samples
+from replicas.protocol import ReplicaLoad
 
 
-@dataclass
-class FakeLoad:
-    running_tokens: int = 0
-    waiting_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    free_blocks: int = 100
-    total_blocks: int = 100
-    block_size: int = 16
-    kv_usage: float = 0.0
-    recent_tbt_s: list[float] = field(default_factory=list)
-    num_tbt_samples: int = 0
+def FakeLoad(**fields: Any) -> ReplicaLoad:  # noqa: N802 - reads like the record it builds
+    return ReplicaLoad(**{"free_blocks": 100, "total_blocks": 100, **fields})
 
 
 class Sink:
     def __init__(self) -> None:
-        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.sent: list[tuple[str, ReplicaLoad]] = []
 
-    def __call__(self, replica_id: str, payload: dict[str, Any]) -> None:
+    def __call__(self, replica_id: str, payload: ReplicaLoad) -> None:
         self.sent.append((replica_id, payload))
 
 
@@ -51,7 +41,7 @@ def test_throttles_to_the_interval():
     rep = reporter(sink)
     sent = [rep.maybe_report(FakeLoad(running_tokens=100), now=t / 1000) for t in range(0, 1000, 10)]
     assert sum(sent) == 10  # every 100 ms over one second of 10 ms polls
-    assert [round(p["timestamp"], 2) for _, p in sink.sent[:3]] == [0.0, 0.1, 0.2]
+    assert [round(p.timestamp, 2) for _, p in sink.sent[:3]] == [0.0, 0.1, 0.2]
 
 
 def test_big_change_reports_early_but_not_within_min_interval():
@@ -62,7 +52,7 @@ def test_big_change_reports_early_but_not_within_min_interval():
     assert rep.maybe_report(FakeLoad(running_tokens=5000), now=0.03)  # jump: early
     assert not rep.maybe_report(FakeLoad(running_tokens=5100), now=0.06)  # small change: wait
     assert rep.maybe_report(FakeLoad(running_tokens=5100), now=0.13)
-    assert [p["running_tokens"] for _, p in sink.sent] == [100, 5000, 5100]
+    assert [p.running_tokens for _, p in sink.sent] == [100, 5000, 5100]
 
 
 def test_every_new_tbt_sample_is_sent_once():
@@ -74,10 +64,9 @@ def test_every_new_tbt_sample_is_sent_once():
         new = [step + 0.1, step + 0.2, step + 0.3]
         produced += new
         tail = (tail + new)[-8:]
-        rep.maybe_report(FakeLoad(running_tokens=10, recent_tbt_s=list(tail), num_tbt_samples=len(produced)),
-                         now=step / 100)
-    sent = [x for _, p in sink.sent for x in p["tbt_samples"]]
-    last_sent_at = round(sink.sent[-1][1]["timestamp"] * 100)
+        rep.maybe_report(FakeLoad(running_tokens=10), now=step / 100, tbt=(len(produced), list(tail)))
+    sent = [x for _, p in sink.sent for x in p.tbt_samples]
+    last_sent_at = round(sink.sent[-1][1].timestamp * 100)
     assert sent == produced[: 3 * (last_sent_at + 1)]
 
 
@@ -88,12 +77,12 @@ def test_iteration_stats_are_summarised_per_report():
     rep.maybe_report(FakeLoad(), now=0.0, iterations=its[:2])
     rep.maybe_report(FakeLoad(), now=0.2, iterations=its)
     first, second = (p for _, p in sink.sent)
-    assert first["iterations"] == 2 and abs(first["iteration_max_s"] - 0.02) < 1e-9
-    assert second["iterations"] == 2 and abs(second["iteration_mean_s"] - 0.035) < 1e-9
+    assert first.iterations == 2 and abs(first.iteration_max_s - 0.02) < 1e-9
+    assert second.iterations == 2 and abs(second.iteration_mean_s - 0.035) < 1e-9
 
 
 def test_send_failure_never_raises():
-    def broken(replica_id: str, payload: dict[str, Any]) -> None:
+    def broken(replica_id: str, payload: ReplicaLoad) -> None:
         raise ConnectionError("controller gone")
 
     rep = LoadReporter("r1", send=broken, clock=lambda: 0.0)
@@ -104,8 +93,8 @@ def test_send_failure_never_raises():
 def test_autoscaling_stats_from_the_local_window():
     sink = Sink()
     rep = LoadReporter("r1", send=sink, tbt_window_s=10.0, clock=lambda: 0.0)
-    rep.maybe_report(FakeLoad(running_tokens=40, waiting_tokens=7,
-                              recent_tbt_s=[0.01 * i for i in range(1, 101)], num_tbt_samples=100), now=1.0)
+    rep.maybe_report(FakeLoad(running_tokens=40, waiting_tokens=7), now=1.0,
+                     tbt=(100, [0.01 * i for i in range(1, 101)]))
     stats = rep.autoscaling_stats(now=2.0)
     assert stats["num_tbt_samples"] == 100 and abs(stats["tbt_p99_s"] - 0.99) < 1e-9
     assert (stats["running_tokens"], stats["waiting_tokens"]) == (40.0, 7.0)

@@ -10,6 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from replicas import Engine, EngineConfig, SamplingParams
+from replicas.protocol import InvalidRequestError
 from replicas.async_engine import AsyncEngine
 from replicas.models import load_model
 
@@ -168,8 +169,11 @@ async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
             if got >= 3:
                 break
         await stream.aclose()  # the client went away
-        with pytest.raises(ValueError):
-            await ae.add_request("", params, "bad")
+        with pytest.raises(InvalidRequestError, match="prompt must not be empty") as bad:
+            await ae.add_request([], params, "bad")
+        assert bad.value.param == "prompt"
+        with pytest.raises(TypeError, match="token ids"):  # the tokenizer is the loop's
+            await ae.add_request("text", params, "text")
         finished = [o async for o in await ae.add_request([9, 10], SamplingParams(max_tokens=5, temperature=0,
                                                                                   ignore_eos=True), "ok")]
         assert sum(len(o.delta_token_ids) for o in finished) == 5 and finished[-1].finish_reason == "length"

@@ -1,0 +1,109 @@
+"""Engine overhead per iteration outside the forward pass, at N running decodes.
+
+    python -m loadtests.bench_overhead [--decodes 256] [--steps 60] [--json PATH]
+
+Fills the engine with N requests (short prompts, ignore_eos, long max_tokens), runs until every
+one of them is decoding, then times `steps` iterations of what the replica's loop thread does
+per pass (`Engine.step()`, metrics observer attached, and the load snapshot the loop publishes).
+The model's forward call is timed on its own (attention included: it runs inside the model), so
+
+    overhead = iteration - forward = schedule + metadata + sampling + postprocess + metrics + load
+
+Two sampling mixes: all greedy, and half the rows sampling with temperature/top-p/top-k (the
+per-row cost of sampling shows there). Medians over the timed steps; noisy machine, read ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.metrics import EngineMetrics, PrometheusBackend
+
+
+class _Timed:
+    """Wraps a callable and records the wall time of each call under `name`."""
+
+    def __init__(self, fn: Any, name: str, times: dict[str, list[float]]) -> None:
+        self.fn, self.name, self.times = fn, name, times
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.times[self.name].append(time.perf_counter() - t)
+
+    def __getattr__(self, item: str) -> Any:  # the runner reads e.g. model.config
+        return getattr(self.fn, item)
+
+
+def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int) -> dict[str, float]:
+    config = EngineConfig(max_num_seqs=decodes, max_batch_prefill_tokens=max(512, decodes * 2),
+                          max_batch_total_tokens=decodes * 512, num_threads=threads)
+    engine = Engine.from_pretrained(model, config)
+    engine.observers.append(EngineMetrics(PrometheusBackend(), model, tbt_slo_s=0.1))
+    vocab = engine.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for i in range(decodes):
+        prompt = torch.randint(10, vocab, (32,), generator=g).tolist()
+        if sampled and i % 2:
+            params = SamplingParams(max_tokens=400, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        engine.add_request(prompt, params)
+    while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):  # warm-up decodes
+        engine.step()
+    times: dict[str, list[float]] = defaultdict(list)
+    runner = engine.runner
+    runner.model = _Timed(runner.model, "forward", times)
+    publish = getattr(engine, "publish_load", None)
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        if publish is not None:
+            publish()
+        else:  # before the refactor the loop thread read engine.load() twice per pass
+            engine.load()
+            engine.load()
+        times["iteration"].append(time.perf_counter() - t)
+    assert len(engine.scheduler.running) == decodes, "every request must still be decoding"
+    runner.model = runner.model.fn
+    it, fw = times["iteration"], times["forward"]
+    overhead = [a - b for a, b in zip(it, fw)]
+    return {"iteration_ms": 1e3 * statistics.median(it), "forward_ms": 1e3 * statistics.median(fw),
+            "overhead_ms": 1e3 * statistics.median(overhead)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="embedded:tiny")
+    p.add_argument("--decodes", type=int, default=256)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    rows = {}
+    print(f"{args.model}, {args.decodes} running decodes, {args.steps} timed passes, medians")
+    print(f"{'sampling':<10} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12}")
+    for name, sampled in (("greedy", False), ("mixed", True)):
+        row = measure(args.model, args.decodes, args.steps, sampled, args.threads)
+        rows[name] = row
+        print(f"{name:<10} {row['iteration_ms']:>13.2f} {row['forward_ms']:>11.2f} {row['overhead_ms']:>12.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "decodes": args.decodes, "steps": args.steps,
+                       "threads": args.threads, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

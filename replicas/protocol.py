@@ -1,0 +1,279 @@
+"""What crosses the process boundary between the HTTP ingress, the replicas and the controller.
+
+Request and response records (`SamplingParams`, `RequestOutput`), the typed refusals a replica
+answers with (each names its HTTP status, OpenAI error type, `param` and `code`), the request
+limits (`Limits`), and the one load record (`ReplicaLoad`). Nothing here imports torch,
+transformers or Ray: the ingress process imports this module and stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TOKENS_LIMIT = 1_000_000
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+PRIORITY_RANGE = (-1_000, 1_000)
+
+
+# ---- refusals ----------------------------------------------------------------------------
+
+
+class RequestRejected(Exception):
+    """A request the server refuses; carries what an HTTP error needs.
+
+    Every constructor argument goes to `Exception.args` so the error pickles across Ray.
+    """
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, retry_after_s: int | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, param, retry_after_s, code)
+        self.message, self.param, self.retry_after_s = message, param, retry_after_s
+        self.code = code or self.default_code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequestError(RequestRejected, ValueError):
+    """The client's mistake (a limit, a bad parameter): 400, naming the field."""
+
+    default_code = "invalid_value"
+
+
+class QueueFullError(RequestRejected):
+    """The replica's waiting queue is over its token bound: 429 with Retry-After."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class QueueTimeoutError(QueueFullError):
+    """The request waited past the queue deadline without being scheduled: 429, retry later."""
+
+    default_code = "queue_timeout"
+
+
+class ReplicaUnhealthyError(RequestRejected):
+    """The engine loop is dead or wedged: 503 (the controller replaces the replica)."""
+
+    status_code = 503
+    error_type = "server_error"
+    default_code = "engine_unavailable"
+
+
+def _invalid(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param} {message}", param)
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (OpenAI / vLLM semantics), checked when built.
+
+    temperature 0 means greedy; top_k 0 means off; top_p 1.0 means off. max_tokens None means
+    as many as the context and the KV cache leave (resolved by the replica that serves it).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen into tuples.
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
+        if self.max_tokens is not None and (not _is_int(self.max_tokens)
+                                            or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT):
+            raise _invalid("max_tokens", f"must be an integer in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
+        if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise _invalid("temperature", f"must be in [0, 2], got {self.temperature!r}")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _invalid("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise _invalid("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise _invalid("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise _invalid("stop", f"accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise _invalid("stop", f"strings must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise _invalid("stop_token_ids", "must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of a replica: one check for the engine, the replica and the
+    simulator. Derived from the model and `EngineConfig` (`Engine.limits`)."""
+
+    max_model_len: int
+    max_batch_total_tokens: int  # KV capacity in tokens
+    max_batch_prefill_tokens: int
+    policy: str
+    vocab_size: int | None = None  # None: prompt token ids are not range-checked
+
+    def room(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt this long may generate."""
+        return min(self.max_model_len, self.max_batch_total_tokens) - num_prompt_tokens
+
+    def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """`requested`, or what the prompt leaves when it is None; raises when over a limit."""
+        if requested is None:
+            requested = max(1, min(self.room(num_prompt_tokens), MAX_TOKENS_LIMIT))
+        self.check(num_prompt_tokens, requested)
+        return requested
+
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens <= 0:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
+                "max_tokens). Please reduce the prompt or max_tokens.", "max_tokens")
+        if total > self.max_batch_total_tokens:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens ({num_prompt_tokens} + {max_tokens}) exceeds "
+                f"the KV cache capacity (max_batch_total_tokens = {self.max_batch_total_tokens})",
+                "max_tokens")
+        mbp = self.max_batch_prefill_tokens
+        if self.policy == "dynamic" and num_prompt_tokens > mbp:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens, more than max_batch_prefill_tokens = "
+                f"{mbp}, which the dynamic policy prefills in one pass", "prompt")
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        vocab = self.vocab_size
+        if vocab is not None and not all(_is_int(t) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+
+
+def check_priority(priority: object) -> int:
+    if not _is_int(priority) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise InvalidRequestError(f"priority must be an integer in {list(PRIORITY_RANGE)}, "
+                                  f"got {priority!r}", "priority")
+    return priority  # type: ignore[return-value]
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+@dataclass
+class RequestOutput:
+    """What one iteration produced for one request (a streaming delta)."""
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stop_reason: str | int | None = None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One delta carrying this one and the `later` one of the same request."""
+        return RequestOutput(self.request_id, self.delta_text + later.delta_text,
+                             self.delta_token_ids + later.delta_token_ids, later.finished,
+                             later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
+                             later.stop_reason)
+
+
+@dataclass
+class Acknowledged(RequestOutput):
+    """The first item of a stream: queued on `replica_id` at `at` (the replica's wall clock, the
+    clock of its load reports, so a reader can tell whether a report counts this request)."""
+
+    replica_id: str | None = None
+    at: float = 0.0
+
+
+@dataclass
+class Started(RequestOutput):
+    """The first output of a stream: it left the replica's queue at `left_at` (same clock)."""
+
+    left_at: float = 0.0
+
+
+# ---- load ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One replica's load: built by its scheduler after every pass, completed by the replica
+    (intake queue, queue bound, drain rate) and by its reporter (TBT samples, pass times,
+    replica id, wall-clock `timestamp`), then read as-is by the controller, the router, the
+    door's admission and the simulator.
+
+    Token load = running tokens (KV tokens of running sequences) + waiting tokens (prompt
+    tokens still to prefill, including requests accepted but not yet in the scheduler).
+    """
+
+    replica_id: str = ""
+    running_tokens: int = 0
+    waiting_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 16
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    queue_bound_tokens: int = 0  # waiting prompt tokens it admits (replicas.admission.queue_bound)
+    drain_tps: float = 0.0  # waiting prompt tokens it prefills per second lately
+    tbt_samples: tuple[float, ...] = ()  # TBT samples new since this replica's previous report
+    iterations: int = 0  # forward passes since the previous report
+    iteration_mean_s: float = 0.0
+    iteration_max_s: float = 0.0
+    timestamp: float = 0.0
+
+    @property
+    def token_load(self) -> int:
+        return self.running_tokens + self.waiting_tokens
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return self.free_blocks * self.block_size
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def _as_tuple(value: object, name: str, kind: type) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, kind):
+        value = (value,)
+    try:
+        items = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise _invalid(name, f"must be a {kind.__name__} or a list of them") from None
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in items):
+        raise _invalid(name, f"must be a {kind.__name__} or a list of them")
+    return items
