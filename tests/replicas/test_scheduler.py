@@ -34,17 +34,16 @@ def req(rid: str, prompt_len: int, max_tokens: int, clock: FakeClock, priority: 
 
 
 def step(s: Scheduler) -> SchedulerOutput:
-    """Schedule, then do what the engine's postprocess does (sampled token = 7)."""
+    """Schedule, then advance the pass as the engine does (sampled token = 7, length stops only)."""
     out = s.schedule()
-    for seq in out.seqs:
-        r = seq.request
-        r.num_computed_tokens += seq.num_tokens
-        if seq.samples:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                s.finish(r, RequestStatus.FINISHED_LENGTH)
+    for r in s.advance(out, [7] * sum(seq.samples for seq in out.seqs), now=0.0):
+        if len(r.output_token_ids) >= r.params.max_tokens:
+            s.finish(r, RequestStatus.FINISHED_LENGTH)
     b = s.blocks
     assert b.num_used + b.num_free == b.num_blocks
+    # The incrementally kept counts are the sums they stand for.
+    assert s.num_running_tokens == sum(r.num_tokens for r in s.running)
+    assert s.num_waiting_tokens == sum(r.num_tokens_to_compute for r in s.waiting)
     return out
 
 
