@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
                  stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self._backend_decode = _backend_decode(tokenizer)
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -31,6 +32,8 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of `text` already handed out
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 
@@ -64,3 +67,19 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
+
+
+def _backend_decode(tokenizer: PreTrainedTokenizerBase):  # noqa: ANN202 - a bound Rust method
+    """The Rust backend's `decode` when it gives the same text as `tokenizer.decode(...,
+    clean_up_tokenization_spaces=False)` (a fast tokenizer whose class does not override
+    decoding), without the Python wrapper's per-call cost; else None."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return None
+    if cls._decode is not PreTrainedTokenizerFast._decode or cls.decode is not PreTrainedTokenizerFast.decode:
+        return None
+    return getattr(getattr(tokenizer, "_tokenizer", None), "decode", None)

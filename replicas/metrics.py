@@ -8,11 +8,17 @@ the controller's endpoint, anything outside Serve).
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replicas.engine import Engine, IterationStats
 from replicas.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "stallfree_"
 
@@ -24,6 +30,9 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 class Metric(Protocol):
     def record(self, value: float, tags: dict[str, str]) -> None: ...
 
+    def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
+        """Every value of a pass in one call (a histogram's per-token observations)."""
+
 
 class Backend(Protocol):
     def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric: ...
@@ -32,11 +41,22 @@ class Backend(Protocol):
 
 
 class _Wrap:
-    def __init__(self, fn: Any) -> None:
-        self._fn = fn
+    """`fn(value, tags)`; `bind(tags)`, when given, resolves the tags once for many values."""
+
+    def __init__(self, fn: Any, bind: Any = None) -> None:
+        self._fn, self._bind = fn, bind
 
     def record(self, value: float, tags: dict[str, str]) -> None:
         self._fn(value, tags)
+
+    def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
+        if self._bind is None:
+            for v in values:
+                self._fn(v, tags)
+            return
+        observe = self._bind(tags)
+        for v in values:
+            observe(v)
 
 
 class RayBackend:
@@ -55,7 +75,7 @@ class RayBackend:
     def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
         from ray.serve.metrics import Histogram
         m = Histogram(name, doc, boundaries=list(buckets), tag_keys=tuple(tags))
-        return _Wrap(lambda v, t: m.observe(v, tags=t))
+        return _Wrap(lambda v, t: m.observe(v, tags=t), lambda t: lambda v: m.observe(v, tags=t))
 
 
 class PrometheusBackend:
@@ -68,7 +88,16 @@ class PrometheusBackend:
 
     def _make(self, cls: Any, name: str, doc: str, tags: Sequence[str], method: str, **kw: Any) -> Metric:
         m = cls(name, doc, labelnames=list(tags), registry=self.registry, **kw)
-        return _Wrap(lambda v, t: getattr(m.labels(**t) if tags else m, method)(v))
+        children: dict[tuple, Any] = {}
+
+        def bind(t: dict[str, str]) -> Any:  # one labelled child per tag set, looked up once
+            key = tuple(sorted(t.items()))
+            child = children.get(key)
+            if child is None:
+                child = children[key] = m.labels(**t) if tags else m
+            return getattr(child, method)
+
+        return _Wrap(lambda v, t: bind(t)(v), bind)
 
     def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
         # prometheus_client appends _total to counters itself.
@@ -81,10 +110,30 @@ class PrometheusBackend:
         return self._make(self.prom.Histogram, name, doc, tags, "observe", buckets=list(buckets))
 
 
-class EngineMetrics:
-    """Records per-iteration and per-request engine metrics (an `Engine` observer)."""
+@dataclass
+class _Pass:
+    """What one pass gives the metrics, taken on the loop thread (cheap), recorded later."""
 
-    def __init__(self, backend: Backend, model: str, tbt_slo_s: float | None = None) -> None:
+    stats: IterationStats
+    ttft: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    load: Any = None
+
+
+class EngineMetrics:
+    """Records per-iteration and per-request engine metrics (an `Engine` observer).
+
+    The loop thread only collects each pass's numbers; recording them (one call per histogram
+    and pass) happens on a background thread when `background` is set (in a replica, where Ray
+    metric calls are costly: it overlaps the next forward pass, which releases the GIL), else at
+    once. `flush()` waits until everything collected is recorded.
+    """
+
+    def __init__(self, backend: Backend, model: str, tbt_slo_s: float | None = None,
+                 background: bool = False) -> None:
         self.tags = {"model_name": model}
         self.tbt_slo_s = tbt_slo_s
         t = ("model_name",)
@@ -110,9 +159,65 @@ class EngineMetrics:
                             (*t, "within_slo"))
         self.gen_tokens = c(p + "generation_tokens_total", "Generated tokens.", t)
         self.prompt_tokens = c(p + "prompt_tokens_total", "Prompt tokens computed (recompute included).", t)
+        self._inbox: queue.SimpleQueue | None = queue.SimpleQueue() if background else None
+        self._thread: threading.Thread | None = None
 
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
-        tags = self.tags
+        rec = _Pass(stats, load=engine.last_load)
+        for seq in batch.seqs:
+            if not seq.samples:
+                continue
+            req = seq.request
+            times = req.token_times
+            if len(times) == 1:
+                rec.ttft.append(times[0] - req.arrival_time)
+                if req.first_scheduled_time is not None:
+                    rec.queue.append(req.first_scheduled_time - req.arrival_time)
+            else:
+                rec.gaps.append(times[-1] - times[-2])
+            if req.is_finished:
+                rec.e2e.append(times[-1] - req.arrival_time)
+                rec.finished.append(req.finish_reason or "unknown")
+        self._submit(rec)
+
+    def _submit(self, item: Any) -> None:
+        if self._inbox is None:
+            self._record(item)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain, name="engine-metrics", daemon=True)
+            self._thread.start()
+        self._inbox.put(item)
+
+    def _drain(self) -> None:
+        while True:
+            item = self._inbox.get()
+            try:
+                if isinstance(item, threading.Event):
+                    item.set()
+                else:
+                    self._record(item)
+            except Exception:  # metrics must never stop; log each failure with its cause
+                logger.exception("recording engine metrics failed")
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything collected so far is recorded (background mode)."""
+        if self._inbox is None or self._thread is None:
+            return True
+        done = threading.Event()
+        self._inbox.put(done)
+        return done.wait(timeout_s)
+
+    def _record(self, item: Any) -> None:
+        if isinstance(item, _Pass):
+            self._record_pass(item)
+        elif isinstance(item, tuple):  # ("finished", reason) of an abort
+            self.finished.record(1, {**self.tags, "finished_reason": item[1]})
+        else:
+            self.record_load(item)
+
+    def _record_pass(self, rec: _Pass) -> None:
+        tags, stats = self.tags, rec.stats
         self.iter_time.record(stats.duration, tags)
         if stats.num_prefill_tokens:
             self.iter_tokens.record(stats.num_prefill_tokens, {**tags, "phase": "prefill"})
@@ -126,40 +231,34 @@ class EngineMetrics:
         slo = self.tbt_slo_s
         if slo is not None and stats.duration > slo:
             self.stalls.record(1, {**tags, "cause": "slow_iteration"})
-        within = late = generated = 0
-        for seq in batch.seqs:
-            if not seq.samples:
-                continue
-            req = seq.request
-            times = req.token_times
-            generated += 1
-            if len(times) == 1:
-                self.ttft.record(times[0] - req.arrival_time, tags)
-                if req.first_scheduled_time is not None:
-                    self.queue.record(req.first_scheduled_time - req.arrival_time, tags)
-            else:
-                gap = times[-1] - times[-2]
-                self.itl.record(gap, tags)
-                if slo is not None:
-                    within, late = (within + 1, late) if gap <= slo else (within, late + 1)
-            if req.is_finished:
-                self.e2e.record(times[-1] - req.arrival_time, tags)
-                self.finished.record(1, {**tags, "finished_reason": req.finish_reason or "unknown"})
+        if rec.ttft:
+            self.ttft.record_many(rec.ttft, tags)
+        if rec.queue:
+            self.queue.record_many(rec.queue, tags)
+        if rec.gaps:
+            self.itl.record_many(rec.gaps, tags)
+            if slo is not None:
+                within = sum(1 for gap in rec.gaps if gap <= slo)
+                if within:
+                    self.slo_tokens.record(within, {**tags, "within_slo": "true"})
+                if within < len(rec.gaps):
+                    self.slo_tokens.record(len(rec.gaps) - within, {**tags, "within_slo": "false"})
+        if rec.e2e:
+            self.e2e.record_many(rec.e2e, tags)
+        for reason in rec.finished:
+            self.finished.record(1, {**tags, "finished_reason": reason})
+        generated = len(rec.ttft) + len(rec.gaps)
         if generated:
             self.gen_tokens.record(generated, tags)
-        if within:
-            self.slo_tokens.record(within, {**tags, "within_slo": "true"})
-        if late:
-            self.slo_tokens.record(late, {**tags, "within_slo": "false"})
-        self.record_load(engine.last_load)
+        self.record_load(rec.load)
 
     def on_abort(self, request: Any) -> None:
-        """Count the request, and show the load it left (the replica may now be idle)."""
-        self.finished.record(1, {**self.tags, "finished_reason": request.finish_reason or "abort"})
+        """Count the request by how it ended (aborted, or past the queue deadline)."""
+        self._submit(("finished", request.finish_reason or "abort"))
 
     def on_idle(self, engine: Engine) -> None:
         """The loop has nothing to run: gauges read the (empty) load instead of the last pass's."""
-        self.record_load(engine.last_load)
+        self._submit(engine.last_load)
 
     def record_load(self, load: Any) -> None:
         tags = self.tags

@@ -4,11 +4,13 @@ The HF model's own modules do everything but attention. Our attention function i
 registered with `transformers.AttentionInterface`; it receives q/k/v for ALL packed tokens
 of the step (positions already applied), writes k/v into the paged cache, and attends:
 
-- decodes (one query each) in ONE batched SDPA call over their gathered, padded contexts;
+- decodes (one query each) in a few batched SDPA calls over their gathered contexts, grouped by
+  context length so a long request does not pad every short one to its length;
 - each prefill chunk in its own SDPA call (a handful per pass) with a causal offset mask.
 
 Per-step metadata (slots, gathered context indices, masks) is built once per pass and
-reaches every layer through the model's **kwargs.
+reaches every layer through the model's **kwargs. Block tables live in a persistent tensor (a
+row per request, a block written in when it is allocated), not rebuilt from lists every pass.
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from replicas.kv_cache import BlockManager
-from replicas.scheduler import SchedulerOutput
+from replicas.request import Request
+from replicas.scheduler import ScheduledSeq, SchedulerOutput
 
 ATTN_IMPL = "stallfree_paged"
+# Decodes share one attention call while padding them to the group's longest context costs at
+# most PAD_SLACK x their real context (+ PAD_MIN tokens): CPU attention pays per padded token.
+PAD_SLACK = 1.5
+PAD_MIN = 256
 
 
 @dataclass
@@ -36,13 +43,20 @@ class PrefillMeta:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length attended in one batched call (rows are contiguous)."""
+
+    start: int  # first row in the packed batch
+    slots: torch.Tensor  # (B, Lmax) context slots of each decode, padded
+    mask: torch.Tensor  # (B, 1, 1, Lmax) bool
+
+
+@dataclass
 class AttnMeta:
     k_cache: torch.Tensor  # (layers, slots, Hkv, D)
     v_cache: torch.Tensor
     slots: torch.Tensor  # (T,) where each packed token's k/v is written
-    num_decodes: int
-    decode_slots: torch.Tensor | None  # (B, Lmax) context slots of each decode, padded
-    decode_mask: torch.Tensor | None  # (B, 1, 1, Lmax) bool
+    decodes: list[DecodeGroup]
     prefills: list[PrefillMeta]
 
 
@@ -62,16 +76,16 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kc.index_copy_(0, m.slots, k)
     vc.index_copy_(0, m.slots, v)
     out = q.new_empty(q.shape)  # (T, H, D)
-    b = m.num_decodes
-    if b:
-        qd = q[:b].unsqueeze(2)  # (B, H, 1, D)
-        shape = (*m.decode_slots.shape, *kc.shape[1:])  # (B, Lmax, Hkv, D)
-        flat = m.decode_slots.flatten()  # index_select is far faster than 2-D fancy indexing on CPU
+    for g in m.decodes:
+        b = g.slots.shape[0]
+        rows = slice(g.start, g.start + b)
+        qd = q[rows].unsqueeze(2)  # (B, H, 1, D)
+        shape = (*g.slots.shape, *kc.shape[1:])  # (B, Lmax, Hkv, D)
+        flat = g.slots.flatten()  # index_select is far faster than 2-D fancy indexing on CPU
         kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # (B, Hkv, Lmax, D)
         vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask,
-                                            scale=scaling, enable_gqa=True)
-        out[:b] = od.squeeze(2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling, enable_gqa=True)
+        out[rows] = od.squeeze(2)
     for p in m.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
@@ -102,7 +116,7 @@ def kv_shape(config) -> tuple[int, int, int]:
 class ModelRunner:
     """Owns the KV tensors and runs one packed forward pass per scheduler output."""
 
-    def __init__(self, model: PreTrainedModel, blocks: BlockManager) -> None:
+    def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int) -> None:
         self.model = model
         self.blocks = blocks
         self.device = next(model.parameters()).device
@@ -115,62 +129,126 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPL)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._arange_bs = torch.arange(blocks.block_size, device=self.device)
+        # Persistent block table: one row per request in recent passes (see _row).
+        width = -(-max_model_len // blocks.block_size)
+        self._table = torch.zeros((64, width), dtype=torch.int32, device=self.device)
+        self._free_rows: list[int] = list(range(63, -1, -1))
+        self._rows: dict[tuple[str, int], list[int]] = {}  # key -> [row, blocks written]
+        self._live: dict[tuple[str, int], list[int]] = {}
 
-    def _context_slots(self, request_ids: list[str], ctx_lens: list[int]) -> torch.Tensor:
-        """(N, max ctx) cache slots of each request's first ctx_len positions, zero padded."""
-        tables = [self.blocks.block_table(r) for r in request_ids]
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
-        slots = (padded[:, :, None] * self.blocks.block_size + self._arange_bs).flatten(1)  # (N, width*bs)
-        return slots[:, :max(ctx_lens)]
+    def _row(self, req: Request) -> int:
+        """The request's row of the persistent block table, its new blocks written in.
+
+        Keyed by (id, preemptions): a preempted request comes back with new blocks. A request
+        absent from a pass gives its row back (rows are cheap to fill again).
+        """
+        key = (req.request_id, req.num_preemptions)
+        table = self.blocks.block_table(req.request_id)
+        entry = self._rows.get(key)
+        if entry is None:
+            row = self._free_rows.pop() if self._free_rows else self._grow_rows()
+            entry = [row, 0]
+        row, have = entry
+        if have < len(table):
+            self._table[row, have:len(table)] = torch.tensor(table[have:], dtype=self._table.dtype)
+            entry[1] = len(table)
+        self._live[key] = entry
+        return row
+
+    def _grow_rows(self) -> int:
+        n = self._table.shape[0]
+        self._table = torch.cat((self._table, torch.zeros_like(self._table)))
+        self._free_rows.extend(range(2 * n - 1, n, -1))
+        return n
+
+    def _end_pass(self) -> None:
+        """Rows of requests that were not in this pass go back to the free list."""
+        for key, (row, _) in self._rows.items():
+            if key not in self._live:
+                self._free_rows.append(row)
+        self._rows, self._live = self._live, {}
+
+    def _slots_of(self, rows: list[int], length: int) -> torch.Tensor:
+        """(len(rows), length) cache slots of positions [0, length) of each row's request."""
+        nblk = -(-length // self.blocks.block_size)
+        blocks = self._table[rows, :nblk] if len(rows) > 1 else self._table[rows[0]:rows[0] + 1, :nblk]
+        slots = blocks.to(torch.long)[:, :, None] * self.blocks.block_size + self._arange_bs
+        return slots.flatten(1)[:, :length]
+
+    def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[DecodeGroup]:
+        """Decodes (sorted by context length) in groups whose padding stays small."""
+        groups, i = [], 0
+        lens = [s.start + 1 for s in seqs]
+        while i < len(seqs):
+            j = i + 1  # grow while padding to the group's longest stays under PAD_SLACK x real
+            total = lens[i]
+            while j < len(seqs) and (j - i + 1) * lens[j] <= PAD_SLACK * (total + lens[j]) + PAD_MIN:
+                total += lens[j]
+                j += 1
+            slots = self._slots_of(rows[i:j], lens[j - 1])  # (B, Lmax), padded with real slots
+            lens_t = torch.tensor(lens[i:j], device=self.device)
+            arange = torch.arange(slots.shape[1], device=self.device)
+            mask = (arange[None, :] < lens_t[:, None])[:, None, None, :]  # (B, 1, 1, Lmax)
+            groups.append(DecodeGroup(i, slots, mask))
+            i = j
+        return groups
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Run the pass; returns logits (N, V) for the sequences that sample, in batch order."""
+        """Run the pass; returns logits (N, V) for the sequences that sample, in batch order.
+
+        Decodes are packed by context length (for the grouped attention), prefill chunks after
+        them; the logits come back in the batch's own order.
+        """
+        decodes = sorted(batch.decodes, key=lambda s: s.start)
+        bs = self.blocks.block_size
         ids: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []
-        bs = self.blocks.block_size
-        for seq in batch.seqs:
-            req, start, n = seq.request, seq.start, seq.num_tokens
-            table = self.blocks.block_table(req.request_id)
-            if n == 1:
-                ids.append(req.token_at(start))
-                slots.append(table[start // bs] * bs + start % bs)
-                positions.append(start)
-            else:
-                ids.extend((req.prompt_token_ids + req.output_token_ids)[start:start + n])
-                slots.extend(self.blocks.slots(req.request_id, start, start + n))
-                positions.extend(range(start, start + n))
-            if seq.samples:
-                sample_rows.append(len(ids) - 1)
+        row_of: dict[int, int] = {}  # id(seq) -> its sampling row in the packed batch
+        table_rows: list[int] = []
+        for seq in decodes:
+            req, start = seq.request, seq.start
+            ids.append(req.token_at(start))
+            positions.append(start)
+            slots.append(self.blocks.block_table(req.request_id)[start // bs] * bs + start % bs)
+            table_rows.append(self._row(req))
+            row_of[id(seq)] = len(ids) - 1
         prefills: list[PrefillMeta] = []
-        row = len(batch.decodes)
         for seq in batch.prefills:
-            start, n = seq.start, seq.num_tokens
+            req, start, n = seq.request, seq.start, seq.num_tokens
+            row = len(ids)
+            ids.extend(_token_slice(req, start, start + n))
+            positions.extend(range(start, start + n))
+            slots.extend(self.blocks.slots(req.request_id, start, start + n))
             if start == 0:
                 prefills.append(PrefillMeta(row, n, None, None))
             else:
                 ctx = start + n
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # (n, ctx)
-                ctx_slots = self._context_slots([seq.request.request_id], [ctx])[0]
-                prefills.append(PrefillMeta(row, n, ctx_slots, mask))
-            row += n
-        decode_slots = decode_mask = None
-        if batch.decodes:
-            lens = [s.start + 1 for s in batch.decodes]
-            decode_slots = self._context_slots([s.request.request_id for s in batch.decodes], lens)  # (B, Lmax)
-            lens_t = torch.tensor(lens, device=self.device)
-            arange = torch.arange(decode_slots.shape[1], device=self.device)
-            decode_mask = (arange[None, :] < lens_t[:, None])[:, None, None, :]  # (B, 1, 1, Lmax)
+                prefills.append(PrefillMeta(row, n, self._slots_of([self._row(req)], ctx)[0], mask))
+            if seq.samples:
+                row_of[id(seq)] = len(ids) - 1
+        groups = self._decode_groups(decodes, table_rows)
+        self._end_pass()
         meta = AttnMeta(self.k_cache, self.v_cache, torch.tensor(slots, device=self.device),
-                        len(batch.decodes), decode_slots, decode_mask, prefills)
+                        groups, prefills)
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)
         position_ids = torch.tensor([positions], device=self.device)  # (1, T)
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        keep = torch.tensor([row_of[id(s)] for s in batch.seqs if s.samples], dtype=torch.long,
+                            device=self.device)
         kwargs = {"logits_to_keep": keep} if self._keep_logits else {}
         logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             attn_meta=meta, **kwargs).logits[0]
         return logits if self._keep_logits else logits[keep]  # (N, V)
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """Token ids at positions [start, end) of prompt + output, without concatenating them."""
+    prompt, n = req.prompt_token_ids, len(req.prompt_token_ids)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return req.output_token_ids[start - n:end - n]
+    return prompt[start:] + req.output_token_ids[:end - n]

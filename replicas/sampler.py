@@ -1,4 +1,10 @@
-"""Token sampling (greedy / temperature / top-k / top-p / per-request seed) and stop checks."""
+"""Token sampling (greedy / temperature / top-k / top-p / per-request seed) and stop checks.
+
+All rows that sample are handled together: one temperature division, one top-k, one top-p
+over the candidates, and one draw by the exponential race (argmax of p / E with E ~ Exp(1) picks
+token i with probability p_i). A request with a seed draws its noise from its own generator, so
+its tokens are reproducible whatever else is in the batch.
+"""
 
 from __future__ import annotations
 
@@ -9,31 +15,52 @@ from replicas.request import Request, SamplingParams
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Pick one token per row of `logits` (N, V) for the matching request."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist()
-    out = list(greedy)
-    for i, req in enumerate(requests):
-        if not req.params.greedy:
-            out[i] = _sample_one(logits[i], req.params, req.generator)
-    return out
+    out = logits.argmax(dim=-1)
+    rows = [i for i, req in enumerate(requests) if not req.params.greedy]
+    if rows:
+        picked = _sample_rows(logits[rows].float(), [requests[i] for i in rows])
+        out[rows] = picked
+    return out.tolist()
 
 
-def _sample_one(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits (V,) -> one token id, reproducible when the request carries a seeded generator."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, idx = torch.sort(probs, descending=True)
-        cum = sorted_probs.cumsum(0)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (cum - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=gen)
-        return int(idx[choice])
-    return int(torch.multinomial(probs, 1, generator=gen))
+def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits (n, V) of non-greedy requests -> (n,) token ids."""
+    n, vocab = logits.shape
+    params = [r.params for r in requests]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ps = [p.top_p for p in params]
+    kmax = max(ks)
+    if kmax < vocab:  # every row keeps at most kmax candidates: work on those only
+        values, index = torch.topk(logits, kmax, dim=-1)  # sorted, descending
+        keep = torch.arange(kmax).unsqueeze(0) < torch.tensor(ks).unsqueeze(1)
+        values = values.masked_fill(~keep, float("-inf"))
+    elif any(k < vocab for k in ks) or any(p < 1.0 for p in ps):
+        values, index = torch.sort(logits, dim=-1, descending=True)
+        keep = torch.arange(vocab).unsqueeze(0) < torch.tensor(ks).unsqueeze(1)
+        values = values.masked_fill(~keep, float("-inf"))
+    else:  # plain temperature sampling over the whole vocabulary
+        return _race(torch.softmax(logits, dim=-1), requests)
+    probs = torch.softmax(values, dim=-1)  # (n, candidates), descending
+    if any(p < 1.0 for p in ps):
+        cum = probs.cumsum(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first candidate always stays).
+        drop = (cum - probs) >= torch.tensor(ps, dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(drop, 0.0)
+    choice = _race(probs, requests)
+    return index.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _race(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """One draw per row from (unnormalised) `probs`: argmax(p / E), E ~ Exp(1)."""
+    noise = torch.empty_like(probs)
+    seeded = [j for j, r in enumerate(requests) if r.generator is not None]
+    if len(seeded) < len(requests):
+        noise.exponential_()
+    for j in seeded:
+        noise[j].exponential_(generator=requests[j].generator)
+    return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
 
 
 def stop_token_hit(token_id: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> bool:

@@ -89,7 +89,6 @@ class SimReplica:
         self.last_report: ReplicaLoad | None = None
         self.last_report_t = float("-inf")
         self.last_report_tokens = 0
-        self.tokens_moved = 0  # tokens of requests that arrived or finished since the last report
         # TBT samples for the scaling decision: pending until the next report, then windowed
         # as the controller does (autoscale.load.SlidingWindow, 4096 samples per replica).
         self.window = SlidingWindow(tbt_window_s, 4096) if tbt_window_s else None
@@ -177,5 +176,4 @@ class SimReplica:
                                    tbt_samples=samples, timestamp=now)
         self.last_report, self.last_report_t = load, now
         self.last_report_tokens = load.token_load
-        self.tokens_moved = 0
         return load

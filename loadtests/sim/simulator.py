@@ -4,8 +4,8 @@ Events, in time order: request arrivals (from the trace), "pass ends on replica 
 model), "replica r is ready" (start-up delay), scaling ticks and stop checks. A replica runs
 `schedule()` only when it has work: at the end of each pass, or when a request reaches an idle
 replica. Routing happens at arrival over the ready, non-draining replicas. After a pass a replica
-reports its load when the LoadReporter would (every `report_interval_s`, or sooner after a jump
-of max(256 tokens, 25%)), and once more when it goes idle.
+reports its load when the LoadReporter would (`autoscale.load.ReportThrottle`: every 100 ms, or
+sooner after a jump of max(256 tokens, 25%)), and once more when it goes idle.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from autoscale.load import ReportThrottle
 from autoscale.routing import RequestCost
 from autoscale.scaling import ScalingConfig
 from loadtests.sim.metrics import Recorder
@@ -40,10 +41,7 @@ class SimConfig:
     router: str = "token_load"
     tbt_slo_s: float = 0.1
     ttft_slo_s: float = 2.0
-    report_interval_s: float = 0.1  # LoadReporter defaults
-    report_min_interval_s: float = 0.02
-    report_change_tokens: int = 256
-    report_change_fraction: float = 0.25
+    report: ReportThrottle = ReportThrottle()  # the LoadReporter's rule and defaults
     scaling: ScalingConfig | None = None
     scaling_interval_s: float = 1.0
     startup_s: float = 60.0
@@ -130,20 +128,13 @@ class Simulator:
     def _maybe_report(self, r: SimReplica, now: float, force: bool = False) -> None:
         if r.stop_t is not None:  # released: it reports no more
             return
-        cfg = self.cfg
-        elapsed = now - r.last_report_t
-        if not force and elapsed < cfg.report_interval_s:
-            if elapsed < cfg.report_min_interval_s:
-                return
-            # The reporter's jump rule, on the tokens that arrived plus those that left since the
-            # last report (an O(1) bound on the token load's change; decode growth is ignored).
-            prev = r.last_report_tokens
-            if r.tokens_moved < max(cfg.report_change_tokens, cfg.report_change_fraction * prev):
-                return
+        prev = r.last_report_tokens
+        change = r.scheduler.num_running_tokens + r.scheduler.num_waiting_tokens - prev
+        if not force and not self.cfg.report.due(now - r.last_report_t, change, prev):
+            return
         self.router.reported(r, r.report(now), now)
 
     def _on_finish(self, r: SimReplica, req: Request, now: float) -> None:
-        r.tokens_moved += req.num_tokens
         self.router.completed(req.request_id)
         if r.draining and r.num_requests == 0:
             self._retire(r, now)
@@ -268,7 +259,6 @@ class Simulator:
         cost = RequestCost(plen, plen + olen)
         r = self.router.choose(cost, self.routable, ta)
         r.add(req)
-        r.tokens_moved += plen
         self.router.routed(req.request_id, r, cost, ta)
         if r.batch is None:
             self._kick(r, ta)

@@ -108,13 +108,10 @@ def test_scheduler_reads_only_prompt_lengths(policy):
     for _ in range(500):
         if not s.has_unfinished():
             break
-        for seq in s.schedule().seqs:
-            r = seq.request
-            r.num_computed_tokens += seq.num_tokens
-            if seq.samples:
-                r.output_token_ids.append(0)
-                if len(r.output_token_ids) >= r.params.max_tokens:
-                    s.finish(r, RequestStatus.FINISHED_LENGTH)
+        batch = s.schedule()
+        for r in s.advance(batch, [0] * sum(seq.samples for seq in batch.seqs), now=0.0):
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
     assert all(r.is_finished for r in reqs)
 
 

@@ -1,0 +1,56 @@
+"""The batched sampler: greedy rows stay argmax, top-k/top-p keep exactly their candidates, draws
+follow the filtered distribution, and a seeded request's tokens do not depend on its batch."""
+
+from __future__ import annotations
+
+import torch
+
+from replicas.protocol import SamplingParams
+from replicas.request import Request
+from replicas.sampler import sample
+
+
+def req(**params: object) -> Request:
+    return Request("r", [1], SamplingParams(**params))  # type: ignore[arg-type]
+
+
+LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))  # probabilities at temperature 1
+
+
+def draws(params: dict, n: int = 4000) -> torch.Tensor:
+    """Token frequencies of n seeded requests sampled in one batch."""
+    rows = [req(**params, seed=i) for i in range(n)]
+    tokens = sample(LOGITS.expand(n, -1).clone(), rows)
+    return torch.bincount(torch.tensor(tokens), minlength=5) / n
+
+
+def test_greedy_rows_and_degenerate_filters_are_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 1.0], [0.0, 0.5, 4.0], [1.0, 5.0, 0.0]])
+    rows = [req(temperature=0), req(temperature=1.0, top_k=1), req(temperature=1.5, top_p=1e-6),
+            req(temperature=0)]
+    assert sample(logits, rows) == [1, 0, 2, 1]
+
+
+def test_draws_follow_the_filtered_distribution() -> None:
+    full = draws({"temperature": 1.0})
+    assert torch.allclose(full, torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]), atol=0.03)
+    top_k = draws({"temperature": 1.0, "top_k": 2})  # 0.5 : 0.2, renormalised
+    assert top_k[2:].sum() == 0 and abs(top_k[0] - 5 / 7) < 0.03
+    top_p = draws({"temperature": 1.0, "top_p": 0.8})  # the smallest prefix reaching 0.8: 3 tokens
+    assert top_p[3:].sum() == 0 and abs(top_p[0] - 0.5 / 0.85) < 0.03
+    both = draws({"temperature": 1.0, "top_k": 3, "top_p": 0.6})  # 0.5 + 0.2 reaches 0.6
+    assert both[2:].sum() == 0 and abs(both[0] - 5 / 7) < 0.03
+
+
+def test_a_seeded_request_draws_the_same_whatever_its_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+
+    def seeded_tokens(batch_rows: list[int]) -> list[int]:
+        rows = [req(temperature=0.9, top_p=0.9, top_k=20, seed=7) if i == 2 else req(temperature=1.0)
+                for i in batch_rows]
+        return [t for i, t in zip(batch_rows, sample(logits[batch_rows], rows)) if i == 2]
+
+    alone = [seeded_tokens([2]) for _ in range(3)]
+    crowded = seeded_tokens([0, 1, 2, 3, 4, 5])
+    assert alone[0] == alone[1] == alone[2] == crowded
