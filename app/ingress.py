@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -185,7 +186,9 @@ class OpenAIIngress:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - templates raise for unsupported role orders
+        except (TemplateError, ValueError) as exc:  # the template refused these messages
+            # (e.g. its raise_exception() on an unsupported role order): the client's to fix.
+            # Anything else is a server fault and reaches the 500 handler with its traceback.
             raise OpenAIError(400, f"messages do not fit the chat template: {exc}",
                               param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -119,7 +119,8 @@ class TbtSloPolicy:
                     ("desired_replicas", "Engine replicas the TBT-SLO policy asks for."),
                     ("cluster_tbt_p99_seconds", "p99 TBT over the scaling window, all replicas."),
                     ("cluster_tbt_slo_token_share", "Fraction of TBT samples (gaps) within the SLO (window)."))}
-            except Exception:
+            except Exception as exc:  # no Ray metrics here (e.g. a test): export nothing
+                logger.info("tbt_slo policy gauges disabled: %r", exc)
                 self._gauges = {}
         values = {"current_replicas": current, "desired_replicas": desired,
                   "cluster_tbt_p99_seconds": snapshot.tbt_p99_s, "cluster_tbt_slo_token_share": snapshot.tbt_slo_token_share}
@@ -127,15 +128,12 @@ class TbtSloPolicy:
             if values[key] is not None:
                 try:
                     gauge.record(float(values[key]), {})
-                except Exception:
-                    pass
+                except Exception as exc:  # a gauge must never stop the scaling decision
+                    logger.debug("policy gauge %s not recorded: %r", key, exc)
 
     @staticmethod
     def _metrics(ctx: Any) -> Mapping[str, Mapping[Any, float]] | None:
-        try:
-            return ctx.aggregated_metrics
-        except Exception:
-            return None
+        return getattr(ctx, "aggregated_metrics", None)  # absent in older Serve contexts
 
     def _snapshot(self, ids: list[str], since: float, now: float) -> ClusterSnapshot | None:
         """The latest controller snapshot that has arrived; starts the next fetch."""

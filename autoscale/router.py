@@ -64,6 +64,7 @@ class TokenLoadRouter(RequestRouter):
         self._rng = random.Random(seed)
         self._book = InFlightBook(reflect_grace_s=reflect_grace_s)
         self._keys: dict[ReplicaID, str] = {}
+        self._odd_call_logged = False
         self._controller: Any = None
         self._loads: dict[str, ReplicaLoad] = {}
         self._loads_at = float("-inf")  # router clock when the cached snapshot arrived
@@ -123,7 +124,11 @@ class TokenLoadRouter(RequestRouter):
             return RequestCost(0, 0)
         try:
             return request_cost(pending_request.args, pending_request.kwargs, self._default_max_tokens)
-        except Exception:  # an odd call shape must not break routing
+        except Exception as exc:  # an odd call shape must not break routing: rank it as free
+            if not self._odd_call_logged:
+                logger.warning("cannot read a request's token cost (%r); routing it as cost 0 "
+                               "(logged once)", exc)
+                self._odd_call_logged = True
             return RequestCost(0, 0)
 
     def _fresh_loads(self, now: float) -> dict[str, ReplicaLoad]:
@@ -139,8 +144,9 @@ class TokenLoadRouter(RequestRouter):
         if now - self._loads_at > self._stale_after_s and task is not None and not task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(task), self._stale_wait_s)
-            except Exception:  # timeout or failure: rank on what we have
-                pass
+            except (asyncio.TimeoutError, TimeoutError):  # rank on what we have; it keeps going
+                logger.debug("controller snapshot slower than %.3f s; routing on the cached view",
+                             self._stale_wait_s)
 
     def _maybe_refresh(self, now: float) -> None:
         """Start a background snapshot fetch if the cached one is older than the interval."""

@@ -9,8 +9,10 @@ The model's forward call is timed on its own (attention included: it runs inside
 
     overhead = iteration - forward = schedule + metadata + sampling + postprocess + metrics + load
 
-Two sampling mixes: all greedy, and half the rows sampling with temperature/top-p/top-k (the
-per-row cost of sampling shows there). Medians over the timed steps; noisy machine, read ratios.
+Three cases: all greedy; half the rows sampling with temperature/top-p/top-k (the per-row cost
+of sampling shows there); all greedy with one decode whose context is `--long-prompt` tokens
+(the cost of padding every decode to the longest context shows there, in the forward pass).
+Medians over the timed steps; noisy machine, read ratios.
 """
 
 from __future__ import annotations
@@ -45,7 +47,17 @@ class _Timed:
         return getattr(self.fn, item)
 
 
-def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int) -> dict[str, float]:
+def _publish(engine: Engine) -> None:
+    """What the async loop thread adds per pass to publish the load (AsyncEngine._publish)."""
+    if hasattr(engine, "last_load"):
+        _ = engine.last_load, tuple(engine.recent_tbt)
+    else:  # before the one-load-record change the loop built engine.load() twice per pass
+        engine.load()
+        engine.load()
+
+
+def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
+            long_prompt: int = 0) -> dict[str, float]:
     config = EngineConfig(max_num_seqs=decodes, max_batch_prefill_tokens=max(512, decodes * 2),
                           max_batch_total_tokens=decodes * 512, num_threads=threads)
     engine = Engine.from_pretrained(model, config)
@@ -53,7 +65,7 @@ def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int) -
     vocab = engine.vocab_size
     g = torch.Generator().manual_seed(0)
     for i in range(decodes):
-        prompt = torch.randint(10, vocab, (32,), generator=g).tolist()
+        prompt = torch.randint(10, vocab, (long_prompt if i == 0 and long_prompt else 32,), generator=g).tolist()
         if sampled and i % 2:
             params = SamplingParams(max_tokens=400, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)
         else:
@@ -66,15 +78,10 @@ def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int) -
     times: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
     runner.model = _Timed(runner.model, "forward", times)
-    publish = getattr(engine, "publish_load", None)
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
-        if publish is not None:
-            publish()
-        else:  # before the refactor the loop thread read engine.load() twice per pass
-            engine.load()
-            engine.load()
+        _publish(engine)
         times["iteration"].append(time.perf_counter() - t)
     assert len(engine.scheduler.running) == decodes, "every request must still be decoding"
     runner.model = runner.model.fn
@@ -90,15 +97,18 @@ def main() -> None:
     p.add_argument("--decodes", type=int, default=256)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--long-prompt", type=int, default=1536,
+                   help="greedy+long: one of the decodes has this long a context")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = {}
     print(f"{args.model}, {args.decodes} running decodes, {args.steps} timed passes, medians")
-    print(f"{'sampling':<10} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12}")
-    for name, sampled in (("greedy", False), ("mixed", True)):
-        row = measure(args.model, args.decodes, args.steps, sampled, args.threads)
+    print(f"{'case':<12} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12}")
+    for name, sampled, long_prompt in (("greedy", False, 0), ("mixed", True, 0),
+                                       ("greedy+long", False, args.long_prompt)):
+        row = measure(args.model, args.decodes, args.steps, sampled, args.threads, long_prompt)
         rows[name] = row
-        print(f"{name:<10} {row['iteration_ms']:>13.2f} {row['forward_ms']:>11.2f} {row['overhead_ms']:>12.2f}")
+        print(f"{name:<12} {row['iteration_ms']:>13.2f} {row['forward_ms']:>11.2f} {row['overhead_ms']:>12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "decodes": args.decodes, "steps": args.steps,

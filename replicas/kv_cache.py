@@ -73,6 +73,3 @@ class BlockManager:
         """Cache slot of each token position in [start, end)."""
         table, bs = self._tables[request_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._tables

@@ -13,10 +13,11 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from replicas.engine import Engine, IterationStats
-from replicas.scheduler import SchedulerOutput
+if TYPE_CHECKING:  # light at run time: the Serve controller (autoscale.policy) imports this
+    from replicas.engine import Engine, IterationStats
+    from replicas.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

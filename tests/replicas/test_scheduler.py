@@ -149,8 +149,8 @@ def test_preemption_picks_least_urgent_latest_and_recomputes():
     while s.has_unfinished():
         out = step(s)
         preempted += [r.request_id for r in out.preempted]
-    assert preempted and set(preempted) == {"b"}  # the lower-priority request yields
-    assert b.num_preemptions >= 1
+    assert preempted == ["b"]  # the lower-priority request yields, once
+    assert (a.num_preemptions, b.num_preemptions) == (0, 1)
     assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
     assert s.blocks.num_free == s.blocks.num_blocks
 
