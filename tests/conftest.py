@@ -3,18 +3,24 @@
 Use `ray_serve` for a running Ray + Serve (HTTP on a free 127.0.0.1 port) and `serve_app` for
 the default application (embedded tiny model) with its base URL and a handle to the engine
 replicas. Both live for the whole session; nothing is started for tests that need neither.
+
+Tests never sleep against a limit or time themselves: they wait for a condition with the
+`wait_until` / `await_until` fixtures (up to WAIT_S, then the test fails naming the condition),
+or inject a clock where the code takes one. `ray_serve.scrape()` reads Ray's metrics export.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
+import re
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -34,6 +40,50 @@ TEST_APP_ARGS: dict[str, Any] = {
     "max_body_bytes": 64 * 1024,
 }
 RAY_NUM_CPUS = 4
+# How long a poll may wait for its condition. Generous on purpose: CI is a busy 2-core machine,
+# and a poll returns as soon as the condition holds, so this only bounds a hang.
+WAIT_S = 60.0
+
+T = TypeVar("T")
+
+
+def poll(cond: Callable[[], T], timeout_s: float = WAIT_S, interval_s: float = 0.05,
+         what: str = "the condition") -> T:
+    """Call `cond()` until it returns something truthy and return that; fail the test after
+    `timeout_s`. Tests get it as the `wait_until` fixture."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not hold within {timeout_s:.0f} s (last: {value!r})")
+        time.sleep(interval_s)
+    return value
+
+
+async def apoll(cond: Callable[[], T | Awaitable[T]], timeout_s: float = WAIT_S,
+                interval_s: float = 0.05, what: str = "the condition") -> T:
+    """`poll` for async tests: `cond()` may return an awaitable. The `await_until` fixture."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not hold within {timeout_s:.0f} s (last: {value!r})")
+        await asyncio.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def wait_until() -> Callable[..., Any]:
+    """`wait_until(cond, what=...)`: see `poll` (test modules cannot import this conftest)."""
+    return poll
+
+
+@pytest.fixture(scope="session")
+def await_until() -> Callable[..., Any]:
+    """`await await_until(cond, what=...)`: see `apoll`."""
+    return apoll
 
 
 def free_port() -> int:
@@ -41,6 +91,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """One scrape of a Prometheus text exposition: {(name, labels): value}."""
+
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+    @classmethod
+    def parse(cls, text: str) -> Metrics:
+        samples = {}
+        for line in text.splitlines():
+            m = re.match(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$', line)
+            if not m or line.startswith("#"):
+                continue
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            samples[(m.group(1), labels)] = float(m.group(3))
+        return cls(samples)
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum over every series of `name` that carries `labels` (among others)."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.samples.items() if n == name and want <= ls)
 
 
 @dataclass
@@ -52,6 +125,12 @@ class RayServe:
 
     def url(self, route_prefix: str = "") -> str:
         return f"http://127.0.0.1:{self.http_port}{route_prefix}"
+
+    def scrape(self) -> Metrics:
+        """Every process's metrics as Ray exports them now (each process reports every ~1 s)."""
+        import httpx
+
+        return Metrics.parse(httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=60).text)
 
 
 @dataclass
@@ -69,20 +148,6 @@ class ServeApp:
     async def aload(self) -> dict[str, Any]:
         """The replica's load report (call from async code)."""
         return await self.llm.load.remote()
-
-    async def wait_idle(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Poll until nothing runs or waits and every KV block is free; returns the last report."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            load = await self.aload()
-            if is_idle(load) or time.monotonic() > deadline:
-                return load
-            await asyncio.sleep(0.05)
-
-
-def is_idle(load: dict[str, Any]) -> bool:
-    return (load["num_running"] == 0 and load["num_waiting"] == 0
-            and load["free_blocks"] == load["total_blocks"])
 
 
 @pytest.fixture(scope="session")
