@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -131,35 +132,82 @@ async def test_32_concurrent_streams(aclient: httpx.AsyncClient, reference) -> N
     assert [text for text, _, _ in results] == expected
 
 
-async def test_disconnect_mid_stream_frees_kv_blocks(aclient: httpx.AsyncClient, serve_app) -> None:  # noqa: ANN001
-    assert await serve_app.wait_idle(), "replica busy before the test"
-    max_tokens = 1500  # >2 s at the engine's fastest: far longer than the test waits
-    body = {"prompt": [7] * 8, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    async with aclient.stream("POST", "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        received = 0
-        async for line in resp.aiter_lines():
-            received += line.startswith("data: ")
-            if received == 3:  # measure while still reading: leaving the loop disconnects
-                busy = await serve_app.aload()
-                break
-    assert busy["num_running"] == 1 and busy["free_blocks"] < busy["total_blocks"], busy
-    left_at = time.monotonic()  # leaving the block closed the connection mid-stream
-    load = await serve_app.wait_idle(timeout_s=1.0)
-    assert load["num_running"] == 0 and load["num_waiting"] == 0
-    assert load["free_blocks"] == load["total_blocks"], load
-    assert time.monotonic() - left_at < 1.0  # aborted, not run to its 1500 tokens
+DISCONNECT_APP = "disconnect"
+# The disconnect tests count the replica's finished requests, so they get a replica of their own
+# (nothing else finishes there; a shared one's counts could lag an earlier test's by an export).
+DISCONNECT_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-disconnect",
+                       "num_cpus": 0.5, "ingress_num_cpus": 0.1}
+FINISHED = "ray_stallfree_request_success_total"  # by finished_reason, from the replica
 
 
-async def test_disconnect_while_waiting_for_a_whole_completion(serve_app) -> None:  # noqa: ANN001
-    assert await serve_app.wait_idle(), "replica busy before the test"
+@dataclass
+class Disconnect:
+    """The disconnect app: its URL, a handle to its replica, the session's Ray metrics, and how
+    many requests the tests sent it (each ends as one finished or aborted request)."""
+
+    url: str
+    llm: Any
+    ray_serve: Any
+    sent: int = 0
+
+    async def running(self) -> int:
+        return (await self.llm.load.remote()).num_running
+
+    async def idle(self) -> Any:
+        load = await self.llm.load.remote()
+        free = load.free_blocks == load.total_blocks
+        return load if load.num_running == load.num_waiting == 0 and free else None
+
+    def finished(self) -> tuple[float, float] | None:
+        """(aborted, run to length) requests of this app, once the export counts every request
+        sent here (each process exports about every second, so a scrape can lag); else None."""
+        now = self.ray_serve.scrape()
+        if now.total(FINISHED, application=DISCONNECT_APP) != self.sent:
+            return None
+        return tuple(now.total(FINISHED, application=DISCONNECT_APP, finished_reason=reason)
+                     for reason in ("abort", "length"))
+
+    async def counted(self, await_until: Any) -> tuple[float, float]:
+        return await await_until(self.finished, interval_s=0.5, what="every request sent counted")
+
+
+@pytest.fixture(scope="module")
+def disconnect(extra_app, ray_serve) -> Iterator[Disconnect]:  # noqa: ANN001 - tests/conftest.py
+    from ray import serve
+
+    with extra_app(DISCONNECT_APP, DISCONNECT_APP_ARGS) as url:
+        yield Disconnect(url, serve.get_deployment_handle("LLMServer", app_name=DISCONNECT_APP), ray_serve)
+
+
+async def test_disconnect_mid_stream_frees_kv_blocks(disconnect: Disconnect, await_until) -> None:  # noqa: ANN001
+    aborted, finished = await disconnect.counted(await_until)
+    body = {"prompt": [7] * 8, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=disconnect.url, timeout=120) as client:
+        disconnect.sent += 1
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            received = 0
+            async for line in resp.aiter_lines():
+                received += line.startswith("data: ")
+                if received == 3:  # leaving the loop disconnects mid-stream
+                    break
+    await await_until(disconnect.idle, what="the stream's KV blocks freed")
+    # Aborted, not run to its 1500 tokens: the replica counts one abort and no finish.
+    assert await disconnect.counted(await_until) == (aborted + 1, finished)
+
+
+async def test_disconnect_while_waiting_for_a_whole_completion(disconnect: Disconnect, await_until) -> None:  # noqa: ANN001
+    aborted, finished = await disconnect.counted(await_until)
     body = {"prompt": [7] * 8, "max_tokens": 1500, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=serve_app.base_url, timeout=0.5) as client:
-        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-            await client.post("/v1/completions", json=body)
-    load = await serve_app.wait_idle(timeout_s=1.0)
-    assert load["num_running"] == 0 and load["free_blocks"] == load["total_blocks"], load
+    async with httpx.AsyncClient(base_url=disconnect.url, timeout=120) as client:
+        disconnect.sent += 1
+        post = asyncio.create_task(client.post("/v1/completions", json=body))
+        await await_until(lambda: disconnect.running(), what="the completion running")
+        post.cancel()  # the client gives up and closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await post
+    await await_until(disconnect.idle, what="the completion's KV blocks freed")
+    assert await disconnect.counted(await_until) == (aborted + 1, finished)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
