@@ -4,13 +4,14 @@ name from anywhere and fed by `LoadReporter` fire-and-forget."""
 
 from __future__ import annotations
 
-import time
+import dataclasses
 import uuid
 
 import pytest
 
 from autoscale.controller import LoadBook, get_or_create_controller, kill_controller, replica_key
 from autoscale.load import ClusterSnapshot
+from replicas.protocol import ReplicaLoad
 
 
 class Clock:
@@ -21,9 +22,9 @@ class Clock:
         return self.t
 
 
-def report(running: int, waiting: int, samples: list[float], ts: float = 0.0) -> dict:
-    return {"running_tokens": running, "waiting_tokens": waiting, "free_blocks": 10,
-            "total_blocks": 20, "block_size": 16, "tbt_samples": samples, "timestamp": ts}
+def report(running: int, waiting: int, samples: list[float], ts: float = 0.0) -> ReplicaLoad:
+    return ReplicaLoad(running_tokens=running, waiting_tokens=waiting, free_blocks=10, total_blocks=20,
+                       block_size=16, tbt_samples=tuple(samples), timestamp=ts)
 
 
 def test_aggregates_over_two_replicas():
@@ -31,12 +32,12 @@ def test_aggregates_over_two_replicas():
     book = LoadBook(window_s=10.0, stale_after_s=2.0, clock=clock)
     book.report("a", report(100, 20, [0.01] * 50))
     book.report("b", report(300, 0, [0.02] * 49 + [0.5]))
-    snap = ClusterSnapshot.from_dict(book.snapshot(tbt_slo_s=0.1))
+    snap = book.snapshot(tbt_slo_s=0.1)
     assert sorted(snap.replicas) == ["a", "b"]
     assert snap.replicas["a"].token_load == 120 and snap.replicas["a"].tbt_samples == ()
     assert (snap.running_tokens, snap.waiting_tokens, snap.num_tbt_samples) == (400, 20, 100)
-    assert snap.tbt_p50_s == 0.01 and snap.tbt_p99_s == 0.02 and snap.slo_attainment == 0.99
-    only_b = ClusterSnapshot.from_dict(book.snapshot(["b", "unknown"], with_tbt=False))
+    assert snap.tbt_p50_s == 0.01 and snap.tbt_p99_s == 0.02 and snap.tbt_slo_token_share == 0.99
+    only_b = book.snapshot(["b", "unknown"], with_tbt=False)
     assert list(only_b.replicas) == ["b"] and only_b.num_tbt_samples == 0
 
 
@@ -46,11 +47,11 @@ def test_window_and_since_limit_the_samples():
     book.report("a", report(0, 0, [0.9] * 10))
     clock.t += 6.0
     book.report("a", report(0, 0, [0.1] * 10))
-    assert book.snapshot()["num_tbt_samples"] == 20
-    assert book.snapshot(window_s=5.0)["tbt_p99_s"] == 0.1
-    assert book.snapshot(since=clock.t - 1)["num_tbt_samples"] == 10
+    assert book.snapshot().num_tbt_samples == 20
+    assert book.snapshot(window_s=5.0).tbt_p99_s == 0.1
+    assert book.snapshot(since=clock.t - 1).num_tbt_samples == 10
     clock.t += 5.0  # the first batch is now 11 s old
-    assert book.snapshot()["num_tbt_samples"] == 10
+    assert book.snapshot().num_tbt_samples == 10
 
 
 def test_stale_replicas_are_dropped_and_remove_forgets():
@@ -63,7 +64,7 @@ def test_stale_replicas_are_dropped_and_remove_forgets():
     clock.t += 1.0  # a silent for 2.5 s, b for 1 s
     assert book.replica_ids() == ["b"]
     book.remove("b")
-    assert book.snapshot()["replicas"] == {}
+    assert book.snapshot().replicas == {}
 
 
 def test_replica_key_is_serves_full_id_string():
@@ -77,54 +78,74 @@ def test_replica_key_is_serves_full_id_string():
 
 @pytest.fixture
 def controller(ray_serve):
+    """A controller of its own. Its limits run on its real clock, so they are far beyond any
+    wait here: nothing a test reports goes stale or leaves the TBT window before it is read."""
     name, namespace = f"ctl_{uuid.uuid4().hex[:8]}", "stallfree_test"
-    handle = get_or_create_controller(name, namespace, stale_after_s=0.5, window_s=5.0)
+    handle = get_or_create_controller(name, namespace, stale_after_s=600.0, window_s=600.0)
     yield name, namespace, handle
     kill_controller(name, namespace)
 
 
-def test_actor_snapshot_from_reporters(controller):
+def test_actor_snapshot_from_reporters(controller, wait_until):
     import ray
 
     from autoscale.reporter import LoadReporter
 
     name, namespace, handle = controller
     assert get_or_create_controller(name, namespace)._actor_id == handle._actor_id  # found by name
-    a = LoadReporter("fake-a", controller_name=name, namespace=namespace)
-    b = LoadReporter("fake-b", controller_name=name, namespace=namespace)
-    load = {"running_tokens": 500, "waiting_tokens": 100, "free_blocks": 5, "total_blocks": 10,
-            "block_size": 16, "recent_tbt_s": [0.01, 0.02, 0.03], "num_tbt_samples": 3}
-    assert a.maybe_report(load) and b.maybe_report({**load, "running_tokens": 10, "recent_tbt_s": [0.2],
-                                                     "num_tbt_samples": 1})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        snap = ClusterSnapshot.from_dict(ray.get(handle.snapshot.remote(tbt_slo_s=0.1)))
-        if len(snap.replicas) == 2:
-            break
-        time.sleep(0.05)
+    clock = Clock()  # reporters send when their clock says so, not when the test happens to run
+    a = LoadReporter("fake-a", controller_name=name, namespace=namespace, clock=clock)
+    b = LoadReporter("fake-b", controller_name=name, namespace=namespace, clock=clock)
+    load = ReplicaLoad(running_tokens=500, waiting_tokens=100, free_blocks=5, total_blocks=10, block_size=16)
+    assert a.maybe_report(load, tbt=(3, [0.01, 0.02, 0.03]))
+    assert b.maybe_report(dataclasses.replace(load, running_tokens=10), tbt=(1, [0.2]))
+
+    def both() -> ClusterSnapshot | None:
+        snap = ray.get(handle.snapshot.remote(tbt_slo_s=0.1))
+        return snap if len(snap.replicas) == 2 else None
+
+    snap = wait_until(both, what="both reports received")
     assert snap.replicas["fake-a"].token_load == 600 and snap.replicas["fake-b"].token_load == 110
-    assert snap.num_tbt_samples == 4 and snap.tbt_p99_s == 0.2 and snap.slo_attainment == 0.75
-    # Both stop reporting: gone after stale_after_s.
-    time.sleep(0.7)
-    assert ray.get(handle.replica_ids.remote()) == []
-    # A reporter that is told to stop deregisters at once.
-    a.maybe_report(load, now=time.time() + 1)
-    time.sleep(0.2)
-    assert ray.get(handle.replica_ids.remote()) == ["fake-a"]
+    assert snap.num_tbt_samples == 4 and snap.tbt_p99_s == 0.2 and snap.tbt_slo_token_share == 0.75
+    # A reporter that is told to stop deregisters at once; the other stays.
     a.stop()
-    time.sleep(0.2)
-    assert ray.get(handle.replica_ids.remote()) == []
+    wait_until(lambda: ray.get(handle.replica_ids.remote()) == ["fake-b"], what="fake-a removed")
+    clock.t += 1.0  # a report is due again
+    assert b.maybe_report(load)
+    wait_until(lambda: ray.get(handle.snapshot.remote()).running_tokens == 500,
+               what="fake-b's new load")
 
 
-def test_reporter_survives_a_dead_controller(controller):
+def test_actor_drops_replicas_that_stop_reporting(ray_serve, wait_until):
+    import ray
+
+    name, namespace = f"ctl_{uuid.uuid4().hex[:8]}", "stallfree_test"
+    handle = get_or_create_controller(name, namespace, stale_after_s=0.5)
+    try:
+        ray.get(handle.report.remote("fake-s", report(1, 0, [])))  # from now on only staleness removes it
+        # Not asserted present first: on a busy machine 0.5 s may pass before the test looks.
+        wait_until(lambda: ray.get(handle.replica_ids.remote()) == [], what="fake-s dropped as stale")
+    finally:
+        kill_controller(name, namespace)
+
+
+def test_reporter_survives_a_dead_controller(controller, wait_until):
     from autoscale.reporter import LoadReporter
 
     name, namespace, handle = controller
-    rep = LoadReporter("fake-c", controller_name=name, namespace=namespace)
-    assert rep.maybe_report({"running_tokens": 1}, now=1.0)
+    # The reporter's clock stands still: no lookup retry (LOOKUP_RETRY_S) comes due, so the
+    # dead controller is neither found again nor re-created during the test.
+    rep = LoadReporter("fake-c", controller_name=name, namespace=namespace, clock=Clock())
+    assert rep.maybe_report(ReplicaLoad(running_tokens=1), now=1.0)
     kill_controller(name, namespace)
-    time.sleep(0.5)
-    for i in range(5):  # never raises; the failed report is noticed and the handle dropped
-        rep.maybe_report({"running_tokens": 1}, now=2.0 + i)
-        time.sleep(0.1)
-    assert rep.num_failed >= 1
+    reports = iter(range(2, 10_000))
+
+    def failure_noticed() -> bool:  # never raises; the failed report is noticed, the handle dropped
+        rep.maybe_report(ReplicaLoad(running_tokens=1), now=float(next(reports)))
+        return rep.num_failed > 0
+
+    wait_until(failure_noticed, interval_s=0.1, what="the failed report noticed")
+    sent = rep.num_sent
+    for now in (20_000.0, 20_001.0):  # without a handle nothing is sent, so nothing more fails
+        rep.maybe_report(ReplicaLoad(running_tokens=1), now=now)
+    assert (rep.num_sent, rep.num_failed) == (sent, 1)
