@@ -1,13 +1,20 @@
 """On real Serve replicas (a fake token server that reports load like the engine does): a replica
 busy with a long prompt gets no new requests while another is free; with an artificially low
-TBT SLO under load the deployment scales up within seconds and back down once load stops; and a
-stream in progress on the replica scaled away still completes."""
+TBT SLO under load the deployment scales up, and back down once load stops; and a stream in
+progress on the replica scaled away still completes.
+
+Nothing here races the clock: held requests wait until cancelled, streams that must outlive
+the scale-down wait for a file the test creates, and every wait polls with a generous deadline.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +30,8 @@ def fake_token_server(controller_name: str, namespace: str) -> Any:
     `params`: `max_tokens`, `tbt_s` (real sleep per token), `hold_s` (time the prompt waits
     before its first token, counted as waiting tokens), `extra_waiting` (more waiting tokens to
     report meanwhile: load this router never saw, as if another ingress had sent it),
-    `fake_tbt_s` (TBT to report instead of the measured one, so a stream looks fast).
+    `fake_tbt_s` (TBT to report instead of the measured one, so a stream looks fast),
+    `until_path` (stop before `max_tokens` once this file exists, then yield `{"sent": n}`).
     Built inside a function so Ray pickles it by value (the test module is not importable there).
     """
     import random as _random
@@ -32,6 +40,7 @@ def fake_token_server(controller_name: str, namespace: str) -> Any:
 
     from autoscale.controller import current_replica_key
     from autoscale.reporter import LoadReporter
+    from replicas.protocol import ReplicaLoad
 
     class FakeTokenServer:
         def __init__(self) -> None:
@@ -40,13 +49,12 @@ def fake_token_server(controller_name: str, namespace: str) -> Any:
             self.running: dict[str, int] = {}
             self.tbt: list[float] = []
             self.reporter = LoadReporter(controller_name=controller_name, namespace=namespace)
-            self.reporter.start(self.load)
+            self.reporter.start(self.load, get_tbt=lambda: (len(self.tbt), self.tbt[-64:]))
 
-        def load(self) -> dict[str, Any]:
-            return {"running_tokens": sum(self.running.values()), "waiting_tokens": sum(self.waiting.values()),
-                    "num_running": len(self.running), "num_waiting": len(self.waiting),
-                    "free_blocks": 10_000, "total_blocks": 10_000, "block_size": 16,
-                    "recent_tbt_s": self.tbt[-64:], "num_tbt_samples": len(self.tbt)}
+        def load(self) -> ReplicaLoad:
+            return ReplicaLoad(running_tokens=sum(self.running.values()),
+                               waiting_tokens=sum(self.waiting.values()), num_running=len(self.running),
+                               num_waiting=len(self.waiting), free_blocks=10_000, total_blocks=10_000)
 
         def record_autoscaling_stats(self) -> dict[str, float]:
             return self.reporter.autoscaling_stats()
@@ -60,14 +68,20 @@ def fake_token_server(controller_name: str, namespace: str) -> Any:
                 self.waiting.pop(rid)
                 self.running[rid] = len(prompt_token_ids)
                 last = time.monotonic()
+                until, sent = params.get("until_path"), 0
                 for i in range(params["max_tokens"]):
+                    if until is not None and os.path.exists(until):
+                        break
                     await asyncio.sleep(params.get("tbt_s", 0.02))
                     now = time.monotonic()
                     fake = params.get("fake_tbt_s")
                     self.tbt.append(fake * (1 + 0.01 * _random.random()) if fake else now - last)
                     last = now
                     self.running[rid] += 1
+                    sent += 1
                     yield i
+                if until is not None:
+                    yield {"sent": sent}
             finally:
                 self.waiting.pop(rid, None)
                 self.running.pop(rid, None)
@@ -82,17 +96,41 @@ def running_replicas(app: str, deployment: str = "FakeTokenServer") -> int:
     return sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
 
 
+async def open_stream(handle: Any, prompt_len: int, **params: Any) -> tuple[str, Any]:
+    """Start one request: (replica key that serves it, the stream past that first item)."""
+    gen = handle.options(stream=True).generate.remote(list(range(prompt_len)), params)
+    return await anext(gen), gen
+
+
+async def count(gen: AsyncIterator[Any]) -> int:
+    """Tokens received to the end of a stream; with `until_path`, checked against what the
+    replica says it sent (a stream cut short would miss its last item)."""
+    items = [item async for item in gen]
+    if items and isinstance(items[-1], dict):
+        *items, summary = items
+        assert summary == {"sent": len(items)}, (summary, len(items))
+        return len(items)
+    return len(items)
+
+
 async def stream(handle: Any, prompt_len: int, **params: Any) -> tuple[str, int]:
     """Run one request to the end: (replica key that served it, tokens received)."""
-    gen = handle.options(stream=True).generate.remote(list(range(prompt_len)), params)
-    replica = None
-    count = 0
-    async for item in gen:
-        if replica is None:
-            replica = item
-        else:
-            count += 1
-    return replica, count
+    replica, gen = await open_stream(handle, prompt_len, **params)
+    return replica, await count(gen)
+
+
+def controller_of(ctl: str, ns: str) -> Any:
+    """The test's own controller, made before any replica reports: its replicas go stale only
+    after a minute, so a slow report on a busy machine never hides one from the router."""
+    from autoscale.controller import get_or_create_controller
+
+    return get_or_create_controller(ctl, ns, stale_after_s=60.0)
+
+
+async def waiting_tokens(controller: Any) -> dict[str, int]:
+    """Each replica's waiting tokens as the controller has them now."""
+    snap = await controller.snapshot.remote(with_tbt=False)
+    return {key: load.waiting_tokens for key, load in snap.replicas.items()}
 
 
 @pytest.fixture
@@ -108,48 +146,82 @@ def names(ray_serve):
 
 @pytest.fixture(scope="module")
 def two_replicas(ray_serve):
-    """The fake server on 2 fixed replicas behind the token-load router."""
+    """The fake server on 2 fixed replicas behind the token-load router, which here refreshes
+    the controller's view before every routing decision and waits for it as long as it takes
+    (by default it waits 0.1 s at most, which a busy machine can overrun): the burst tests
+    rank on what the controller knows, not on how fast the machine is. Yields the handle and
+    the controller."""
     from ray import serve
 
     tag = uuid.uuid4().hex[:8]
     app, ctl, ns = f"app_{tag}", f"ctl_{tag}", "stallfree_test"
+    controller = controller_of(ctl, ns)
     dep = fake_token_server(ctl, ns).options(
         num_replicas=2, max_ongoing_requests=100, ray_actor_options={"num_cpus": 0},
-        **deployment_options("token_load", controller_name=ctl, namespace=ns))
-    yield serve.run(dep.bind(), name=app, route_prefix=None)
+        **deployment_options("token_load", controller_name=ctl, namespace=ns, refresh_interval_s=0.0,
+                             stale_after_s=0.0, stale_wait_s=60.0, snapshot_timeout_s=60.0,
+                             max_snapshot_age_s=60.0))
+    handle = serve.run(dep.bind(), name=app, route_prefix=None)
+    yield handle, controller
     serve.delete(app)
     kill_controller(ctl, ns)
 
 
 async def short_burst(handle: Any, n: int = 10) -> list[str]:
     results = await asyncio.gather(*(stream(handle, 10, max_tokens=2, tbt_s=0.01) for _ in range(n)))
-    assert all(count == 2 for _, count in results)
+    assert [count for _, count in results] == [2] * n
     return [replica for replica, _ in results]
 
 
-async def test_new_requests_avoid_the_replica_busy_with_a_long_prompt(two_replicas):
-    long_req = asyncio.create_task(stream(two_replicas, 5000, max_tokens=1, hold_s=3.0))
-    await asyncio.sleep(0.5)
-    served = await short_burst(two_replicas)
-    busy, _ = await long_req
-    assert busy not in served and len(set(served)) == 1, (busy, served)
+async def both_replicas_serve(handle: Any, await_until: Any) -> None:
+    """Wait until this handle's router sends a burst to both replicas (it learns of a replica
+    some time after Serve reports it running)."""
+    async def split() -> bool:
+        return len(set(await short_burst(handle, 4))) == 2
+
+    await await_until(split, interval_s=0.2, what="a burst split over both replicas")
 
 
-async def test_load_only_the_controller_knows_steers_requests(two_replicas):
+async def held_request_is_avoided(two_replicas: Any, await_until: Any, prompt_len: int,
+                                  waiting: int, **params: Any) -> None:
+    """Hold one request (until cancelled) that its replica reports as `waiting` tokens; once the
+    controller shows that, a burst of short requests all goes to the other replica."""
+    handle, controller = two_replicas
+    await both_replicas_serve(handle, await_until)
+    busy, held = await open_stream(handle, prompt_len, max_tokens=1, hold_s=3600.0, **params)
+    try:
+        async def reported() -> bool:
+            return (await waiting_tokens(controller)).get(busy) == waiting
+
+        await await_until(reported, what="the held request reported")
+        served = await short_burst(handle)
+    finally:
+        held.cancel()
+    [other] = set(served)
+    assert other != busy, (busy, served)
+
+    async def gone() -> bool:
+        return set((await waiting_tokens(controller)).values()) == {0}
+
+    await await_until(gone, what="the held request cancelled")
+
+
+async def test_new_requests_avoid_the_replica_busy_with_a_long_prompt(two_replicas, await_until):
+    await held_request_is_avoided(two_replicas, await_until, 5000, 5000)
+
+
+async def test_load_only_the_controller_knows_steers_requests(two_replicas, await_until):
     """A 1-token request that the replica reports as 50k waiting tokens (as if another ingress
     had routed a long prompt there): only the controller snapshot reveals it; this router's
     own ledger alone would split the burst across both replicas."""
-    hidden = asyncio.create_task(stream(two_replicas, 1, max_tokens=1, hold_s=3.0, extra_waiting=50_000))
-    await asyncio.sleep(0.5)  # reported (100 ms) and read by the router (50 ms)
-    served = await short_burst(two_replicas)
-    busy, _ = await hidden
-    assert busy not in served and len(set(served)) == 1, (busy, served)
+    await held_request_is_avoided(two_replicas, await_until, 1, 50_001, extra_waiting=50_000)
 
 
-async def test_scales_up_on_slo_breach_and_down_without_cutting_streams(names):
+async def test_scales_up_on_slo_breach_and_down_without_cutting_streams(names, await_until, tmp_path: Path):
     from ray import serve
 
     app, ctl, ns = names
+    controller_of(ctl, ns)
     scaling = ScalingConfig(tbt_slo_s=0.005, window_s=2.0, min_replicas=1, max_replicas=2,
                             upscale_cooldown_s=0.5, downscale_cooldown_s=1.0, downscale_stable_s=1.0,
                             min_samples=5, queued_tokens_per_replica=None)
@@ -160,29 +232,27 @@ async def test_scales_up_on_slo_breach_and_down_without_cutting_streams(names):
     handle = serve.run(dep.bind(), name=app, route_prefix=None)
     assert running_replicas(app) == 1
 
-    # Load: real TBT ~20 ms against a 5 ms SLO. Keep streams going until a second replica runs.
-    start = time.monotonic()
-    load = [asyncio.create_task(stream(handle, 50, max_tokens=50, tbt_s=0.02)) for _ in range(4)]
-    while running_replicas(app) < 2:
-        assert time.monotonic() - start < 30, "did not scale up"
-        if all(t.done() for t in load):
-            load = [asyncio.create_task(stream(handle, 50, max_tokens=50, tbt_s=0.02)) for _ in range(4)]
-        await asyncio.sleep(0.2)
-    scale_up_s = time.monotonic() - start
-    await asyncio.gather(*load)
+    # Load: real TBT >= 20 ms against a 5 ms SLO, in batches until a second replica runs and
+    # takes part of a batch.
+    async def scaled_up() -> bool:
+        results = await asyncio.gather(*(stream(handle, 50, max_tokens=50, tbt_s=0.02) for _ in range(4)))
+        assert [n for _, n in results] == [50] * 4
+        return running_replicas(app) == 2 and len({r for r, _ in results}) == 2
 
-    # Load stops. One long, fast-looking stream per replica (the second goes to the replica the
-    # first left free); the policy then removes a replica while both are mid-stream.
-    first = asyncio.create_task(stream(handle, 200, max_tokens=90, tbt_s=0.1, fake_tbt_s=0.001))
-    await asyncio.sleep(0.5)
-    second = asyncio.create_task(stream(handle, 200, max_tokens=90, tbt_s=0.1, fake_tbt_s=0.001))
-    start = time.monotonic()
-    while running_replicas(app) > 1:
-        assert time.monotonic() - start < 30, "did not scale down"
-        await asyncio.sleep(0.2)
-    scale_down_s = time.monotonic() - start
-    assert not (first.done() and second.done()), "scale-down came only after the streams ended"
-    (r1, n1), (r2, n2) = await asyncio.gather(first, second)
-    assert r1 != r2 and n1 == n2 == 90  # the stream on the removed replica was not cut
-    print(f"scale up after {scale_up_s:.1f} s, down after {scale_down_s:.1f} s")
-    assert scale_up_s < 20
+    await await_until(scaled_up, interval_s=0.0, what="scale-up to 2 replicas")
+
+    # Load stops. One fast-looking stream per replica (the router's ledger sends the second to
+    # the replica the first left free), each running until the test opens the gate; the policy
+    # removes a replica while both are mid-stream.
+    gate = tmp_path / "streams_may_end"
+    params = {"max_tokens": 100_000, "tbt_s": 0.1, "fake_tbt_s": 0.001, "until_path": str(gate)}
+    try:
+        r1, first = await open_stream(handle, 200, **params)
+        r2, second = await open_stream(handle, 200, **params)
+        assert r1 != r2
+        counts = [asyncio.ensure_future(count(first)), asyncio.ensure_future(count(second))]
+        await await_until(lambda: running_replicas(app) == 1, interval_s=0.2, what="scale-down to 1")
+        assert not any(c.done() for c in counts)  # held by the gate: the scale-down came mid-stream
+    finally:
+        gate.touch()
+    await asyncio.gather(*counts)  # each ends with the replica's own count: the removed one was not cut
