@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 APP = "death"
+NUM_STREAMS = 6
 DEATH_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-death", "num_replicas": 2,
                   "num_cpus": 0.5, "ingress_num_cpus": 0.1, "max_batch_total_tokens": 4096}
 
@@ -34,18 +34,12 @@ def running_replicas() -> int:
     return sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
 
 
-async def replica_loads(timeout_s: float = 60.0, want: int = 2) -> dict[str, Any]:
-    """This app's engine replicas as the controller sees them (key: the replica actor's name)."""
+async def replica_loads() -> dict[str, Any]:
+    """This app's engine replicas as the controller sees them now (key: the replica actor's name)."""
     from autoscale.controller import get_or_create_controller
 
-    controller = get_or_create_controller()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = await controller.snapshot.remote(None, with_tbt=False)
-        mine = {k: v for k, v in snap["replicas"].items() if f"{APP}#LLMServer#" in k}
-        if len(mine) >= want or time.monotonic() > deadline:
-            return mine
-        await asyncio.sleep(0.1)
+    snap = await get_or_create_controller().snapshot.remote(None, with_tbt=False)
+    return {k: v for k, v in snap.replicas.items() if f"{APP}#LLMServer#" in k}
 
 
 async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
@@ -60,26 +54,30 @@ async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[str]
     return events
 
 
-async def test_killing_a_replica_mid_stream(death_url: str) -> None:
+async def test_killing_a_replica_mid_stream(death_url: str, await_until) -> None:  # noqa: ANN001
     import ray
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=death_url, timeout=120, limits=limits) as client:
-        assert len(await replica_loads()) == 2
-        started = [asyncio.Event() for _ in range(6)]
+        async def both_reporting() -> bool:
+            return len(await replica_loads()) == 2
+
+        await await_until(both_reporting, interval_s=0.1, what="both replicas reporting")
+        started = [asyncio.Event() for _ in range(NUM_STREAMS)]
         streams = [asyncio.create_task(stream(client, ev)) for ev in started]
         for ev in started:
             await asyncio.wait_for(ev.wait(), 60)
-        # Kill (SIGKILL) the process of a replica that is streaming now.
-        deadline = time.monotonic() + 30
-        while True:
+
+        async def all_running() -> dict[str, Any] | None:
+            """The loads once the reports show every stream running (each lasts 1500 tokens)."""
             loads = await replica_loads()
-            busy = [k for k, v in loads.items() if v["num_running"] > 0]
-            if busy or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
-        assert busy, loads
-        victim = ray.get_actor(busy[0], namespace="serve")
+            return loads if sum(v.num_running for v in loads.values()) == NUM_STREAMS else None
+
+        loads = await await_until(all_running, what=f"{NUM_STREAMS} streams reported running")
+        # Kill (SIGKILL) the process of a replica that is streaming now.
+        victim_key, victim_load = max(loads.items(), key=lambda kv: kv[1].num_running)
+        on_victim = victim_load.num_running
+        victim = ray.get_actor(victim_key, namespace="serve")
         pid = await victim.__ray_call__.remote(lambda self: os.getpid())
         os.kill(pid, signal.SIGKILL)
         # Requests sent during recovery succeed.
@@ -98,8 +96,6 @@ async def test_killing_a_replica_mid_stream(death_url: str) -> None:
         else:
             last = json.loads(events[-2])
             assert last["choices"][0]["finish_reason"] == "length"
-    assert failed >= 1  # the victim's streams (the other replica's completed, above)
-    deadline = time.monotonic() + 120
-    while running_replicas() < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-    assert running_replicas() == 2
+    assert failed == on_victim  # exactly the victim's streams (the other replica's completed, above)
+    await await_until(lambda: running_replicas() == 2, timeout_s=120, interval_s=0.5,
+                      what="Serve replacing the replica")
