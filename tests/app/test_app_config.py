@@ -14,7 +14,7 @@ from ray.serve import Application
 from app.args import AppArgs
 from app.builder import build_app, llm_deployment_options
 from app.errors import OpenAIError, from_exception
-from replicas.deployment import InvalidRequestError, QueueFullError
+from replicas.protocol import InvalidRequestError, QueueFullError
 
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 
@@ -52,9 +52,9 @@ def test_builder_options() -> None:
     fixed = llm_deployment_options(AppArgs(num_replicas=2, num_cpus=2, num_gpus=0.5))
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0.5}
-    assert fixed["max_ongoing_requests"] >= 100
+    assert fixed["max_ongoing_requests"] == 256  # AppArgs' default
     assert fixed["request_router_config"].request_router_class.endswith("TokenLoadRouter")
-    assert fixed["graceful_shutdown_timeout_s"] >= 60
+    assert fixed["graceful_shutdown_timeout_s"] == 820.0  # 4096 tokens at twice 100 ms, rounded up
     counted = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=4, autoscale_by="ongoing_requests"))
     assert counted["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in counted
     slo = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=3, tbt_slo_ms=80))
@@ -104,7 +104,7 @@ def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
     assert AppArgs(num_replicas=3).resolved_ingress_replicas == 2
     assert AppArgs(min_replicas=1, max_replicas=4, tbt_slo_ms=50).resolved_ingress_replicas == 2
     assert AppArgs(num_replicas=3, ingress_replicas=5).resolved_ingress_replicas == 5
-    assert args.ingress_num_cpus >= 0.5
+    assert args.ingress_num_cpus == 0.5
     ingress = build_app(AppArgs(num_replicas=2)).__dict__  # the bound ingress deployment
     deployment = ingress["_bound_deployment"]
     assert deployment.num_replicas == 2

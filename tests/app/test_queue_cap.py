@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -25,17 +24,7 @@ def queue_app_url(extra_app) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.
         yield url
 
 
-async def wait_queued(handle, tokens: int, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
-    """Poll the replica until `tokens` prompt tokens wait in its queue."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        load = await handle.load.remote()
-        if load["queued_tokens"] == tokens or time.monotonic() > deadline:
-            return load
-        await asyncio.sleep(0.02)
-
-
-async def test_queue_cap_answers_429_with_retry_after(queue_app_url: str) -> None:
+async def test_queue_cap_answers_429_with_retry_after(queue_app_url: str, await_until) -> None:  # noqa: ANN001
     from ray import serve
 
     handle = serve.get_deployment_handle("LLMServer", app_name="queuecap")
@@ -48,7 +37,11 @@ async def test_queue_cap_answers_429_with_retry_after(queue_app_url: str) -> Non
             while not (await anext(lines)).startswith("data: "):
                 pass  # wait for its first token: it runs, and holds the only sequence slot
             queued = asyncio.create_task(client.post("/v1/completions", json=waiting))
-            assert (await wait_queued(handle, 40))["queued_tokens"] == 40  # 40 tokens now wait
+
+            async def queued_40() -> bool:
+                return (await handle.load.remote()).waiting_tokens == 40
+
+            await await_until(queued_40, interval_s=0.02, what="40 prompt tokens queued")
             refused = await client.post("/v1/completions", json={"prompt": [5] * 40})
         # The long stream was closed: the waiting request runs, and the queue drains.
         assert (await queued).status_code == 200

@@ -58,7 +58,7 @@ def test_stalls_are_counted_under_dynamic():
     assert value(reg, "stallfree_tbt_slo_tokens_total", within_slo="false") == 14
 
 
-def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles():
+def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles(wait_until):
     from replicas.async_engine import AsyncEngine
 
     reg = CollectorRegistry()
@@ -70,16 +70,13 @@ def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles():
             stream = await loop.add_request([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "a")
             await anext(stream)  # it runs: the gauges show it
             assert value(reg, "stallfree_num_requests_running") == 1
-            assert value(reg, "stallfree_kv_cache_usage_perc") > 0
+            assert value(reg, "stallfree_kv_cache_usage_perc") > 0  # how far it got varies
             await stream.aclose()  # the caller leaves: the request is aborted between passes
 
         import asyncio
-        import time
         asyncio.run(run())
-        deadline = time.monotonic() + 30
-        while value(reg, "stallfree_kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert value(reg, "stallfree_kv_cache_usage_perc") == 0
+        wait_until(lambda: value(reg, "stallfree_kv_cache_usage_perc") == 0, interval_s=0.01,
+                   what="the aborted request's KV cache freed")
         assert value(reg, "stallfree_num_requests_running") == 0
         assert value(reg, "stallfree_num_requests_waiting") == 0
         assert value(reg, "stallfree_token_load") == 0
