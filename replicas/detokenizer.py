@@ -16,7 +16,9 @@ class IncrementalDetokenizer:
 
     Decodes a short window (prefix_offset..end) and emits only what extends the previous
     window's text; if the new text ends in U+FFFD the token split a multi-byte character,
-    so nothing is emitted until the next token completes it.
+    so nothing is emitted until the next token completes it. With a fast tokenizer that does not
+    override decoding, `tokenizers`' DecodeStream runs that same algorithm in Rust, one call a
+    token.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
@@ -24,6 +26,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self._backend_decode = _backend_decode(tokenizer)
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._stream = _decode_stream(self.ids) if self._backend_decode is not None else None
+        self._backend = getattr(tokenizer, "_tokenizer", None)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stop = stop
@@ -40,12 +44,22 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if the text now contains one."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new = self._decode(self.ids[self.prefix_offset:])
-        if len(new) > len(prefix) and not new.endswith("\ufffd"):
-            before = len(self.text)
-            self.text += new[len(prefix):]
+        if self._stream is not None:
+            chunk = self._stream.step(self._backend, token_id)
+            if chunk is None:
+                return None
+            self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
+            self.read_offset = len(self.ids)
+        else:
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            new = self._decode(self.ids[self.prefix_offset:])
+            if len(new) <= len(prefix) or new.endswith("\ufffd"):
+                return None
+            chunk = new[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if chunk:
+            before = len(self.text)
+            self.text += chunk
             if self.stop:
                 hit = find_stop_string(self.text, self.stop, before)
                 if hit is not None:
@@ -83,3 +97,11 @@ def _backend_decode(tokenizer: PreTrainedTokenizerBase):  # noqa: ANN202 - a bou
     if cls._decode is not PreTrainedTokenizerFast._decode or cls.decode is not PreTrainedTokenizerFast.decode:
         return None
     return getattr(getattr(tokenizer, "_tokenizer", None), "decode", None)
+
+
+def _decode_stream(context_ids: list[int]):  # noqa: ANN202 - tokenizers.decoders.DecodeStream
+    try:
+        from tokenizers.decoders import DecodeStream
+        return DecodeStream(ids=context_ids, skip_special_tokens=True)
+    except (ImportError, TypeError):  # tokenizers too old for a prefilled stream
+        return None

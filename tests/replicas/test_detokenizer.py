@@ -1,0 +1,56 @@
+"""Incremental detokenization: the deltas join to exactly the full decode, multi-byte characters
+are never split, stop strings cut the text; the Rust stream and the Python fallback agree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from replicas.detokenizer import IncrementalDetokenizer
+from replicas.model_files import load_tokenizer
+
+TEXT = "Hello wörld: 🙂 naïve 日本語 text, and $3.99 — done."
+
+
+@pytest.fixture(scope="module")
+def tok():  # noqa: ANN201
+    return load_tokenizer("embedded:tiny")
+
+
+def run(tok, ids: list[int], prompt: list[int], stream: bool, stop: tuple[str, ...] = ()):  # noqa: ANN001, ANN201
+    d = IncrementalDetokenizer(tok, prompt, stop)
+    assert (d._stream is not None) is True  # the embedded tokenizer is a plain fast tokenizer
+    if not stream:
+        d._stream = None
+    deltas, hit = [], None
+    for i in ids:
+        hit = d.add_token(i)
+        deltas.append(d.take_delta(False))
+        if hit is not None:
+            break
+    if hit is None:
+        d.flush()
+    deltas.append(d.take_delta(True))
+    return deltas, hit
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_deltas_join_to_the_full_decode(tok, stream: bool) -> None:  # noqa: ANN001
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    deltas, _ = run(tok, ids, prompt, stream)
+    assert "".join(deltas) == TEXT
+    assert all("\ufffd" not in d for d in deltas)  # no character was ever split
+    rng = random.Random(0)  # arbitrary ids too: the same text as one decode of them all
+    noise = [rng.randrange(len(tok)) for _ in range(400)]
+    full = tok.decode(prompt + noise, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    start = tok.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "".join(run(tok, noise, prompt, stream)[0]) == full[len(start):]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_stop_string_cuts_and_holds_back(tok, stream: bool) -> None:  # noqa: ANN001
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    deltas, hit = run(tok, ids, [], stream, stop=("naïve",))
+    assert hit == "naïve" and "".join(deltas) == TEXT[:TEXT.index("naïve")]
