@@ -58,15 +58,10 @@ def _publish(engine: Engine) -> None:
 
 def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
             long_prompt: int = 0) -> dict[str, float]:
-    import inspect
-    background_metrics = "background" in inspect.signature(EngineMetrics).parameters
     config = EngineConfig(max_num_seqs=decodes, max_batch_prefill_tokens=max(512, decodes * 2),
                           max_batch_total_tokens=decodes * 512, num_threads=threads)
     engine = Engine.from_pretrained(model, config)
-    # As in a replica: the loop collects each pass's numbers, a background thread records them.
-    extra = {"background": True} if background_metrics else {}  # older code: synchronous only
-    metrics = EngineMetrics(PrometheusBackend(), model, tbt_slo_s=0.1, **extra)
-    engine.observers.append(metrics)
+    engine.observers.append(EngineMetrics(PrometheusBackend(), model, tbt_slo_s=0.1))
     vocab = engine.vocab_size
     g = torch.Generator().manual_seed(0)
     for i in range(decodes):

@@ -92,7 +92,7 @@ class LLMServer:
         backend = metrics_backend or (RayBackend() if in_serve else None)
         if backend is not None:
             slo = config.tbt_slo_ms / 1000 if config.tbt_slo_ms else None
-            engine.observers.append(EngineMetrics(backend, config.model, slo, background=in_serve))
+            engine.observers.append(EngineMetrics(backend, config.model, slo))
         self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s)
         # Load reports to the controller at iteration granularity (only inside Serve).
         self.reporter = reporter_factory() if reporter_factory is not None else None
