@@ -218,27 +218,30 @@ class Engine:
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        detok = self._detok[req.request_id]
-        stop = detok.add_token(token)
+        stop = self._detok[req.request_id].add_token(token)
         if stop is not None:
             req.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
-        if stop_token_hit(token, req.params, self.eos_token_ids):
-            req.stop_reason = token if token in req.params.stop_token_ids else None
+        params = req.params
+        if stop_token_hit(token, params, self.eos_token_ids):
+            req.stop_reason = token if token in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+        n_out = len(req.output_token_ids)
+        if n_out >= params.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _emit(self, req: Request) -> RequestOutput:
         detok = self._detok[req.request_id]
-        finished = req.is_finished
+        finished = req.status > RequestStatus.PREEMPTED  # is_finished, inlined: once per token
         if finished and not isinstance(req.stop_reason, str):
             detok.flush()  # a stop string already cut the text; anything else keeps it all
-        out = RequestOutput(req.request_id, detok.take_delta(finished),
-                            req.output_token_ids[req.num_sent_tokens:], finished, req.finish_reason,
-                            req.num_prompt_tokens, len(req.output_token_ids), req.stop_reason)
-        req.num_sent_tokens = len(req.output_token_ids)
+        out_ids = req.output_token_ids
+        n_out = len(out_ids)
+        out = RequestOutput(req.request_id, detok.take_delta(finished), out_ids[req.num_sent_tokens:],
+                            finished, req.finish_reason if finished else None,
+                            len(req.prompt_token_ids), n_out, req.stop_reason)
+        req.num_sent_tokens = n_out
         if finished:
             del self.requests[req.request_id]
             del self._detok[req.request_id]

@@ -207,12 +207,21 @@ class ModelRunner:
         positions: list[int] = []
         row_of: dict[int, int] = {}  # id(seq) -> its sampling row in the packed batch
         table_rows: list[int] = []
-        for seq in decodes:
+        block_table, rows, live = self.blocks.block_table, self._rows, self._live
+        for seq in decodes:  # the hot loop: one decode each, the common cases inlined
             req, start = seq.request, seq.start
-            ids.append(req.token_at(start))
+            n_prompt = len(req.prompt_token_ids)
+            ids.append(req.prompt_token_ids[start] if start < n_prompt else req.output_token_ids[start - n_prompt])
             positions.append(start)
-            slots.append(self.blocks.block_table(req.request_id)[start // bs] * bs + start % bs)
-            table_rows.append(self._row(req))
+            table = block_table(req.request_id)
+            slots.append(table[start // bs] * bs + start % bs)
+            key = (req.request_id, req.num_preemptions)
+            entry = rows.get(key)
+            if entry is not None and entry[1] == len(table):  # its row is up to date
+                live[key] = entry
+                table_rows.append(entry[0])
+            else:
+                table_rows.append(self._row(req))
             row_of[id(seq)] = len(ids) - 1
         prefills: list[PrefillMeta] = []
         for seq in batch.prefills:
