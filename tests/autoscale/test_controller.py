@@ -122,9 +122,11 @@ def test_actor_drops_replicas_that_stop_reporting(ray_serve, wait_until):
     name, namespace = f"ctl_{uuid.uuid4().hex[:8]}", "stallfree_test"
     handle = get_or_create_controller(name, namespace, stale_after_s=0.5)
     try:
-        ray.get(handle.report.remote("fake-s", report(1, 0, [])))  # from now on only staleness removes it
+        ray.get(handle.report.remote("fake-s", report(1, 0, [0.01] * 5)))  # only staleness removes it
         # Not asserted present first: on a busy machine 0.5 s may pass before the test looks.
         wait_until(lambda: ray.get(handle.replica_ids.remote()) == [], what="fake-s dropped as stale")
+        snap = ray.get(handle.snapshot.remote())  # its load and its TBT samples went with it
+        assert snap.replicas == {} and snap.num_tbt_samples == 0 and snap.token_load == 0
     finally:
         kill_controller(name, namespace)
 

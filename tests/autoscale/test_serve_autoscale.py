@@ -182,10 +182,11 @@ async def both_replicas_serve(handle: Any, await_until: Any) -> None:
     await await_until(split, interval_s=0.2, what="a burst split over both replicas")
 
 
-async def held_request_is_avoided(two_replicas: Any, await_until: Any, prompt_len: int,
-                                  waiting: int, **params: Any) -> None:
+async def burst_beside_a_held_request(two_replicas: Any, await_until: Any, prompt_len: int,
+                                      waiting: int, **params: Any) -> tuple[str, list[str]]:
     """Hold one request (until cancelled) that its replica reports as `waiting` tokens; once the
-    controller shows that, a burst of short requests all goes to the other replica."""
+    controller shows that, send a burst of short requests. Returns (the busy replica, the replica
+    each burst request went to), after the held request is cancelled and its load is gone."""
     handle, controller = two_replicas
     await both_replicas_serve(handle, await_until)
     busy, held = await open_stream(handle, prompt_len, max_tokens=1, hold_s=3600.0, **params)
@@ -197,24 +198,26 @@ async def held_request_is_avoided(two_replicas: Any, await_until: Any, prompt_le
         served = await short_burst(handle)
     finally:
         held.cancel()
-    [other] = set(served)
-    assert other != busy, (busy, served)
 
     async def gone() -> bool:
         return set((await waiting_tokens(controller)).values()) == {0}
 
     await await_until(gone, what="the held request cancelled")
+    return busy, served
 
 
 async def test_new_requests_avoid_the_replica_busy_with_a_long_prompt(two_replicas, await_until):
-    await held_request_is_avoided(two_replicas, await_until, 5000, 5000)
+    busy, served = await burst_beside_a_held_request(two_replicas, await_until, 5000, 5000)
+    assert len(served) == 10 and len(set(served)) == 1 and busy not in served, (busy, served)
 
 
 async def test_load_only_the_controller_knows_steers_requests(two_replicas, await_until):
     """A 1-token request that the replica reports as 50k waiting tokens (as if another ingress
     had routed a long prompt there): only the controller snapshot reveals it; this router's
     own ledger alone would split the burst across both replicas."""
-    await held_request_is_avoided(two_replicas, await_until, 1, 50_001, extra_waiting=50_000)
+    busy, served = await burst_beside_a_held_request(two_replicas, await_until, 1, 50_001,
+                                                     extra_waiting=50_000)
+    assert len(served) == 10 and len(set(served)) == 1 and busy not in served, (busy, served)
 
 
 async def test_scales_up_on_slo_breach_and_down_without_cutting_streams(names, await_until, tmp_path: Path):
