@@ -226,14 +226,13 @@ class Engine:
         if stop_token_hit(token, params, self.eos_token_ids):
             req.stop_reason = token if token in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
-        n_out = len(req.output_token_ids)
-        if n_out >= params.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _emit(self, req: Request) -> RequestOutput:
         detok = self._detok[req.request_id]
-        finished = req.status > RequestStatus.PREEMPTED  # is_finished, inlined: once per token
+        finished = req.is_finished
         if finished and not isinstance(req.stop_reason, str):
             detok.flush()  # a stop string already cut the text; anything else keeps it all
         out_ids = req.output_token_ids

@@ -136,18 +136,17 @@ class ModelRunner:
         self._rows: dict[tuple[str, int], list[int]] = {}  # key -> [row, blocks written]
         self._live: dict[tuple[str, int], list[int]] = {}
 
-    def _row(self, req: Request) -> int:
-        """The request's row of the persistent block table, its new blocks written in.
+    def _row(self, req: Request, table: list[int]) -> int:
+        """The request's row of the persistent block table (`table`: its block table now), its
+        new blocks written in.
 
         Keyed by (id, preemptions): a preempted request comes back with new blocks. A request
         absent from a pass gives its row back (rows are cheap to fill again).
         """
         key = (req.request_id, req.num_preemptions)
-        table = self.blocks.block_table(req.request_id)
         entry = self._rows.get(key)
         if entry is None:
-            row = self._free_rows.pop() if self._free_rows else self._grow_rows()
-            entry = [row, 0]
+            entry = [self._free_rows.pop() if self._free_rows else self._grow_rows(), 0]
         row, have = entry
         if have < len(table):
             self._table[row, have:len(table)] = torch.tensor(table[have:], dtype=self._table.dtype)
@@ -171,8 +170,7 @@ class ModelRunner:
     def _slots_of(self, rows: list[int], length: int) -> torch.Tensor:
         """(len(rows), length) cache slots of positions [0, length) of each row's request."""
         nblk = -(-length // self.blocks.block_size)
-        blocks = self._table[rows, :nblk] if len(rows) > 1 else self._table[rows[0]:rows[0] + 1, :nblk]
-        slots = blocks.to(torch.long)[:, :, None] * self.blocks.block_size + self._arange_bs
+        slots = self._table[rows, :nblk].to(torch.long)[:, :, None] * self.blocks.block_size + self._arange_bs
         return slots.flatten(1)[:, :length]
 
     def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[DecodeGroup]:
@@ -207,21 +205,13 @@ class ModelRunner:
         positions: list[int] = []
         row_of: dict[int, int] = {}  # id(seq) -> its sampling row in the packed batch
         table_rows: list[int] = []
-        block_table, rows, live = self.blocks.block_table, self._rows, self._live
-        for seq in decodes:  # the hot loop: one decode each, the common cases inlined
+        for seq in decodes:
             req, start = seq.request, seq.start
-            n_prompt = len(req.prompt_token_ids)
-            ids.append(req.prompt_token_ids[start] if start < n_prompt else req.output_token_ids[start - n_prompt])
+            ids.append(req.token_at(start))
             positions.append(start)
-            table = block_table(req.request_id)
+            table = self.blocks.block_table(req.request_id)
             slots.append(table[start // bs] * bs + start % bs)
-            key = (req.request_id, req.num_preemptions)
-            entry = rows.get(key)
-            if entry is not None and entry[1] == len(table):  # its row is up to date
-                live[key] = entry
-                table_rows.append(entry[0])
-            else:
-                table_rows.append(self._row(req))
+            table_rows.append(self._row(req, table))
             row_of[id(seq)] = len(ids) - 1
         prefills: list[PrefillMeta] = []
         for seq in batch.prefills:
@@ -236,7 +226,8 @@ class ModelRunner:
                 ctx = start + n
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # (n, ctx)
-                prefills.append(PrefillMeta(row, n, self._slots_of([self._row(req)], ctx)[0], mask))
+                table_row = self._row(req, self.blocks.block_table(req.request_id))
+                prefills.append(PrefillMeta(row, n, self._slots_of([table_row], ctx)[0], mask))
             if seq.samples:
                 row_of[id(seq)] = len(ids) - 1
         groups = self._decode_groups(decodes, table_rows)

@@ -255,12 +255,11 @@ class Scheduler:
         i = 0
         while i < len(running):
             req = running[i]
-            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)  # hot: inlined
-            if not req.output_token_ids or num_tokens - req.num_computed_tokens > 1:  # prefilling
+            if req.is_prefilling:
                 prefilling.append(req)
                 i += 1
                 continue
-            while not allocate(req.request_id, num_tokens):
+            while not allocate(req.request_id, req.num_tokens):
                 victim = running[-1]  # least urgent, latest; never one already scheduled
                 self._preempt(victim, out)
                 if victim is req:
