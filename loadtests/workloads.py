@@ -9,6 +9,8 @@ prompts, the same lengths and the same arrival schedule.
   by default), all arriving at t=0 (offline throughput) unless a Poisson rate is given.
 - `long_prompt_workload`: short requests all decoding, while a few long prompts arrive at
   intervals: the case where a prefill-first scheduler stalls every running stream.
+- `long_context_workload`: a few long-context requests decoding beside many short ones, all at
+  t=0: the case where decode attention padded to the longest context costs what it should not.
 - `poisson_arrivals` / `with_poisson_arrivals`: an open-loop arrival schedule.
 """
 
@@ -161,12 +163,22 @@ def poisson_arrivals(rng: np.random.Generator, n: int, rate: float, start_s: flo
     return [float(start_s + t) for t in np.cumsum(gaps)]
 
 
-def with_poisson_arrivals(workload: Workload, rate: float, seed: int | None = None) -> Workload:
-    """The same requests re-timed as a Poisson process (the first arrives after one gap)."""
+def with_poisson_arrivals(workload: Workload, rate: float, seed: int | None = None,
+                          name: str | None = None) -> Workload:
+    """The same requests re-timed as a Poisson process (the first arrives after one gap),
+    named `name` (default: the workload's own name)."""
     rng = np.random.default_rng(workload.seed if seed is None else seed)
     times = poisson_arrivals(rng, len(workload), rate)
     reqs = [dataclasses.replace(r, arrival_s=t) for r, t in zip(workload.requests, times)]
-    return Workload(workload.name, reqs, workload.seed, {**workload.settings, "poisson_rate": rate})
+    return Workload(name or workload.name, reqs, workload.seed,
+                    {**workload.settings, "poisson_rate": rate})
+
+
+def _requests(rng: np.random.Generator, kind: str, prompt_lens: list[int], output_lens: Sequence[int],
+              arrivals: Sequence[float], vocab_size: int, avoid_ids: Sequence[int]) -> list[WorkloadRequest]:
+    """Requests `{kind}-0`, `{kind}-1`, ... with random prompts of the given lengths."""
+    return [WorkloadRequest(f"{kind}-{i}", random_prompt(rng, p, vocab_size, avoid_ids), o, t, kind)
+            for i, (p, o, t) in enumerate(zip(prompt_lens, output_lens, arrivals))]
 
 
 # ---- workloads ----------------------------------------------------------------------
@@ -208,13 +220,35 @@ def long_prompt_workload(vocab_size: int, seed: int = 0, *, num_short: int = 16,
     rng = np.random.default_rng(seed)
     s_p, s_o = short_prompt.sample(rng, num_short), short_output.sample(rng, num_short)
     l_p = long_prompt.sample(rng, num_long)
-    reqs = [WorkloadRequest(f"short-{i}", random_prompt(rng, p, vocab_size, avoid_ids), o, 0.0, "short")
-            for i, (p, o) in enumerate(zip(s_p, s_o))]
-    reqs += [WorkloadRequest(f"long-{i}", random_prompt(rng, p, vocab_size, avoid_ids), long_output,
-                             first_long_s + i * long_interval_s, "long")
-             for i, p in enumerate(l_p)]
+    reqs = _requests(rng, "short", s_p, s_o, [0.0] * num_short, vocab_size, avoid_ids)
+    reqs += _requests(rng, "long", l_p, [long_output] * num_long,
+                      [first_long_s + i * long_interval_s for i in range(num_long)], vocab_size, avoid_ids)
     settings = {"short_prompt": dataclasses.asdict(short_prompt),
                 "short_output": dataclasses.asdict(short_output),
                 "long_prompt": dataclasses.asdict(long_prompt), "long_output": long_output,
                 "first_long_s": first_long_s, "long_interval_s": long_interval_s}
     return Workload("long_prompt", reqs, seed, settings)
+
+
+def long_context_workload(vocab_size: int, seed: int = 0, *, num_long: int = 2, num_short: int = 32,
+                          long_prompt: LengthDist = LengthDist("uniform", 1700, 1500, 1900),
+                          long_output: int = 128,
+                          short_prompt: LengthDist = LengthDist("uniform", 96, 64, 128),
+                          short_output: LengthDist = LengthDist("uniform", 96, 64, 128),
+                          avoid_ids: Sequence[int] = ()) -> Workload:
+    """`num_long` long-context requests, then `num_short` short ones, all at t=0.
+
+    After the prefills most passes decode the few long contexts beside many short ones: the KV
+    the batch really holds is ~num_long x 1800 + num_short x (at most 256) tokens, while decode
+    attention padded to the longest context reads (num_long + num_short) x ~1800. The long prompts stop
+    at 1900 so prompt + output fits a 2048-position model (embedded:tiny as well).
+    """
+    rng = np.random.default_rng(seed)
+    l_p = long_prompt.sample(rng, num_long)
+    s_p, s_o = short_prompt.sample(rng, num_short), short_output.sample(rng, num_short)
+    reqs = _requests(rng, "long", l_p, [long_output] * num_long, [0.0] * num_long, vocab_size, avoid_ids)
+    reqs += _requests(rng, "short", s_p, s_o, [0.0] * num_short, vocab_size, avoid_ids)
+    settings = {"long_prompt": dataclasses.asdict(long_prompt), "long_output": long_output,
+                "short_prompt": dataclasses.asdict(short_prompt),
+                "short_output": dataclasses.asdict(short_output)}
+    return Workload("long_context", reqs, seed, settings)

@@ -1,21 +1,23 @@
 """The engine benchmark runs end to end on the tiny model: every system produces a row with
-positive throughput, the JSON holds the rows and config, and the metrics are computed right."""
+positive throughput on every workload, the JSON holds the rows and config, the workloads are
+what they claim, and the metrics and target ratios are computed right."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from loadtests.bench_engine import Trace, check_targets, kv_capacity, main, summarize
+from loadtests.bench_engine import (POISSON_RATE, WORKLOADS, Trace, build_workloads, check_targets,
+                                    kv_capacity, main, summarize)
 from loadtests.workloads import long_prompt_workload
 
-SYSTEMS = {
-    "chat": ["hf_generate_static16", "hf_generate_batch", "engine_static", "engine_dynamic",
-             "engine_stall_free"],
-    "long_prompt": ["engine_static", "engine_dynamic", "engine_stall_free"],
-}
+ENGINE = ["engine_static", "engine_dynamic", "engine_stall_free"]
+ALL = ["hf_generate_static16", "hf_generate_batch", *ENGINE]
+SYSTEMS = {"chat": ALL, "chat_poisson": ALL, "long_prompt": ENGINE, "long_context": ALL}
+VOCAB = 32000
 
 
 def test_summarize_computes_ttft_tbt_and_throughput() -> None:
@@ -36,6 +38,36 @@ def test_kv_capacity_is_what_sixteen_padded_sequences_hold() -> None:
     assert kv_capacity(w, 16) <= 16 * w.max_total_len
 
 
+@pytest.mark.parametrize("quick", [True, False])
+def test_workloads_are_deterministic_and_chat_poisson_is_chat_retimed(quick: bool) -> None:
+    ws = build_workloads(VOCAB, [0, 1, 2], quick, seed=0)
+    assert tuple(w.name for w in ws) == WORKLOADS
+    assert [w.requests for w in ws] == [w.requests for w in build_workloads(VOCAB, [0, 1, 2], quick, seed=0)]
+    chat, poisson = ws[0], ws[1]
+    assert [dataclasses.replace(r, arrival_s=0.0) for r in poisson.requests] == chat.requests
+    arrivals = [r.arrival_s for r in poisson.requests]
+    rate = POISSON_RATE["quick" if quick else "full"]
+    assert arrivals == sorted(arrivals) and 0 < arrivals[0] < 5 / rate  # starts within a few gaps
+    assert 0.5 * len(chat) / rate < arrivals[-1] < 2 * len(chat) / rate
+    assert poisson.settings["poisson_rate"] == rate
+    assert build_workloads(VOCAB, [], quick, 0, poisson_rate=3.0)[1].settings["poisson_rate"] == 3.0
+
+
+def test_long_context_sizes_and_kv_capacity() -> None:
+    """Quick: 2 longs of 1000-1200 + 96 out, 16 shorts; flags override the counts. Every system's
+    KV (16 x longest) holds all requests at once several times over: nothing is KV-bound."""
+    context = build_workloads(VOCAB, [], quick=True, seed=0)[3]
+    longs = [r for r in context.requests if r.kind == "long"]
+    shorts = [r for r in context.requests if r.kind == "short"]
+    assert len(longs) == 2 and len(shorts) == 16
+    assert all(1000 <= r.prompt_len <= 1200 and r.max_tokens == 96 for r in longs)
+    assert all(64 <= r.prompt_len <= 128 and 48 <= r.max_tokens <= 96 for r in shorts)
+    full = build_workloads(VOCAB, [], quick=False, seed=0, context_longs=3, context_shorts=20)[3]
+    assert [r.kind for r in full.requests].count("long") == 3 and len(full) == 23
+    for w in (context, full):
+        assert kv_capacity(w, 16) > 3 * sum(r.total_len for r in w.requests)
+
+
 def test_targets_compare_ratios() -> None:
     rows = [{"workload": "long_prompt", "system": "engine_stall_free", "output_tok_s": 95.0,
              "tbt_p99_s": 0.1},
@@ -47,10 +79,32 @@ def test_targets_compare_ratios() -> None:
     assert t["engine_stall_free / hf_generate_batch output_tok_s"]["met"] is None
 
 
+def test_targets_on_chat_poisson_and_long_context() -> None:
+    """stall_free >= 4x HF static and >= 1.5x generate_batch on chat; >= 1.5x generate_batch
+    on chat_poisson and long_context."""
+    def row(workload: str, system: str, tok_s: float) -> dict:
+        return {"workload": workload, "system": system, "output_tok_s": tok_s, "tbt_p99_s": 0.1}
+
+    rows = [row("chat", "engine_stall_free", 300.0), row("chat", "hf_generate_static16", 80.0),
+            row("chat", "hf_generate_batch", 150.0),
+            row("chat_poisson", "engine_stall_free", 200.0), row("chat_poisson", "hf_generate_batch", 160.0),
+            row("long_context", "engine_stall_free", 240.0), row("long_context", "hf_generate_batch", 100.0),
+            {"workload": "long_context", "system": "hf_generate_static16", "error": "failed"}]
+    t = {(x["workload"], x["ratio"]): x for x in check_targets(rows)}
+    vs_batch = "engine_stall_free / hf_generate_batch output_tok_s"
+    static = t[("chat", "engine_stall_free / hf_generate_static16 output_tok_s")]
+    assert static["value"] == pytest.approx(3.75) and static["met"] is False and static["target"] == ">= 4"
+    assert t[("chat", vs_batch)]["value"] == pytest.approx(2.0) and t[("chat", vs_batch)]["met"] is True
+    assert t[("chat_poisson", vs_batch)]["value"] == pytest.approx(1.25)
+    assert t[("chat_poisson", vs_batch)]["met"] is False
+    context = t[("long_context", vs_batch)]
+    assert context["value"] == pytest.approx(2.4) and context["met"] is True and context["target"] == ">= 1.5"
+
+
 def test_bench_smoke_on_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    result = main(["--model", "embedded:tiny", "--quick", "--chat-requests", "8",
-                   "--long-shorts", "4", "--json", str(out)])
+    result = main(["--model", "embedded:tiny", "--quick", "--chat-requests", "6",
+                   "--long-shorts", "3", "--context-shorts", "3", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["rows"] == json.loads(json.dumps(result["rows"]))
     got = {(r["workload"], r["system"]): r for r in data["rows"]}
@@ -63,6 +117,11 @@ def test_bench_smoke_on_tiny_model(tmp_path: Path) -> None:
             assert 0 <= row["ttft_p50_s"] <= row["ttft_p99_s"]
             assert 0 < row["tbt_p50_s"] <= row["tbt_p99_s"] <= row["tbt_max_s"]
     assert got[("long_prompt", "engine_stall_free")]["mbp"] == 256
+    assert got[("long_context", "engine_stall_free")]["mbp"] == 512
+    assert got[("chat_poisson", "hf_generate_batch")]["mbp"] == 512
+    assert data["workloads"]["chat_poisson"]["last_arrival_s"] > 0
+    assert data["workloads"]["long_context"]["num_requests"] == 2 + 3
+    assert "Poisson arrivals at 12 req/s" in data["table"]
     assert got[("long_prompt", "engine_dynamic")]["mbp"] >= data["workloads"]["long_prompt"]["prompt_len_max"]
     assert data["config"]["model"] == "embedded:tiny"
     assert "engine_stall_free" in data["table"]

@@ -8,8 +8,8 @@ import pytest
 
 from autoscale.load import percentile
 from loadtests.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LengthDist, Workload, chat_workload,
-                                 long_prompt_workload, poisson_arrivals, random_prompt,
-                                 with_poisson_arrivals)
+                                 long_context_workload, long_prompt_workload, poisson_arrivals,
+                                 random_prompt, with_poisson_arrivals)
 
 VOCAB = 32000
 
@@ -24,6 +24,12 @@ def test_chat_workload_is_deterministic_under_its_seed() -> None:
 
 def test_long_prompt_workload_is_deterministic_under_its_seed() -> None:
     assert long_prompt_workload(VOCAB, seed=3).requests == long_prompt_workload(VOCAB, seed=3).requests
+
+
+def test_long_context_workload_is_deterministic_under_its_seed() -> None:
+    a, b = long_context_workload(VOCAB, seed=3), long_context_workload(VOCAB, seed=3)
+    assert a.requests == b.requests
+    assert a.prompt_lens != long_context_workload(VOCAB, seed=4).prompt_lens
 
 
 def test_chat_lengths_stay_in_bounds_and_ids_in_vocab() -> None:
@@ -92,6 +98,7 @@ def test_with_poisson_arrivals_keeps_requests_and_retimes_them() -> None:
     assert p.requests == with_poisson_arrivals(w, rate=10.0).requests
     assert 10.0 < p.duration_s < 30.0  # 200 requests at 10/s: about 20 s
     assert p.settings["poisson_rate"] == 10.0
+    assert p.name == "chat" and with_poisson_arrivals(w, 10.0, name="chat_poisson").name == "chat_poisson"
 
 
 def test_chat_with_rate_arrives_over_time() -> None:
@@ -112,6 +119,18 @@ def test_long_prompt_workload_shape() -> None:
     assert [r.arrival_s for r in longs] == [0.5, 1.5, 2.5, 3.5]
     assert all(1500 <= r.prompt_len <= 2000 and r.max_tokens == 16 for r in longs)
     assert w.max_total_len == max(r.prompt_len for r in longs) + 16
+
+
+def test_long_context_workload_shape() -> None:
+    """All at t=0, the long-context requests first: after the prefills every decode pass
+    carries the few long contexts beside the many short ones."""
+    w = long_context_workload(VOCAB, seed=0, num_long=2, num_short=32)
+    assert [r.kind for r in w.requests] == ["long"] * 2 + ["short"] * 32
+    assert all(r.arrival_s == 0.0 for r in w.requests)
+    assert all(1500 <= r.prompt_len <= 1900 and r.max_tokens == 128 for r in w.requests[:2])
+    assert all(64 <= r.prompt_len <= 128 and 64 <= r.max_tokens <= 128 for r in w.requests[2:])
+    assert w.max_total_len <= 2048  # fits a 2048-position model
+    assert len({r.request_id for r in w.requests}) == 34
 
 
 def test_workload_round_trips_through_a_dict() -> None:
