@@ -56,6 +56,10 @@ class AppArgs(BaseModel):
     seed: int = _ENGINE.seed
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per "
                                       "replica; None: the replica's num_cpus (at least 1)")
+    compile_decode_attention: bool = Field(_ENGINE.compile_decode_attention, description="decode "
+                                           "attention as one torch.compile'd kernel reading the KV "
+                                           "blocks in place (~17% faster passes at 64 decodes on CPU; "
+                                           "seconds of compile at start)")
 
     # ---- replica behaviour -----------------------------------------------------------
     max_queued_tokens: int = Field(_REPLICA.max_queued_tokens, ge=1, description="prompt tokens a replica may hold "
@@ -149,7 +153,8 @@ class AppArgs(BaseModel):
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             priority_aging_s=self.priority_aging_s, dtype=self.dtype, device=self.resolved_device,
             num_threads=self.resolved_torch_threads, trust_remote_code=self.trust_remote_code,
-            seed=self.seed, queue_timeout_s=self.queue_timeout_s)
+            seed=self.seed, queue_timeout_s=self.queue_timeout_s,
+            compile_decode_attention=self.compile_decode_attention)
 
     def scaling_config(self) -> ScalingConfig:
         """The TBT-SLO autoscaling decision's parameters (autoscale.scaling)."""

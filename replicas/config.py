@@ -51,6 +51,9 @@ class EngineConfig:
     kv_watermark: float = 0.01
     # The latest time-between-tokens samples the engine keeps for load reports.
     tbt_sample_window: int = 512
+    # Decode attention as one torch.compile'd kernel that reads each context's KV blocks in place
+    # (no gathered copy). Costs a compile (seconds) at start and for new shape classes.
+    compile_decode_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -74,7 +74,7 @@ class Engine:
         num_blocks = self._num_blocks(model)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
-        self.runner = ModelRunner(model, self.blocks, self.max_model_len)
+        self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention)
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)

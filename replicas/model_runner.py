@@ -38,7 +38,8 @@ PAD_MIN = 256
 class PrefillMeta:
     q_start: int  # first row of the chunk in the packed batch
     q_len: int
-    ctx_slots: torch.Tensor | None  # (ctx_len,) cache slots of all context; None: chunk is the whole context
+    ctx_blocks: torch.Tensor | None  # (nblk,) KV blocks of the context; None: chunk is the whole context
+    ctx_len: int
     mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend
 
 
@@ -47,17 +48,38 @@ class DecodeGroup:
     """Decodes of similar context length attended in one batched call (rows are contiguous)."""
 
     start: int  # first row in the packed batch
-    slots: torch.Tensor  # (B, Lmax) context slots of each decode, padded
-    mask: torch.Tensor  # (B, 1, 1, Lmax) bool
+    blocks: torch.Tensor  # (B, nblk) KV blocks of each decode's context (padded with its own)
+    mask: torch.Tensor  # (B, 1, 1, nblk x block_size) bool, True = a real context position
+    lens: torch.Tensor  # (B,) context lengths
 
 
 @dataclass
 class AttnMeta:
     k_cache: torch.Tensor  # (layers, slots, Hkv, D)
     v_cache: torch.Tensor
+    block_size: int
     slots: torch.Tensor  # (T,) where each packed token's k/v is written
     decodes: list[DecodeGroup]
     prefills: list[PrefillMeta]
+    fused_decode: object | None = None  # the compiled decode kernel, when configured
+
+
+def decode_in_place(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blocks: torch.Tensor,
+                    lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention read straight from the paged cache (for torch.compile to fuse).
+
+    q (B, Hkv, G, D), kb/vb (blocks, block_size, Hkv, D), blocks (B, nblk), lens (B,) ->
+    (B, Hkv, G, D). Written as broadcast multiply-and-sum so inductor fuses the block lookups
+    into the reductions: each context's keys and values are read once, never copied out.
+    """
+    b, n = blocks.shape
+    k = kb[blocks]  # (B, nblk, bs, Hkv, D): an indexed load, not a copy, once compiled
+    s = (q[:, None, None] * k[:, :, :, :, None, :]).sum(-1) * scale  # (B, nblk, bs, Hkv, G)
+    s = s.flatten(1, 2)
+    pos = torch.arange(s.shape[1], device=s.device)
+    s = s.masked_fill((pos[None, :] >= lens[:, None])[:, :, None, None], float("-inf"))
+    p = torch.softmax(s, dim=1).view(b, n, -1, *s.shape[2:])
+    return (p[..., None] * vb[blocks][:, :, :, :, None, :]).sum((1, 2))
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -75,24 +97,33 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kc, vc = m.k_cache[module.layer_idx], m.v_cache[module.layer_idx]  # (S, Hkv, D)
     kc.index_copy_(0, m.slots, k)
     vc.index_copy_(0, m.slots, v)
+    # Contexts are gathered block by block (a block's slots are contiguous: one copy per block,
+    # about twice as fast as a copy per slot on CPU).
+    kb, vb = kc.view(-1, m.block_size, *kc.shape[1:]), vc.view(-1, m.block_size, *vc.shape[1:])
     out = q.new_empty(q.shape)  # (T, H, D)
     for g in m.decodes:
-        b = g.slots.shape[0]
+        b, width = g.blocks.shape[0], g.mask.shape[-1]
         rows = slice(g.start, g.start + b)
+        if m.fused_decode is not None:
+            qg = q[rows].view(b, kc.shape[1], -1, q.shape[-1])  # (B, Hkv, G, D)
+            scale = module.scaling if scaling is None else scaling
+            out[rows] = m.fused_decode(qg, kb, vb, g.blocks, g.lens, scale).flatten(1, 2)
+            continue
         qd = q[rows].unsqueeze(2)  # (B, H, 1, D)
-        shape = (*g.slots.shape, *kc.shape[1:])  # (B, Lmax, Hkv, D)
-        flat = g.slots.flatten()  # index_select is far faster than 2-D fancy indexing on CPU
-        kd = kc.index_select(0, flat).view(shape).transpose(1, 2)  # (B, Hkv, Lmax, D)
-        vd = vc.index_select(0, flat).view(shape).transpose(1, 2)
+        shape = (b, width, *kc.shape[1:])  # (B, Lmax, Hkv, D)
+        flat = g.blocks.flatten()  # index_select is far faster than 2-D fancy indexing on CPU
+        kd = kb.index_select(0, flat).view(shape).transpose(1, 2)  # (B, Hkv, Lmax, D)
+        vd = vb.index_select(0, flat).view(shape).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling, enable_gqa=True)
         out[rows] = od.squeeze(2)
     for p in m.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-        if p.ctx_slots is None:  # first chunk: its own k/v are the whole context
+        if p.ctx_blocks is None:  # first chunk: its own k/v are the whole context
             kp, vp = k[rows], v[rows]
-        else:
-            kp, vp = kc.index_select(0, p.ctx_slots), vc.index_select(0, p.ctx_slots)  # (ctx, Hkv, D)
+        else:  # (ctx, Hkv, D)
+            kp = kb.index_select(0, p.ctx_blocks).flatten(0, 1)[:p.ctx_len]
+            vp = vb.index_select(0, p.ctx_blocks).flatten(0, 1)[:p.ctx_len]
         kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
         vp = vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scaling,
@@ -116,7 +147,8 @@ def kv_shape(config) -> tuple[int, int, int]:
 class ModelRunner:
     """Owns the KV tensors and runs one packed forward pass per scheduler output."""
 
-    def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int) -> None:
+    def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int,
+                 compile_decode_attention: bool = False) -> None:
         self.model = model
         self.blocks = blocks
         self.device = next(model.parameters()).device
@@ -127,8 +159,9 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.set_attn_implementation(ATTN_IMPL)
+        self._fused_decode = (torch.compile(decode_in_place, dynamic=True)
+                              if compile_decode_attention else None)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._arange_bs = torch.arange(blocks.block_size, device=self.device)
         # Persistent block table: one row per request in recent passes (see _row).
         width = -(-max_model_len // blocks.block_size)
         self._table = torch.zeros((64, width), dtype=torch.int32, device=self.device)
@@ -167,11 +200,9 @@ class ModelRunner:
                 self._free_rows.append(row)
         self._rows, self._live = self._live, {}
 
-    def _slots_of(self, rows: list[int], length: int) -> torch.Tensor:
-        """(len(rows), length) cache slots of positions [0, length) of each row's request."""
-        nblk = -(-length // self.blocks.block_size)
-        slots = self._table[rows, :nblk].to(torch.long)[:, :, None] * self.blocks.block_size + self._arange_bs
-        return slots.flatten(1)[:, :length]
+    def _blocks_of(self, rows: list[int], length: int) -> torch.Tensor:
+        """(len(rows), nblk) KV blocks holding positions [0, length) of each row's request."""
+        return self._table[rows, :-(-length // self.blocks.block_size)].to(torch.long)
 
     def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[DecodeGroup]:
         """Decodes (sorted by context length) in groups whose padding stays small."""
@@ -183,11 +214,11 @@ class ModelRunner:
             while j < len(seqs) and (j - i + 1) * lens[j] <= PAD_SLACK * (total + lens[j]) + PAD_MIN:
                 total += lens[j]
                 j += 1
-            slots = self._slots_of(rows[i:j], lens[j - 1])  # (B, Lmax), padded with real slots
+            blocks = self._blocks_of(rows[i:j], lens[j - 1])  # (B, nblk), padded with real blocks
             lens_t = torch.tensor(lens[i:j], device=self.device)
-            arange = torch.arange(slots.shape[1], device=self.device)
+            arange = torch.arange(blocks.shape[1] * self.blocks.block_size, device=self.device)
             mask = (arange[None, :] < lens_t[:, None])[:, None, None, :]  # (B, 1, 1, Lmax)
-            groups.append(DecodeGroup(i, slots, mask))
+            groups.append(DecodeGroup(i, blocks, mask, lens_t))
             i = j
         return groups
 
@@ -221,19 +252,19 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(self.blocks.slots(req.request_id, start, start + n))
             if start == 0:
-                prefills.append(PrefillMeta(row, n, None, None))
+                prefills.append(PrefillMeta(row, n, None, n, None))
             else:
                 ctx = start + n
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # (n, ctx)
                 table_row = self._row(req, self.blocks.block_table(req.request_id))
-                prefills.append(PrefillMeta(row, n, self._slots_of([table_row], ctx)[0], mask))
+                prefills.append(PrefillMeta(row, n, self._blocks_of([table_row], ctx)[0], ctx, mask))
             if seq.samples:
                 row_of[id(seq)] = len(ids) - 1
         groups = self._decode_groups(decodes, table_rows)
         self._end_pass()
-        meta = AttnMeta(self.k_cache, self.v_cache, torch.tensor(slots, device=self.device),
-                        groups, prefills)
+        meta = AttnMeta(self.k_cache, self.v_cache, bs, torch.tensor(slots, device=self.device),
+                        groups, prefills, self._fused_decode)
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)
         position_ids = torch.tensor([positions], device=self.device)  # (1, T)
         keep = torch.tensor([row_of[id(s)] for s in batch.seqs if s.samples], dtype=torch.long,

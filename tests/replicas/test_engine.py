@@ -83,6 +83,40 @@ def test_greedy_matches_hf_generate_under_every_policy(arch, request):
         assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+@pytest.mark.parametrize("arch,compiled", [("llama", False), ("llama", True), ("gpt2", True),
+                                           ("qwen2", True)])
+def test_a_long_context_decoding_beside_short_ones_matches_hf(arch, compiled, request):
+    """Decodes are attended in groups of similar context length (one long request does not pad
+    the short ones); the outputs stay HF's, eager or with the compiled in-place decode kernel
+    (GPT-2: no GQA; Qwen2 here: four query heads per KV head)."""
+    model_tok = request.getfixturevalue(arch)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in [450, 6, 11, 3, 19, 8, 14, 2]]
+    refs = [hf_greedy(model_tok[0], p, 10) for p in ps]
+    eng = engine_for(model_tok, "stall_free", max_batch_prefill_tokens=256, max_batch_total_tokens=1024,
+                     max_num_seqs=8, compile_decode_attention=compiled)
+    groups_per_pass = []
+    make_groups = eng.runner._decode_groups
+
+    def spy(seqs, rows):
+        groups = make_groups(seqs, rows)
+        groups_per_pass.append([g.blocks.shape for g in groups])
+        return groups
+
+    eng.runner._decode_groups = spy
+    outs = eng.generate(ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    # Once every request decodes: the long one alone, the seven short ones in one padded group
+    # of a few blocks (not 700 tokens wide).
+    full = [shapes for shapes in groups_per_pass if sum(s[0] for s in shapes) == len(ps)]
+    assert full, "no pass decoded every request at once"
+    for shapes in full:
+        assert sorted(s[0] for s in shapes) == [1, 7]
+        widths = sorted(s[1] for s in shapes)  # in blocks of 4 tokens
+        assert widths[0] <= 8 and widths[1] >= 450 // 4
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
 def test_preemption_keeps_outputs_correct(llama):
     ps = prompts(2000)[:6]
     refs = [hf_greedy(llama[0], p, 20) for p in ps]
