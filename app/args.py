@@ -67,7 +67,11 @@ class AppArgs(BaseModel):
     queue_timeout_s: float | None = Field(10.0, gt=0, description="a request not scheduled this "
                                           "long after it arrived gets 429 (None: no deadline); "
                                           "also bounds what the queues admit (replicas/admission.py)")
-    tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens SLO")
+    tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens SLO: the autoscaler "
+                                     "scales against it and, under stall_free, each pass's prefill "
+                                     "budget is chosen from it (max_batch_prefill_tokens is the ceiling)")
+    budget_margin: float = Field(_ENGINE.budget_margin, gt=0, le=1, description="the SLO budget aims "
+                                 "each pass at tbt_slo_ms x budget_margin")
     wedge_timeout_s: float = Field(_REPLICA.wedge_timeout_s, gt=0, description="one iteration longer than this "
                                    "fails the health check")
 
@@ -154,7 +158,8 @@ class AppArgs(BaseModel):
             priority_aging_s=self.priority_aging_s, dtype=self.dtype, device=self.resolved_device,
             num_threads=self.resolved_torch_threads, trust_remote_code=self.trust_remote_code,
             seed=self.seed, queue_timeout_s=self.queue_timeout_s,
-            compile_decode_attention=self.compile_decode_attention)
+            compile_decode_attention=self.compile_decode_attention, tbt_slo_ms=self.tbt_slo_ms,
+            budget_margin=self.budget_margin)
 
     def scaling_config(self) -> ScalingConfig:
         """The TBT-SLO autoscaling decision's parameters (autoscale.scaling)."""
@@ -169,4 +174,4 @@ class AppArgs(BaseModel):
 
     def replica_config(self) -> ReplicaConfig:
         return ReplicaConfig(self.model, self.engine_config(), self.max_queued_tokens,
-                             self.wedge_timeout_s, self.tbt_slo_ms, self.kv_cache_memory_fraction)
+                             self.wedge_timeout_s, self.kv_cache_memory_fraction)

@@ -51,6 +51,13 @@ class EngineConfig:
     kv_watermark: float = 0.01
     # The latest time-between-tokens samples the engine keeps for load reports.
     tbt_sample_window: int = 512
+    # The time-between-tokens SLO. Under stall_free, each pass's prefill budget is then chosen from
+    # it (replicas/pass_time.py): the largest chunk whose predicted pass time stays under
+    # tbt_slo_ms x budget_margin, max_batch_prefill_tokens becoming the ceiling and
+    # slo_budget_floor the least a pass prefills. None: the fixed budget, as before.
+    tbt_slo_ms: float | None = None
+    budget_margin: float = 0.8
+    slo_budget_floor: int = 16
     # Decode attention as one torch.compile'd kernel that reads each context's KV blocks in place
     # (no gathered copy). Costs a compile (seconds) at start and for new shape classes.
     compile_decode_attention: bool = False
@@ -77,6 +84,11 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s must be > 0 or None, got {self.queue_timeout_s!r}")
+        if self.tbt_slo_ms is not None and not self.tbt_slo_ms > 0:
+            raise ValueError(f"tbt_slo_ms must be > 0, got {self.tbt_slo_ms!r}")
+        if not 0 < self.budget_margin <= 1:
+            raise ValueError(f"budget_margin must be in (0, 1], got {self.budget_margin!r}")
+        _positive("slo_budget_floor", self.slo_budget_floor)
         if not 0 <= self.kv_watermark < 1:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         _positive("tbt_sample_window", self.tbt_sample_window)
@@ -88,13 +100,13 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ReplicaConfig:
-    """What one replica needs besides the engine: model, engine budgets, queue cap, SLO."""
+    """What one replica needs besides the engine: model, engine budgets (the TBT SLO among
+    them: `engine.tbt_slo_ms`), queue cap."""
 
     model: str = DEFAULT_MODEL
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     max_queued_tokens: int = 32_768  # prompt tokens waiting for their first token, at most
     wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S
-    tbt_slo_ms: float | None = None  # reported for the controller; the engine ignores it
     # KV cache = this fraction of the memory free once the weights are loaded (device memory
     # on a GPU, available RAM on CPU); replaces engine.kv_cache_memory_bytes when set.
     kv_cache_memory_fraction: float | None = None

@@ -91,7 +91,7 @@ class LLMServer:
         in_serve = _in_serve_replica()
         backend = metrics_backend or (RayBackend() if in_serve else None)
         if backend is not None:
-            slo = config.tbt_slo_ms / 1000 if config.tbt_slo_ms else None
+            slo = config.engine.tbt_slo_ms / 1000 if config.engine.tbt_slo_ms else None
             engine.observers.append(EngineMetrics(backend, config.model, slo))
         self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s)
         # Load reports to the controller at iteration granularity (only inside Serve).
@@ -241,7 +241,7 @@ class LLMServer:
             "policy": engine.config.policy,
             "block_size": engine.config.block_size,
             "max_queued_tokens": self.config.max_queued_tokens,
-            "tbt_slo_ms": self.config.tbt_slo_ms,
+            "tbt_slo_ms": self.config.engine.tbt_slo_ms,
         }
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import itertools
 import time
 from collections import deque
@@ -18,11 +19,15 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.kv_cache import BlockManager
 from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
+from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_prefill_budget
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                check_priority)
 from replicas.request import Request, RequestStatus
 from replicas.sampler import sample, stop_token_hit
-from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class CompletionOutput:
@@ -50,6 +55,11 @@ class IterationStats:
     context_tokens: int  # KV tokens attended over all sequences
     num_preempted: int = 0
     num_stalled: int = 0  # running requests that were decoding but got no token this pass
+    # The SLO budget (EngineConfig.tbt_slo_ms): the pass's prefill budget and predicted time;
+    # budget None when the fixed one applied (no SLO, no decodes, or the model untrusted).
+    prefill_budget: int | None = None
+    predicted_s: float | None = None
+    budget_fallback: bool = False  # the pass-time model was untrusted: the fixed budget applied
 
 
 class EngineObserver(Protocol):
@@ -87,6 +97,15 @@ class Engine:
         self.last_load: ReplicaLoad = self.scheduler.load()  # refreshed after every change
         # Called after every iteration with (stats, batch, engine): metrics, load reports.
         self.observers: list[EngineObserver] = []
+        # With a TBT SLO: the online pass-time model (and, under stall_free, the SLO budget).
+        self.pass_time: PassTimeModel | None = None
+        self._budget: int | None = None  # the SLO budget chosen for the pass being scheduled
+        self._fallback = self._untrusted = False
+        if config.tbt_slo_ms is not None:
+            self.pass_time = PassTimeModel()
+            if config.policy == "stall_free":
+                self.scheduler.prefill_budget = self._slo_budget
+            self._profile_passes()
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:
@@ -175,14 +194,20 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run one forward pass, postprocess."""
         expired = self._expire()
+        self._budget, self._fallback = None, False
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return expired
+        shape = predicted = None
+        if self.pass_time is not None:
+            shape = PassShape(batch.num_prefill_tokens, batch.num_decode_tokens, len(batch.seqs),
+                              sum(s.start + s.num_tokens for s in batch.seqs))
+            predicted = self.pass_time.predict(shape)
         start = time.perf_counter()
         logits = self.runner.execute(batch)
         token_ids = sample(logits, [s.request for s in batch.seqs if s.samples])
         now = time.perf_counter()
-        stats = self._record(batch, start, now)
+        stats = self._record(batch, start, now, shape, predicted)
         outputs = self._postprocess(batch, token_ids, now)
         self.last_load = self.scheduler.load()
         for observer in self.observers:
@@ -246,14 +271,62 @@ class Engine:
             del self._detok[req.request_id]
         return out
 
-    def _record(self, batch: SchedulerOutput, start: float, end: float) -> IterationStats:
+    def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape | None,
+                predicted: float | None) -> IterationStats:
         decoding = sum(1 for r in self.scheduler.running if not r.is_prefilling)
+        context = shape.context_tokens if shape is not None else sum(s.start + s.num_tokens for s in batch.seqs)
         stats = IterationStats(
             start, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
-            len(batch.seqs), sum(s.start + s.num_tokens for s in batch.seqs), len(batch.preempted),
-            num_stalled=decoding - len(batch.decodes))
+            len(batch.seqs), context, len(batch.preempted),
+            num_stalled=decoding - len(batch.decodes), prefill_budget=self._budget,
+            predicted_s=predicted, budget_fallback=self._fallback)
         self.iterations.append(stats)
+        if shape is not None:
+            self.pass_time.observe(shape, stats.duration, predicted)
         return stats
+
+    # ---- the SLO budget ----------------------------------------------------------------
+
+    def _slo_budget(self, decodes: list[ScheduledSeq], nxt: Request, ceiling: int) -> int:
+        """The prefill tokens of this pass: the largest chunk whose predicted pass time (with
+        these decodes) stays under tbt_slo_ms x budget_margin; the ceiling if the model is not
+        trusted (logged when that changes)."""
+        model, cfg = self.pass_time, self.config
+        if not model.trusted:
+            if not self._untrusted:
+                log.warning("pass-time model not trusted (median error %s): fixed prefill budget %d",
+                            model.recent_error, cfg.max_batch_prefill_tokens)
+            self._untrusted = self._fallback = True
+            return ceiling
+        if self._untrusted:
+            log.info("pass-time model trusted again (median error %.2f): SLO budget", model.recent_error or 0)
+            self._untrusted = False
+        d = len(decodes)
+        context = sum(s.start for s in decodes) + d + nxt.num_computed_tokens
+
+        def cost(p: int) -> float:
+            return model.predict(PassShape(p, d, d + 1, context + p))
+
+        self._budget = slo_prefill_budget(cost, cfg.tbt_slo_ms / 1000 * cfg.budget_margin, ceiling,
+                                          cfg.slo_budget_floor)
+        return self._budget
+
+    def _profile_passes(self) -> None:
+        """Seed the pass-time model with a handful of passes of different shapes (prefills of
+        a few sizes up to the ceiling, then decodes), as vLLM profiles memory at start."""
+        g = torch.Generator().manual_seed(0)
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        longest = max(1, min(self.max_model_len, self.blocks.capacity_tokens) - 8)
+        self.generate([[10] * 4], greedy)  # warm-up, not recorded
+        self.pass_time.window.clear()
+        for n, k in seed_shapes(self.config.max_batch_prefill_tokens):
+            n = max(1, min(n, longest // k))
+            prompts = [torch.randint(10, self.vocab_size, (n,), generator=g).tolist() for _ in range(k)]
+            self.generate(prompts, greedy)
+        self.pass_time.freeze_seed()
+        self.iterations.clear()
+        self.recent_tbt.clear()
+        self.num_tbt_samples = 0
 
     # ---- offline API -----------------------------------------------------------------
 

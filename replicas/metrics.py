@@ -20,6 +20,7 @@ PREFIX = "stallfree_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0, 2.0)
 
 
 class Metric(Protocol):
@@ -130,6 +131,12 @@ class EngineMetrics:
         self.waiting = g(p + "num_requests_waiting", "Requests waiting to be admitted.", t)
         self.kv_usage = g(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", t)
         self.token_load = g(p + "token_load", "Tokens held by running requests plus waiting prompt tokens.", t)
+        self.budget = g(p + "prefill_budget_tokens", "Prefill tokens the TBT-SLO budget allowed the last "
+                        "pass that had decodes.", t)
+        self.fallback = g(p + "slo_budget_fallback", "1 while the pass-time model is not trusted and the "
+                          "fixed prefill budget applies.", t)
+        self.pred_error = h(p + "pass_time_prediction_error", "Relative error of the predicted pass time "
+                            "(|predicted - actual| / actual).", ERROR_BUCKETS, t)
         c = backend.counter
         self.finished = c(p + "request_success_total", "Finished requests by finish reason.", (*t, "finished_reason"))
         self.preemptions = c(p + "num_preemptions_total", "Requests preempted (KV ran out; recomputed later).", t)
@@ -152,6 +159,12 @@ class EngineMetrics:
             self.preemptions.record(stats.num_preempted, tags)
         if stats.num_stalled:
             self.stalls.record(1, {**tags, "cause": "skipped"})
+        if stats.predicted_s is not None and stats.duration > 0:
+            self.pred_error.record(abs(stats.predicted_s - stats.duration) / stats.duration, tags)
+        if stats.prefill_budget is not None:
+            self.budget.record(stats.prefill_budget, tags)
+        if stats.prefill_budget is not None or stats.budget_fallback:
+            self.fallback.record(1.0 if stats.budget_fallback else 0.0, tags)
         slo = self.tbt_slo_s
         if slo is not None and stats.duration > slo:
             self.stalls.record(1, {**tags, "cause": "slow_iteration"})

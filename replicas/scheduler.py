@@ -91,6 +91,9 @@ class Scheduler:
         self.num_running_tokens = 0
         # Keep a little KV headroom when admitting, so running decodes rarely preempt.
         self.watermark_blocks = max(1, int(block_manager.num_blocks * config.kv_watermark))
+        # stall_free: the prefill tokens of a pass, given its decodes, the request whose chunk
+        # comes next and the fixed budget's ceiling (the engine's SLO budget). None: the ceiling.
+        self.prefill_budget: Callable[[list[ScheduledSeq], Request, int], int] | None = None
 
     # ---- queue management -------------------------------------------------------------
 
@@ -193,6 +196,10 @@ class Scheduler:
     def _schedule_stall_free(self, out: SchedulerOutput) -> None:
         prefilling = self._schedule_decodes(out)
         budget = self.config.max_batch_prefill_tokens - len(out.decodes)
+        if self.prefill_budget is not None and out.decodes and budget > 0:  # no decodes: no gap to protect
+            nxt = prefilling[0] if prefilling else self.waiting[0] if self.waiting else None
+            if nxt is not None:
+                budget = self.prefill_budget(out.decodes, nxt, budget)
         # Prompts already started continue before new ones are admitted.
         for req in prefilling:
             if budget <= 0:

@@ -1,0 +1,158 @@
+"""How long a forward pass takes, predicted from what is in it, and the SLO budget rule.
+
+The model is linear in what the scheduler knows before a pass runs:
+
+    seconds = c0 + c_p * prefill_tokens + c_d * decode_tokens + c_s * sequences + c_c * context_tokens
+
+(context_tokens: KV tokens attended, summed over the pass's sequences, as `IterationStats`
+records it). It is fitted by least squares, with non-negative coefficients, to a sliding window
+of the engine's own recent passes plus a few seed passes profiled at start (which keep every
+coefficient identifiable when the window holds, say, only decodes). So it follows the machine it
+runs on and the model it serves, without offline calibration.
+
+`slo_prefill_budget` is the decision: the largest prefill chunk whose predicted pass time stays
+under the target, given the decodes already in the pass. Pure functions and a small stateful
+fitter, no torch: the scheduler calls them and the simulator can import them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "sequences", "context_tokens")
+# The fit is trusted while the median relative error of its recent predictions stays under this.
+MAX_PREDICTION_ERROR = 0.25
+ERROR_WINDOW = 32  # predictions the trust check looks back over
+MIN_FIT_PASSES = 4  # observations before the model predicts at all
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What one pass holds, as far as its time is concerned."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    sequences: int
+    context_tokens: int
+
+    def features(self) -> tuple[float, float, float, float, float]:
+        return (1.0, float(self.prefill_tokens), float(self.decode_tokens), float(self.sequences),
+                float(self.context_tokens))
+
+
+def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (an active-set loop: a feature whose coefficient
+    comes out negative is dropped and the rest refitted). Scaled columns, so token counts and
+    the intercept weigh alike."""
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    xs = x / scale
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(x.shape[1]):
+        coef[:] = 0.0
+        if not active.any():
+            break
+        sol, *_ = np.linalg.lstsq(xs[:, active], y, rcond=None)
+        coef[active] = sol
+        negative = coef < 0
+        if not negative.any():
+            break
+        active &= ~negative
+    coef = np.maximum(coef, 0.0)
+    return coef / scale
+
+
+class PassTimeModel:
+    """Seconds per pass from its shape, refitted online over a window of recent passes."""
+
+    def __init__(self, window: int = 256, refit_every: int = 8) -> None:
+        self.window: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.seed: list[tuple[tuple[float, ...], float]] = []
+        self.refit_every = refit_every
+        self.coef: np.ndarray | None = None
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self._since_fit = 0
+
+    def freeze_seed(self) -> None:
+        """The passes observed so far (the start-up profile) are kept for good, beside the
+        window, so every coefficient stays identifiable."""
+        self.seed.extend(self.window)
+        self.window.clear()
+        self.errors.clear()
+        self._refit()
+
+    def observe(self, shape: PassShape, seconds: float, predicted: float | None = None) -> None:
+        """A pass ran; `predicted` is what the model said before it ran (tracks the error)."""
+        if predicted is not None and seconds > 0:
+            self.errors.append(abs(predicted - seconds) / seconds)
+        self.window.append((shape.features(), seconds))
+        self._since_fit += 1
+        if self.coef is None or self._since_fit >= self.refit_every:
+            self._refit()
+
+    def _refit(self) -> None:
+        rows = self.seed + list(self.window)
+        if len(rows) < MIN_FIT_PASSES:
+            return
+        x = np.array([r[0] for r in rows])
+        y = np.array([r[1] for r in rows])
+        self.coef = fit_nonnegative(x, y)
+        self._since_fit = 0
+
+    def predict(self, shape: PassShape) -> float | None:
+        if self.coef is None:
+            return None
+        return float(np.dot(self.coef, shape.features()))
+
+    @property
+    def recent_error(self) -> float | None:
+        """Median relative error of the last predictions (None before there are any)."""
+        return float(np.median(self.errors)) if self.errors else None
+
+    @property
+    def trusted(self) -> bool:
+        err = self.recent_error
+        return self.coef is not None and (err is None or err <= MAX_PREDICTION_ERROR)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Marginal prefill rate: what one more prompt token costs (its compute and its KV)."""
+        if self.coef is None:
+            return None
+        per_token = self.coef[1] + self.coef[4]
+        return 1.0 / per_token if per_token > 0 else None
+
+    def coefficients(self) -> dict[str, float]:
+        return dict(zip(FEATURES, (0.0,) * len(FEATURES) if self.coef is None else map(float, self.coef)))
+
+
+def slo_prefill_budget(cost: Callable[[int], float], target_s: float, ceiling: int, floor: int) -> int:
+    """The largest prefill chunk p in [floor, ceiling] with cost(p) <= target_s (cost rising in p).
+
+    `ceiling` is what the fixed budget would allow (MBP minus the decodes); `floor` keeps prompts
+    moving when even the decodes alone are predicted over the target.
+    """
+    floor = max(0, min(floor, ceiling))
+    if cost(ceiling) <= target_s:
+        return ceiling
+    lo, hi = floor, ceiling  # cost(hi) > target; find the largest p with cost(p) <= target
+    if cost(lo) > target_s:
+        return floor
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost(mid) <= target_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def seed_shapes(ceiling: int) -> Iterable[tuple[int, int]]:
+    """(prompt length, requests) of the start-up profile: prefills of a few sizes up to the
+    ceiling, then their decodes (a handful of passes in all)."""
+    sizes = sorted({max(1, ceiling // d) for d in (1, 2, 4, 8)})
+    return [(n, 1) for n in sizes] + [(max(1, ceiling // 16), 8)]

@@ -1,0 +1,172 @@
+"""The pass-time model and the SLO budget: the rule with known costs, the online fit, and the
+engine choosing each stall_free pass's prefill budget from its TBT SLO."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.models import load_model
+from replicas.pass_time import (MAX_PREDICTION_ERROR, PassShape, PassTimeModel, fit_nonnegative,
+                                slo_prefill_budget)
+from replicas.request import Request
+from replicas.scheduler import ScheduledSeq
+
+# ---- the rule, with a known cost function ------------------------------------------------
+
+
+def linear(base: float, per_token: float):
+    return lambda p: base + per_token * p
+
+
+def test_the_chunk_is_exactly_the_largest_that_fits_the_target() -> None:
+    # 10 ms of decodes + 1 ms per prefill token, target 50.2 ms: 40 tokens (41 would be 51 ms).
+    assert slo_prefill_budget(linear(0.010, 0.001), 0.0502, ceiling=500, floor=8) == 40
+    assert slo_prefill_budget(linear(0.010, 0.001), 0.0509, ceiling=500, floor=8) == 40
+    assert slo_prefill_budget(linear(0.010, 0.001), 0.0512, ceiling=500, floor=8) == 41
+
+
+def test_never_above_the_ceiling_and_never_below_the_floor() -> None:
+    assert slo_prefill_budget(linear(0.0, 1e-6), 1.0, ceiling=256, floor=8) == 256
+    # The decodes alone are over the target: the floor still moves prompts along.
+    assert slo_prefill_budget(linear(0.2, 0.001), 0.1, ceiling=256, floor=8) == 8
+    assert slo_prefill_budget(linear(0.2, 0.001), 0.1, ceiling=5, floor=8) == 5  # floor <= ceiling
+
+
+def test_a_step_shaped_cost_is_searched_exactly() -> None:
+    cost = lambda p: 0.01 if p <= 137 else 1.0  # noqa: E731
+    assert slo_prefill_budget(cost, 0.05, ceiling=2048, floor=16) == 137
+
+
+# ---- the online fit ------------------------------------------------------------------------
+
+TRUE = np.array([0.004, 2e-4, 5e-4, 1e-4, 2e-6])  # intercept, per prefill/decode token, seq, ctx
+
+
+def synthetic_passes(rng: np.random.Generator, n: int, coef: np.ndarray, decode_only: bool = False):
+    for _ in range(n):
+        p = 0 if decode_only else int(rng.integers(0, 512))
+        d = int(rng.integers(1, 64))
+        s = d + (0 if p == 0 else int(rng.integers(1, 4)))
+        c = int(rng.integers(d * 16, d * 512)) + p
+        shape = PassShape(p, d, s, c)
+        yield shape, float(np.dot(coef, shape.features()))
+
+
+def test_the_fit_recovers_known_coefficients() -> None:
+    model = PassTimeModel()
+    for shape, t in synthetic_passes(np.random.default_rng(0), 200, TRUE):
+        model.observe(shape, t, model.predict(shape))
+    assert np.allclose(model.coef, TRUE, rtol=1e-6, atol=1e-12)
+    assert model.trusted and model.recent_error < 1e-6
+    assert model.prefill_tokens_per_s == pytest.approx(1 / (TRUE[1] + TRUE[4]))
+
+
+def test_the_fit_follows_a_machine_that_gets_slower() -> None:
+    rng = np.random.default_rng(1)
+    model = PassTimeModel(window=128)
+    for shape, t in synthetic_passes(rng, 128, TRUE):
+        model.observe(shape, t)
+    slower = TRUE * 2.5
+    errors = []
+    for shape, t in synthetic_passes(rng, 200, slower):
+        predicted = model.predict(shape)
+        errors.append(abs(predicted - t) / t)
+        model.observe(shape, t, predicted)
+    assert errors[0] > 0.5  # the change is seen...
+    assert model.trusted and np.allclose(model.coef, slower, rtol=1e-6)  # ...and followed
+    assert max(errors[-32:]) < 1e-6
+
+
+def test_seed_passes_keep_prefill_identifiable_when_the_window_holds_only_decodes() -> None:
+    rng = np.random.default_rng(2)
+    model = PassTimeModel(window=64)
+    for shape, t in synthetic_passes(rng, 12, TRUE):
+        model.observe(shape, t)
+    model.freeze_seed()
+    for shape, t in synthetic_passes(rng, 300, TRUE, decode_only=True):
+        model.observe(shape, t)
+    assert model.coef[1] == pytest.approx(TRUE[1], rel=1e-6)
+
+
+def test_coefficients_are_never_negative() -> None:
+    x = np.array([[1.0, p, 0.0] for p in range(10)])
+    y = 0.5 - 0.01 * x[:, 1]  # a falling line: its slope cannot be a cost
+    coef = fit_nonnegative(x, y)
+    assert (coef >= 0).all() and coef[1] == 0.0
+
+
+def test_an_inaccurate_model_is_not_trusted() -> None:
+    model = PassTimeModel()
+    for shape, t in synthetic_passes(np.random.default_rng(3), 20, TRUE):
+        model.observe(shape, t)
+    for shape, t in synthetic_passes(np.random.default_rng(4), 32, TRUE):
+        model.observe(shape, t * 3, predicted=t)  # a 67% error, pass after pass
+    assert model.recent_error > MAX_PREDICTION_ERROR and not model.trusted
+
+
+# ---- the engine ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("embedded:tiny")
+
+
+def slo_engine(llama, slo_ms: float, **overrides) -> Engine:
+    cfg = dict(policy="stall_free", max_batch_prefill_tokens=256, max_batch_total_tokens=4096,
+               block_size=8, max_num_seqs=8, tbt_slo_ms=slo_ms)
+    cfg.update(overrides)
+    return Engine(*llama, EngineConfig(**cfg))
+
+
+def test_the_engine_profiles_at_start_and_fits_its_own_passes(llama) -> None:
+    eng = slo_engine(llama, 50.0)
+    model = eng.pass_time
+    assert model.coef is not None and len(model.seed) >= 8 and not model.window
+    assert not eng.iterations and eng.blocks.num_free == eng.blocks.num_blocks  # profile left nothing
+    assert model.coef[1] > 0  # a prompt token costs something
+
+
+def test_outputs_stay_hf_identical_while_the_budget_varies_pass_to_pass(llama) -> None:
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in [300, 7, 180, 12, 250, 40]]
+    refs = []
+    for p in ps:
+        out = llama[0].generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        refs.append(out[0, len(p):].tolist())
+    eng = slo_engine(llama, 1.0)  # tight for this model, so the budget binds
+    # A known cost model: 0.2 ms per pass + 0.02 ms per prefill token, target 0.8 ms -> 30 tokens
+    # with no other cost; context and decodes cost nothing here.
+    eng.pass_time.coef = np.array([2e-4, 2e-5, 0.0, 0.0, 0.0])
+    eng.pass_time.errors.clear()
+    eng.pass_time.observe = lambda *a, **k: None  # keep the injected model (and its trust)
+    outs = eng.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    hybrid = [it for it in eng.iterations if it.prefill_budget is not None]
+    assert hybrid and {it.prefill_budget for it in hybrid} == {30}
+    assert all(it.num_prefill_tokens <= 30 for it in hybrid)
+    # Without decodes there is no gap to protect: the ceiling (256 - 0 decodes).
+    assert max(it.num_prefill_tokens for it in eng.iterations if not it.num_decode_tokens) > 30
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_an_untrusted_model_falls_back_to_the_ceiling(llama) -> None:
+    eng = slo_engine(llama, 1.0)
+    eng.pass_time.errors.extend([0.9] * 32)
+    eng.pass_time.observe = lambda *a, **k: None  # stays untrusted for the test
+    decoding = Request("d", [5] * 10, SamplingParams(max_tokens=4), 0, 0.0)
+    decoding.num_computed_tokens = 10
+    nxt = Request("n", [6] * 400, SamplingParams(max_tokens=4), 0, 0.0)
+    budget = eng._slo_budget([ScheduledSeq(decoding, 10, 1)], nxt, 255)
+    assert budget == 255 and eng._fallback
+
+
+def test_without_an_slo_nothing_changes(llama) -> None:
+    eng = Engine(*llama, EngineConfig(policy="stall_free", max_batch_prefill_tokens=64,
+                                      max_batch_total_tokens=4096, block_size=8))
+    assert eng.pass_time is None and eng.scheduler.prefill_budget is None
+    eng.generate([[5] * 100, [6] * 10], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert all(it.prefill_budget is None and it.predicted_s is None for it in eng.iterations)
