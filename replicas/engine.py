@@ -102,7 +102,7 @@ class Engine:
         self._budget: int | None = None  # the SLO budget chosen for the pass being scheduled
         self._fallback = self._untrusted = False
         if config.tbt_slo_ms is not None:
-            self.pass_time = PassTimeModel()
+            self.pass_time = PassTimeModel(error_floor_s=config.tbt_slo_ms / 1000 * config.budget_margin)
             if config.policy == "stall_free":
                 self.scheduler.prefill_budget = self._slo_budget
             self._profile_passes()

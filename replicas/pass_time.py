@@ -69,7 +69,10 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class PassTimeModel:
     """Seconds per pass from its shape, refitted online over a window of recent passes."""
 
-    def __init__(self, window: int = 256, refit_every: int = 8) -> None:
+    def __init__(self, window: int = 256, refit_every: int = 8, error_floor_s: float = 0.0) -> None:
+        """`error_floor_s`: errors count relative to max(actual, error_floor_s), so a few ms
+        missed on a pass far below the target (the SLO) do not make the model untrusted."""
+        self.error_floor_s = error_floor_s
         self.window: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.seed: list[tuple[tuple[float, ...], float]] = []
         self.refit_every = refit_every
@@ -88,7 +91,7 @@ class PassTimeModel:
     def observe(self, shape: PassShape, seconds: float, predicted: float | None = None) -> None:
         """A pass ran; `predicted` is what the model said before it ran (tracks the error)."""
         if predicted is not None and seconds > 0:
-            self.errors.append(abs(predicted - seconds) / seconds)
+            self.errors.append(abs(predicted - seconds) / max(seconds, self.error_floor_s))
         self.window.append((shape.features(), seconds))
         self._since_fit += 1
         if self.coef is None or self._since_fit >= self.refit_every:
@@ -110,7 +113,8 @@ class PassTimeModel:
 
     @property
     def recent_error(self) -> float | None:
-        """Median relative error of the last predictions (None before there are any)."""
+        """Median relative error of the last predictions (None before there are any); relative
+        to max(actual, error_floor_s)."""
         return float(np.median(self.errors)) if self.errors else None
 
     @property

@@ -170,3 +170,12 @@ def test_without_an_slo_nothing_changes(llama) -> None:
     assert eng.pass_time is None and eng.scheduler.prefill_budget is None
     eng.generate([[5] * 100, [6] * 10], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert all(it.prefill_budget is None and it.predicted_s is None for it in eng.iterations)
+
+
+def test_misses_far_below_the_target_do_not_cost_trust() -> None:
+    model = PassTimeModel(error_floor_s=0.1)
+    for shape, t in synthetic_passes(np.random.default_rng(6), 20, TRUE):
+        model.observe(shape, t)
+    for _ in range(32):  # 10 ms passes predicted at 20 ms: 100% off, but 10% of the 100 ms target
+        model.observe(PassShape(0, 4, 4, 400), 0.010, predicted=0.020)
+    assert model.recent_error == pytest.approx(0.1) and model.trusted
