@@ -78,7 +78,8 @@ class AppArgs(BaseModel):
     # ---- routing and autoscaling (autoscale/) --------------------------------------------
     router: RouterName = Field(
         "token_load", description="token_load: least predicted token load with KV headroom; "
-        "power_of_two: Serve's default, for comparison")
+        "ttft: least predicted time to first token (prompt backlog / the replica's prefill rate, "
+        "KV headroom as a filter); power_of_two: Serve's default, for comparison")
     autoscale_by: Literal["tbt_slo", "ongoing_requests"] = Field(
         "tbt_slo", description="with max_replicas: scale against tbt_slo_ms (needs it), or "
         "Serve's default request-count policy")

@@ -40,7 +40,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
 from autoscale.inflight import InFlightBook
 from replicas.protocol import ReplicaLoad
-from autoscale.routing import RequestCost, choose_replica, request_cost
+from autoscale.routing import RequestCost, choose_by_ttft, choose_replica, request_cost
+
+RANKINGS = {"token_load": choose_replica, "ttft": choose_by_ttft}
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +55,12 @@ class TokenLoadRouter(RequestRouter):
                          stale_after_s: float = 0.2, stale_wait_s: float = 0.1,
                          snapshot_timeout_s: float = 1.0, max_snapshot_age_s: float = 2.0,
                          reflect_grace_s: float = 0.05, default_max_tokens: int = 0,
-                         seed: int | None = None, **_: Any) -> None:
-        """Serve passes `RequestRouterConfig.request_router_kwargs` here."""
+                         seed: int | None = None, ranking: str = "token_load", **_: Any) -> None:
+        """Serve passes `RequestRouterConfig.request_router_kwargs` here. `ranking`: token_load
+        (`routing.choose_replica`) or ttft (`routing.choose_by_ttft`)."""
+        if ranking not in RANKINGS:
+            raise ValueError(f"ranking must be one of {sorted(RANKINGS)}, got {ranking!r}")
+        self._rank = RANKINGS[ranking]
         self._controller_name, self._namespace = controller_name, namespace
         self._refresh_interval_s = refresh_interval_s
         self._stale_after_s, self._stale_wait_s = stale_after_s, stale_wait_s
@@ -76,7 +82,7 @@ class TokenLoadRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """Rank every candidate by predicted token load after adding this request."""
+        """Rank every candidate by predicted token load (or TTFT) after adding this request."""
         if pending_request is not None:
             # Back off between full rounds when every replica rejects (queues full); without
             # this flag Serve's routing loop would spin on choose_replicas.
@@ -90,8 +96,8 @@ class TokenLoadRouter(RequestRouter):
         loads = self._fresh_loads(now)
         self._book.prune(now)
         in_flight, in_flight_kv = self._book.unreflected(loads)
-        ranked = choose_replica(cost.tokens, cost.kv_tokens, loads, in_flight, candidates=list(by_key),
-                                in_flight_kv=in_flight_kv, rng=self._rng)
+        ranked = self._rank(cost.tokens, cost.kv_tokens, loads, in_flight, candidates=list(by_key),
+                            in_flight_kv=in_flight_kv, rng=self._rng)
         if pending_request is not None and cost.tokens:
             self._book.tentative(pending_request.metadata.internal_request_id, ranked[0], cost, now)
         return [[by_key[k]] for k in ranked]

@@ -1,4 +1,5 @@
-"""Routing choices as pure functions of a load view: token-load, power-of-two, round-robin.
+"""Routing choices as pure functions of a load view: token-load, predicted TTFT, power-of-two,
+round-robin.
 
 `choose_replica` is the policy the Serve router runs; the other two are the baselines it is
 compared against (Serve's default is power-of-two on ongoing-request counts). The simulator
@@ -97,6 +98,43 @@ def choose_replica(request_tokens: int, request_kv_tokens: int, loads: Mapping[s
         fits = kv_headroom(load, in_flight_kv.get(replica, 0)) >= request_kv_tokens
         after = predicted_load(load, in_flight.get(replica, 0)) + request_tokens
         return (not fits, after, rng.random())
+
+    return sorted(candidates, key=key)
+
+
+def prefill_rate(load: ReplicaLoad | None) -> float:
+    """Prompt tokens per second a replica prefills: its pass-time model's rate, else its
+    measured drain rate; 0 when it has reported neither."""
+    if load is None:
+        return 0.0
+    return load.prefill_tps or load.drain_tps
+
+
+def choose_by_ttft(request_tokens: int, request_kv_tokens: int, loads: Mapping[str, ReplicaLoad],
+                   in_flight: Mapping[str, int], *, candidates: Sequence[str] | None = None,
+                   in_flight_kv: Mapping[str, int] | None = None,
+                   rng: random.Random | None = None) -> list[str]:
+    """Rank candidates, best first, by predicted time to first token of this request:
+
+        (waiting prompt tokens + tokens routed there not yet reported + this prompt) / prefill rate
+
+    Under stall_free a new prompt waits for the prompts queued ahead of it, not for the running
+    streams (their KV is what token load counts), and a faster replica drains its queue sooner.
+    A replica with no known rate gets the median of the known ones (all unknown: 1 token/s, i.e.
+    plain prompt backlog). KV headroom filters as in `choose_replica`; ties are random.
+    """
+    if candidates is None:
+        candidates = sorted(set(loads) | set(in_flight))
+    in_flight_kv = in_flight if in_flight_kv is None else in_flight_kv
+    rng = rng or random.Random()
+    known = sorted(r for r in (prefill_rate(loads.get(c)) for c in candidates) if r > 0)
+    default = known[len(known) // 2] if known else 1.0
+
+    def key(replica: str) -> tuple[bool, float, float]:
+        load = loads.get(replica)
+        fits = kv_headroom(load, in_flight_kv.get(replica, 0)) >= request_kv_tokens
+        backlog = (load.waiting_tokens if load is not None else 0) + in_flight.get(replica, 0) + request_tokens
+        return (not fits, backlog / (prefill_rate(load) or default), rng.random())
 
     return sorted(candidates, key=key)
 

@@ -20,7 +20,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.scaling import ScalingConfig
 
-ROUTERS = ("token_load", "power_of_two")
+ROUTERS = ("token_load", "ttft", "power_of_two")
 RouterName = Literal[ROUTERS]  # type: ignore[valid-type]
 TOKEN_LOAD_ROUTER = "autoscale.router.TokenLoadRouter"
 TBT_SLO_POLICY = "autoscale.policy:TbtSloPolicy"
@@ -29,15 +29,17 @@ TBT_SLO_POLICY = "autoscale.policy:TbtSloPolicy"
 def request_router_config(router: RouterName = "token_load", *,
                           controller_name: str = DEFAULT_CONTROLLER_NAME,
                           namespace: str = DEFAULT_NAMESPACE, **router_kwargs: Any) -> RequestRouterConfig:
-    """`token_load`: our router (`router_kwargs` go to its `initialize_state`); `power_of_two`:
-    Serve's default, kept selectable for comparison."""
+    """`token_load` / `ttft`: our router ranking by predicted token load or by predicted time to
+    first token (`router_kwargs` go to its `initialize_state`); `power_of_two`: Serve's default,
+    kept selectable for comparison."""
     if router == "power_of_two":
         return RequestRouterConfig()
-    if router != "token_load":
+    if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     return RequestRouterConfig(
         request_router_class=TOKEN_LOAD_ROUTER,
-        request_router_kwargs={"controller_name": controller_name, "namespace": namespace, **router_kwargs})
+        request_router_kwargs={"controller_name": controller_name, "namespace": namespace,
+                               "ranking": router, **router_kwargs})
 
 
 def autoscaling_config(scaling: ScalingConfig, *, initial_replicas: int | None = None,

@@ -255,10 +255,12 @@ class LLMServer:
         token yet count as waiting when they are more than the scheduler shows.
         """
         snap = self.engine.load_snapshot
+        model = self.engine.engine.pass_time
         return dataclasses.replace(
             snap, waiting_tokens=max(snap.waiting_tokens, self.queued_tokens),
             num_waiting=max(snap.num_waiting, len(self._queued)),
-            queue_bound_tokens=self.queue_bound_tokens(), drain_tps=self.drain_tps() or 0.0)
+            queue_bound_tokens=self.queue_bound_tokens(), drain_tps=self.drain_tps() or 0.0,
+            prefill_tps=(model.prefill_tokens_per_s or 0.0) if model is not None else 0.0)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling metrics hook: TBT percentiles and token load of this replica."""

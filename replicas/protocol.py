@@ -239,6 +239,7 @@ class ReplicaLoad:
     kv_usage: float = 0.0
     queue_bound_tokens: int = 0  # waiting prompt tokens it admits (replicas.admission.queue_bound)
     drain_tps: float = 0.0  # waiting prompt tokens it prefills per second lately
+    prefill_tps: float = 0.0  # prompt tokens per second its pass-time model predicts; 0: no model
     tbt_samples: tuple[float, ...] = ()  # TBT samples new since this replica's previous report
     iterations: int = 0  # forward passes since the previous report
     iteration_mean_s: float = 0.0

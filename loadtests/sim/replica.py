@@ -80,6 +80,9 @@ class SimReplica:
         self.blocks = BlockManager(spec.num_blocks, spec.engine.block_size)
         self.scheduler = Scheduler(spec.engine, self.blocks, clock)
         self.cost = spec.cost
+        # What the engine's pass-time model reports: the marginal cost of a prompt token.
+        per_token = spec.cost.per_prefill_token_s + spec.cost.per_kv_token_s
+        self.prefill_tps = 1.0 / per_token if per_token > 0 else 0.0
         self.rec = recorder
         self.on_finish = on_finish
         self.batch: SchedulerOutput | None = None  # the pass in flight
@@ -173,7 +176,7 @@ class SimReplica:
             self.pending_tbt.clear()
             self.window.extend(samples, now)
         load = dataclasses.replace(self.scheduler.load(), replica_id=self.replica_id,
-                                   tbt_samples=samples, timestamp=now)
+                                   tbt_samples=samples, timestamp=now, prefill_tps=self.prefill_tps)
         self.last_report, self.last_report_t = load, now
         self.last_report_tokens = load.token_load
         return load

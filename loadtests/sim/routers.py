@@ -7,6 +7,8 @@ classes only hold what the Serve router holds between requests:
   but not yet visible in a report). A request routed to replica r stops counting as in flight
   once r reports at least `reflect_grace_s` after the send, exactly the book's rule; the adapter
   removes such entries at report time so the book stays small at cluster scale.
+- ttft: the same reports and book, ranked by predicted time to first token (prompt backlog over
+  the replica's prefill rate; the simulated replicas report their cost model's rate).
 - power_of_two: two random replicas, fewer ongoing requests first (Serve's default probes the
   replicas' live queue lengths, so counts here are exact, not reported).
 - round_robin: rotate.
@@ -23,10 +25,10 @@ from collections.abc import Sequence
 
 from autoscale.inflight import InFlightBook
 from autoscale.load import ReplicaLoad
-from autoscale.routing import RequestCost, choose_replica, power_of_two, round_robin
+from autoscale.routing import RequestCost, choose_by_ttft, choose_replica, power_of_two, round_robin
 from loadtests.sim.replica import SimReplica
 
-ROUTERS = ("token_load", "power_of_two", "round_robin")
+ROUTERS = ("token_load", "ttft", "power_of_two", "round_robin")
 WHAT_IF_ROUTERS = ("prefill_backlog",)
 
 
@@ -53,6 +55,7 @@ class Router:
 
 class TokenLoadRouter(Router):
     needs_reports = True
+    rank = staticmethod(choose_replica)
 
     def __init__(self, seed: int = 0, reflect_grace_s: float = 0.05) -> None:
         self.rng = random.Random(seed)
@@ -64,8 +67,8 @@ class TokenLoadRouter(Router):
     def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
         in_flight, in_flight_kv = self.book.unreflected(self.loads)
         by_id = {r.replica_id: r for r in replicas}
-        ranked = choose_replica(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=list(by_id),
-                                in_flight_kv=in_flight_kv, rng=self.rng)
+        ranked = self.rank(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=list(by_id),
+                           in_flight_kv=in_flight_kv, rng=self.rng)
         return by_id[ranked[0]]
 
     def routed(self, request_id: str, replica: SimReplica, cost: RequestCost, now: float) -> None:
@@ -86,6 +89,12 @@ class TokenLoadRouter(Router):
         self.loads.pop(replica.replica_id, None)
         self.book.forget_replica(replica.replica_id)
         self._sent.pop(replica.replica_id, None)
+
+
+class TtftRouter(TokenLoadRouter):
+    """Production's `ttft` ranking (`routing.choose_by_ttft`) on the same reports and book."""
+
+    rank = staticmethod(choose_by_ttft)
 
 
 class PrefillBacklogRouter(TokenLoadRouter):
@@ -130,6 +139,8 @@ class RoundRobinRouter(Router):
 def make_router(name: str, seed: int = 0) -> Router:
     if name == "token_load":
         return TokenLoadRouter(seed)
+    if name == "ttft":
+        return TtftRouter(seed)
     if name == "power_of_two":
         return PowerOfTwoRouter(seed)
     if name == "round_robin":

@@ -8,7 +8,8 @@ import random
 from collections import Counter
 
 from autoscale.load import ReplicaLoad
-from autoscale.routing import (RequestCost, choose_replica, kv_headroom, power_of_two, request_cost,
+from autoscale.routing import (RequestCost, choose_by_ttft, choose_replica, kv_headroom, power_of_two,
+                               prefill_rate, request_cost,
                                round_robin)
 
 
@@ -97,3 +98,42 @@ def test_power_of_two_and_round_robin():
     assert power_of_two(["x"], {}, rng) == ["x"]
     assert [round_robin(["a", "b", "c"], t)[0] for t in range(5)] == ["a", "b", "c", "a", "b"]
     assert round_robin([], 3) == []
+
+
+# ---- predicted time to first token ---------------------------------------------------------
+
+
+def ttft_load(waiting: int, prefill_tps: float = 0.0, drain_tps: float = 0.0, running: int = 0,
+              free_blocks: int = 1000) -> ReplicaLoad:
+    return ReplicaLoad(running_tokens=running, waiting_tokens=waiting, free_blocks=free_blocks,
+                       total_blocks=1000, block_size=16, prefill_tps=prefill_tps, drain_tps=drain_tps)
+
+
+def test_ttft_ranks_by_prompt_backlog_over_prefill_rate() -> None:
+    loads = {"a": ttft_load(4000, prefill_tps=2000),   # (4000 + 100) / 2000 = 2.05 s
+             "b": ttft_load(1000, prefill_tps=500),    # (1000 + 100) / 500 = 2.2 s
+             "c": ttft_load(3000, prefill_tps=4000, running=50_000)}  # 0.775 s: busy streams don't delay
+    assert choose_by_ttft(100, 200, loads, {}) == ["c", "a", "b"]
+    # token_load would have put c last (its running streams hold 50k KV tokens)
+    assert choose_replica(100, 200, loads, {})[-1] == "c"
+
+
+def test_ttft_counts_unreported_prompts_and_filters_by_kv() -> None:
+    loads = {"a": ttft_load(0, prefill_tps=1000), "b": ttft_load(500, prefill_tps=1000),
+             "c": ttft_load(0, prefill_tps=1000, free_blocks=1)}  # 16 free KV tokens
+    assert choose_by_ttft(100, 200, loads, {"a": 1000}) == ["b", "a", "c"]
+
+
+def test_ttft_uses_the_drain_rate_or_the_median_rate_when_no_model_reports() -> None:
+    loads = {"a": ttft_load(1000, drain_tps=100),        # 11 s
+             "b": ttft_load(1000, prefill_tps=1000),     # 1.1 s
+             "c": ttft_load(1500, prefill_tps=3000),     # 0.53 s
+             "d": ttft_load(1000)}                       # no rate: the median (1000) -> 1.1 s
+    ranked = choose_by_ttft(100, 0, loads, {}, rng=random.Random(0))
+    assert ranked[0] == "c" and ranked[-1] == "a" and set(ranked[1:3]) == {"b", "d"}
+    assert prefill_rate(None) == 0.0
+
+
+def test_ttft_with_no_rates_at_all_is_prompt_backlog() -> None:
+    loads = {"a": ttft_load(300), "b": ttft_load(200)}
+    assert choose_by_ttft(10, 0, loads, {}, candidates=["a", "b", "new"]) == ["new", "b", "a"]

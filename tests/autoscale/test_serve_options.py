@@ -16,7 +16,11 @@ from autoscale.serve_options import (deployment_options, graceful_shutdown_timeo
 def test_router_selection():
     ours = request_router_config("token_load", controller_name="c", namespace="n", seed=3)
     assert ours.get_request_router_class() is TokenLoadRouter
-    assert ours.request_router_kwargs == {"controller_name": "c", "namespace": "n", "seed": 3}
+    assert ours.request_router_kwargs == {"controller_name": "c", "namespace": "n", "ranking": "token_load",
+                                          "seed": 3}
+    ttft = request_router_config("ttft", controller_name="c", namespace="n")
+    assert ttft.get_request_router_class() is TokenLoadRouter
+    assert ttft.request_router_kwargs["ranking"] == "ttft"
     assert request_router_config("power_of_two").is_default_request_router()
     with pytest.raises(ValueError, match="router"):
         request_router_config("random")

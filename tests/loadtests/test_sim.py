@@ -115,18 +115,20 @@ def test_scheduler_reads_only_prompt_lengths(policy):
     assert all(r.is_finished for r in reqs)
 
 
-def test_token_load_router_calls_the_production_choice(monkeypatch):
+@pytest.mark.parametrize("router,cls,real", [
+    ("token_load", sim_routers.TokenLoadRouter, autoscale.routing.choose_replica),
+    ("ttft", sim_routers.TtftRouter, autoscale.routing.choose_by_ttft)])
+def test_token_load_router_calls_the_production_choice(monkeypatch, router, cls, real):
     calls = []
-    real = autoscale.routing.choose_replica
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("candidates"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sim_routers, "choose_replica", spy)
+    monkeypatch.setattr(cls, "rank", staticmethod(spy))
     n = 40
     sim = tiny("stall_free", 64, arrivals=tuple(i * 0.05 for i in range(n)), prompts=(20,) * n, outputs=(5,) * n,
-               replicas=4, router="token_load")
+               replicas=4, router=router)
     res = sim.run()
     assert len(calls) == n and all(sorted(c) == ["r0", "r1", "r2", "r3"] for c in calls)
     assert res.summary["completed"] == n
