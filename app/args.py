@@ -70,6 +70,8 @@ class AppArgs(BaseModel):
     tbt_slo_ms: float | None = Field(None, gt=0, description="time-between-tokens SLO: the autoscaler "
                                      "scales against it and, under stall_free, each pass's prefill "
                                      "budget is chosen from it (max_batch_prefill_tokens is the ceiling)")
+    slo_budget: bool = Field(_ENGINE.slo_budget, description="with tbt_slo_ms under stall_free: "
+                             "choose each pass's prefill budget from the SLO (false: the fixed budget)")
     budget_margin: float = Field(_ENGINE.budget_margin, gt=0, le=1, description="the SLO budget aims "
                                  "each pass at tbt_slo_ms x budget_margin")
     wedge_timeout_s: float = Field(_REPLICA.wedge_timeout_s, gt=0, description="one iteration longer than this "
@@ -160,7 +162,7 @@ class AppArgs(BaseModel):
             num_threads=self.resolved_torch_threads, trust_remote_code=self.trust_remote_code,
             seed=self.seed, queue_timeout_s=self.queue_timeout_s,
             compile_decode_attention=self.compile_decode_attention, tbt_slo_ms=self.tbt_slo_ms,
-            budget_margin=self.budget_margin)
+            slo_budget=self.slo_budget, budget_margin=self.budget_margin)
 
     def scaling_config(self) -> ScalingConfig:
         """The TBT-SLO autoscaling decision's parameters (autoscale.scaling)."""

@@ -34,7 +34,7 @@ from loadtests.loadtest import load_samples, run_locust, summarize
 from loadtests.mix import MixSpec
 from loadtests.sweep import warm_up
 
-ROUTERS = ("token_load", "power_of_two")
+ROUTERS = ("token_load", "ttft", "power_of_two")
 METRIC = "ray_stallfree_request_success_total"
 # Heavy-tailed: mostly short chats, 30% of them long prompts (1k-1.5k tokens) that make
 # one replica's queue far longer than its request count says.

@@ -15,7 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STYLE = {"static": ("tab:gray", "s"), "dynamic": ("tab:red", "o"), "stall_free": ("tab:blue", "^")}
+STYLE = {"static": ("tab:gray", "s"), "dynamic": ("tab:red", "o"), "stall_free": ("tab:blue", "^"),
+         "stall_free+slo": ("tab:green", "v")}
 
 
 def plot(rows: list[dict[str, Any]], config: dict[str, Any], path: Path) -> Path:

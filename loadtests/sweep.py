@@ -37,6 +37,8 @@ from loadtests.mix import MixSpec, mixed_requests
 from loadtests.plot_sweep import plot
 
 POLICIES = ("static", "dynamic", "stall_free")
+# stall_free with its prefill budget chosen per pass from the TBT SLO (ceiling: the whole-prompt MBP).
+SLO_POLICY = "stall_free+slo"
 # The sweep's workload: short prompts, a fifth of them long (what makes `dynamic` stall: one
 # whole 1.5k-2k-token prefill takes over a second on this CPU even when nothing else runs).
 SWEEP_MIX = MixSpec(prompt_median=96, output_median=48, long_share=0.2, long_min=1536,
@@ -52,8 +54,10 @@ def whole_prompt_mbp(mix: MixSpec, multiple: int = 256) -> int:
 
 
 def app_args(args: argparse.Namespace, policy: str, mix: MixSpec) -> dict[str, Any]:
+    """Every line gets the SLO (metrics); only `stall_free+slo` lets it choose the budget."""
     mbp = args.chunk if policy == "stall_free" else whole_prompt_mbp(mix)
-    return {"model": args.model, "policy": policy, "max_batch_prefill_tokens": mbp,
+    return {"model": args.model, "policy": "stall_free" if policy == SLO_POLICY else policy,
+            "max_batch_prefill_tokens": mbp, "slo_budget": policy == SLO_POLICY,
             "max_batch_total_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
             "num_cpus": 1, "torch_threads": args.threads, "tbt_slo_ms": args.tbt_slo_ms}
 
@@ -129,7 +133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtests.sweep", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="two rates, 25 s windows (about 8 minutes)")
     p.add_argument("--model", default="embedded:mid")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated; also {SLO_POLICY} (stall_free, budget from the TBT SLO)")
     p.add_argument("--rates", help="comma-separated offered req/s (default: 0.2,0.4,0.6,0.8; quick: 0.3,0.8)")
     p.add_argument("--duration", type=float, help="arrival window per point, s (default 60; quick 25)")
     p.add_argument("--drain", type=float, default=30.0, help="at most this long for open requests, s")
@@ -151,6 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.duration is None:
         args.duration = 25.0 if args.quick else 60.0
     args.policies = args.policies.split(",")
+    if unknown := set(args.policies) - {*POLICIES, SLO_POLICY}:
+        p.error(f"--policies: unknown {sorted(unknown)}; choose from {', '.join((*POLICIES, SLO_POLICY))}")
     return args
 
 

@@ -56,6 +56,7 @@ class EngineConfig:
     # tbt_slo_ms x budget_margin, max_batch_prefill_tokens becoming the ceiling and
     # slo_budget_floor the least a pass prefills. None: the fixed budget, as before.
     tbt_slo_ms: float | None = None
+    slo_budget: bool = True  # False: keep the fixed budget (the SLO then serves metrics and scaling)
     budget_margin: float = 0.8
     slo_budget_floor: int = 16
     # Decode attention as one torch.compile'd kernel that reads each context's KV blocks in place

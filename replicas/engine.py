@@ -19,12 +19,12 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.kv_cache import BlockManager
 from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
-from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_prefill_budget
+from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                check_priority)
 from replicas.request import Request, RequestStatus
 from replicas.sampler import sample, stop_token_hit
-from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from replicas.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,13 @@ class Engine:
         self.observers: list[EngineObserver] = []
         # With a TBT SLO: the online pass-time model (and, under stall_free, the SLO budget).
         self.pass_time: PassTimeModel | None = None
-        self._budget: int | None = None  # the SLO budget chosen for the pass being scheduled
-        self._fallback = self._untrusted = False
+        self.slo_budget: SloBudget | None = None
         if config.tbt_slo_ms is not None:
-            self.pass_time = PassTimeModel(error_floor_s=config.tbt_slo_ms / 1000 * config.budget_margin)
-            if config.policy == "stall_free":
-                self.scheduler.prefill_budget = self._slo_budget
+            target = config.tbt_slo_ms / 1000 * config.budget_margin
+            self.pass_time = PassTimeModel(error_floor_s=target)
+            if config.policy == "stall_free" and config.slo_budget:
+                self.slo_budget = SloBudget(self.pass_time, target, config.slo_budget_floor, log)
+                self.scheduler.prefill_budget = self.slo_budget
             self._profile_passes()
 
     @classmethod
@@ -194,7 +195,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run one forward pass, postprocess."""
         expired = self._expire()
-        self._budget, self._fallback = None, False
+        if self.slo_budget is not None:
+            self.slo_budget.reset()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return expired
@@ -278,38 +280,13 @@ class Engine:
         stats = IterationStats(
             start, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
             len(batch.seqs), context, len(batch.preempted),
-            num_stalled=decoding - len(batch.decodes), prefill_budget=self._budget,
-            predicted_s=predicted, budget_fallback=self._fallback)
+            num_stalled=decoding - len(batch.decodes), predicted_s=predicted)
+        if self.slo_budget is not None:
+            stats.prefill_budget, stats.budget_fallback = self.slo_budget.last, self.slo_budget.fallback
         self.iterations.append(stats)
         if shape is not None:
             self.pass_time.observe(shape, stats.duration, predicted)
         return stats
-
-    # ---- the SLO budget ----------------------------------------------------------------
-
-    def _slo_budget(self, decodes: list[ScheduledSeq], nxt: Request, ceiling: int) -> int:
-        """The prefill tokens of this pass: the largest chunk whose predicted pass time (with
-        these decodes) stays under tbt_slo_ms x budget_margin; the ceiling if the model is not
-        trusted (logged when that changes)."""
-        model, cfg = self.pass_time, self.config
-        if not model.trusted:
-            if not self._untrusted:
-                log.warning("pass-time model not trusted (median error %s): fixed prefill budget %d",
-                            model.recent_error, cfg.max_batch_prefill_tokens)
-            self._untrusted = self._fallback = True
-            return ceiling
-        if self._untrusted:
-            log.info("pass-time model trusted again (median error %.2f): SLO budget", model.recent_error or 0)
-            self._untrusted = False
-        d = len(decodes)
-        context = sum(s.start for s in decodes) + d + nxt.num_computed_tokens
-
-        def cost(p: int) -> float:
-            return model.predict(PassShape(p, d, d + 1, context + p))
-
-        self._budget = slo_prefill_budget(cost, cfg.tbt_slo_ms / 1000 * cfg.budget_margin, ceiling,
-                                          cfg.slo_budget_floor)
-        return self._budget
 
     def _profile_passes(self) -> None:
         """Seed the pass-time model with a handful of passes of different shapes (prefills of

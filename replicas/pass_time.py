@@ -18,8 +18,9 @@ fitter, no torch: the scheduler calls them and the simulator can import them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,26 +45,39 @@ class PassShape:
                 float(self.context_tokens))
 
 
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set; numpy only)."""
+    n = a.shape[1]
+    x, active = np.zeros(n), np.zeros(n, dtype=bool)
+    w = a.T @ (b - a @ x)
+    for _ in range(3 * n):
+        if active.all() or np.where(active, -np.inf, w).max() <= 1e-12 * max(1.0, float(np.abs(w).max())):
+            break
+        active[int(np.argmax(np.where(active, -np.inf, w)))] = True
+        while True:
+            z = np.zeros(n)
+            z[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+            if (z[active] > 0).all():
+                x = z
+                break
+            neg = active & (z <= 0)
+            x = x + np.min(x[neg] / (x[neg] - z[neg])) * (z - x)
+            active &= x > 1e-15
+        w = a.T @ (b - a @ x)
+    return x
+
+
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0 (an active-set loop: a feature whose coefficient
-    comes out negative is dropped and the rest refitted). Scaled columns, so token counts and
-    the intercept weigh alike."""
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    xs = x / scale
-    active = np.ones(x.shape[1], dtype=bool)
+    """Least squares with every coefficient >= 0: each is a time per unit of work (collinear
+    counts such as decode tokens and sequences would otherwise trade signs and extrapolate
+    badly). Columns are scaled so token counts in the thousands and the intercept weigh alike;
+    all-zero columns (features absent from the data) get coefficient 0. The simulator's cost
+    model fits with this too (loadtests/sim/costmodel.py)."""
+    scale = np.abs(x).max(axis=0)
+    live = scale > 0
     coef = np.zeros(x.shape[1])
-    for _ in range(x.shape[1]):
-        coef[:] = 0.0
-        if not active.any():
-            break
-        sol, *_ = np.linalg.lstsq(xs[:, active], y, rcond=None)
-        coef[active] = sol
-        negative = coef < 0
-        if not negative.any():
-            break
-        active &= ~negative
-    coef = np.maximum(coef, 0.0)
-    return coef / scale
+    coef[live] = nnls(x[:, live] / scale[live], y) / scale[live]
+    return coef
 
 
 class PassTimeModel:
@@ -153,6 +167,48 @@ def slo_prefill_budget(cost: Callable[[int], float], target_s: float, ceiling: i
         else:
             hi = mid
     return lo
+
+
+class SloBudget:
+    """The stall_free scheduler's `prefill_budget` hook under a TBT SLO (the engine's and the
+    simulator's): every decode first, then the largest prefill chunk whose predicted pass time
+    stays under `target_s`; the fixed ceiling while the model is not trusted.
+
+    After each `schedule()`, `last` is the budget it chose (None: the ceiling applied) and
+    `fallback` whether that was because the model was untrusted; `reset()` before scheduling.
+    """
+
+    def __init__(self, model: PassTimeModel, target_s: float, floor: int, log: Any = None) -> None:
+        self.model, self.target_s, self.floor = model, target_s, floor
+        self.log = log
+        self.last: int | None = None
+        self.fallback = False
+        self.untrusted = False  # the model's state at the last decision (logged when it flips)
+
+    def reset(self) -> None:
+        self.last, self.fallback = None, False
+
+    def __call__(self, decodes: Sequence[Any], nxt: Any, ceiling: int) -> int:
+        """`decodes`: the pass's ScheduledSeqs so far; `nxt`: the request whose chunk comes next."""
+        model = self.model
+        if not model.trusted:
+            if not self.untrusted and self.log is not None:
+                self.log.warning("pass-time model not trusted (median error %s): the fixed prefill "
+                                 "budget applies", model.recent_error)
+            self.untrusted = self.fallback = True
+            return ceiling
+        if self.untrusted and self.log is not None:
+            self.log.info("pass-time model trusted again (median error %.2f): SLO budget",
+                          model.recent_error or 0.0)
+        self.untrusted = False
+        d = len(decodes)
+        context = sum(s.start for s in decodes) + d + nxt.num_computed_tokens
+
+        def cost(p: int) -> float:
+            return model.predict(PassShape(p, d, d + 1, context + p))
+
+        self.last = slo_prefill_budget(cost, self.target_s, ceiling, self.floor)
+        return self.last
 
 
 def seed_shapes(ceiling: int) -> Iterable[tuple[int, int]]:

@@ -3,6 +3,7 @@
     python -m loadtests.sim run --policy stall_free --mbp 512 --rate 3 -n 2000
     python -m loadtests.sim capacity            # docs/capacity.png + docs/sim_capacity.json
     python -m loadtests.sim routing             # docs/sim_routing.json
+    python -m loadtests.sim slo-budget          # docs/sim_slo_budget.json
     python -m loadtests.sim autoscale           # docs/sim_autoscale.json (+ timeline CSV)
     python -m loadtests.sim speed               # 100k requests x 64 replicas: docs/sim_speed.json
     python -m loadtests.sim calibrate           # fit against the CPU engine: docs/sim_calibration.json
@@ -90,6 +91,24 @@ def cmd_routing(a: argparse.Namespace) -> None:
     write_json(a.json, {"results": out})
 
 
+def cmd_slo_budget(a: argparse.Namespace) -> None:
+    results = []
+    for gpu, model in a.deployments:
+        print(f"SLO budget capacity: {model} on {gpu}, {a.workload}, {a.num_requests} requests per point")
+        results.append(ex.slo_budget_capacity(gpu, model, a.workload, a.num_requests, a.seed))
+    print()
+    table([r for res in results for r in res["rows"]],
+          [("model", "model", "s"), ("slo", "slo", "s"), ("system", "system", "s"), ("mbp", "mbp", "d"),
+           ("capacity_rps", "req/s", ".3f"), ("tbt_bucket_p99_s", "bucket p99 TBT s", ".3f"),
+           ("ttft_p99_s", "p99 TTFT s", ".3f")])
+    for res in results:
+        for c in res["checks"]:
+            print(f"{res['model']:10s} {c['slo']:7s} SLO budget {c['slo_budget_rps']:.3f} req/s = "
+                  f"{c['vs_best']:.2f}x the best fixed budget, {c['vs_worst']:.2f}x the worst "
+                  f"(target >= 1.00 and >= 1.20)")
+    write_json(a.json, {"results": results})
+
+
 def cmd_autoscale(a: argparse.Namespace) -> None:
     res = ex.autoscale(a.per_replica_rps, a.peak, a.low, a.duration, a.startup, seed=a.seed,
                        progress=not a.quiet)
@@ -148,6 +167,21 @@ def _add_run(sub: Any) -> None:
     p.set_defaults(fn=cmd_run)
 
 
+def _deployment(text: str) -> tuple[str, str]:
+    gpu, _, model = text.partition("/")
+    return gpu, model
+
+
+def _add_slo_budget(sub: Any) -> None:
+    p = sub.add_parser("slo-budget", help="capacity of the SLO budget vs fixed budgets and dynamic")
+    p.add_argument("--deployments", nargs="+", type=_deployment,
+                   default=[("A100-80GB", "mistral-7b"), ("H100-SXM", "llama-70b")], help="GPU/model ...")
+    p.add_argument("--workload", default="sharegpt")
+    p.add_argument("-n", "--num-requests", type=int, default=1000, help="requests per rate tried")
+    _seed_json(p, "sim_slo_budget.json")
+    p.set_defaults(fn=cmd_slo_budget)
+
+
 def _add_capacity(sub: Any) -> None:
     p = sub.add_parser("capacity", help="capacity of each policy under a strict and a relaxed SLO")
     _gpu_model(p)
@@ -197,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for add in (_add_run, _add_capacity, _add_routing, _add_autoscale, _add_speed):
+    for add in (_add_run, _add_capacity, _add_slo_budget, _add_routing, _add_autoscale, _add_speed):
         add(sub)
     p = sub.add_parser("calibrate", help="fit the cost model to the CPU engine (see: calibrate --help)")
     p.set_defaults(fn=lambda _: main(["calibrate"]))

@@ -19,8 +19,9 @@ traffic) or `sum` (a plain linear model).
   pair at peak FLOP/s * efficiency; weights read once per pass and KV bytes read per attended
   token at HBM bandwidth * efficiency, both split over tensor-parallel ranks; two ring
   all-reduces per layer over the link for TP > 1.
-- `fit(x, y, form)` fits the same coefficients to timings the real engine recorded (least
-  squares; features the engine did not record are all-zero columns and keep coefficient 0).
+- `fit(x, y, form)` fits the same coefficients to timings the real engine recorded (the
+  engine's own non-negative least squares, `replicas.pass_time.fit_nonnegative`; features the
+  engine did not record are all-zero columns and keep coefficient 0).
   `form="max"` is a segmented fit: each iteration is assigned to the branch that binds, the
   branches are refitted, repeat.
 """
@@ -38,6 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from autoscale.load import percentile
+from replicas.pass_time import fit_nonnegative
 
 PROFILES_PATH = Path(__file__).with_name("profiles.json")
 Form = Literal["max", "sum"]
@@ -166,40 +168,6 @@ def features(stats: Iterable[Any]) -> np.ndarray:
     return np.asarray(rows, dtype=float).reshape(-1, 6)
 
 
-def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set; numpy only)."""
-    n = a.shape[1]
-    x, active = np.zeros(n), np.zeros(n, dtype=bool)
-    w = a.T @ (b - a @ x)
-    for _ in range(3 * n):
-        if active.all() or np.where(active, -np.inf, w).max() <= 1e-12 * max(1.0, float(np.abs(w).max())):
-            break
-        active[int(np.argmax(np.where(active, -np.inf, w)))] = True
-        while True:
-            z = np.zeros(n)
-            z[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
-            if (z[active] > 0).all():
-                x = z
-                break
-            neg = active & (z <= 0)
-            x = x + np.min(x[neg] / (x[neg] - z[neg])) * (z - x)
-            active &= x > 1e-15
-        w = a.T @ (b - a @ x)
-    return x
-
-
-def _lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares: every coefficient is a time per unit of work, never negative
-    (collinear counts such as decode tokens and sequences would otherwise trade signs and
-    extrapolate badly). Columns are scaled so counts in the thousands and the intercept weigh
-    alike; all-zero columns (features the engine did not record) get coefficient 0."""
-    scale = np.abs(a).max(axis=0)
-    live = scale > 0
-    coef = np.zeros(a.shape[1])
-    coef[live] = nnls(a[:, live] / scale[live], y) / scale[live]
-    return coef
-
-
 def fit(x: np.ndarray, y: np.ndarray, form: Form = "sum", max_iter: int = 50) -> CostModel:
     """Non-negative least-squares coefficients of `CostModel` from feature rows `x` (see `features`)
     and durations `y`.
@@ -212,7 +180,7 @@ def fit(x: np.ndarray, y: np.ndarray, form: Form = "sum", max_iter: int = 50) ->
     p, d, c, s, a, xp = (x[:, i] for i in range(6))
     one = np.ones_like(y)
     if form == "sum":
-        o, kp, kd, kc, ks, ka, kx = _lstsq(np.column_stack([one, p, d, c, s, a, xp]), y)
+        o, kp, kd, kc, ks, ka, kx = fit_nonnegative(np.column_stack([one, p, d, c, s, a, xp]), y)
         return CostModel(overhead_s=o, per_seq_s=ks, per_prefill_token_s=kp, per_decode_token_s=kd,
                          per_attn_pair_s=ka, per_kv_token_s=kc, per_padded_kv_token_s=kx, form="sum",
                          name="fit:sum")
@@ -226,7 +194,7 @@ def fit(x: np.ndarray, y: np.ndarray, form: Form = "sum", max_iter: int = 50) ->
                 break
             cb, mb = bound.astype(float), (~bound).astype(float)
             cols = np.column_stack([one, s, p * cb, d * cb, a * cb, mb, c * mb, xp * mb])
-            o, ks, kp, kd, ka, w, kc, kx = _lstsq(cols, y)
+            o, ks, kp, kd, ka, w, kc, kx = fit_nonnegative(cols, y)
             model = CostModel(overhead_s=o, per_seq_s=ks, per_prefill_token_s=kp, per_decode_token_s=kd,
                               per_attn_pair_s=ka, weights_s=w, per_kv_token_s=kc, per_padded_kv_token_s=kx,
                               form="max", name="fit:max")

@@ -6,6 +6,7 @@ Defaults are the issue's setting: Mistral-7B on an A100-80GB, ShareGPT-like chat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -72,6 +73,52 @@ def capacity(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str = 
     return {"gpu": gpu, "model": model, "workload": workload, "num_requests": num_requests, "seed": seed,
             "trace": unit.summary(), "rows": rows, "stall_free_over_dynamic": ratios,
             "criteria": "P99 TBT <= SLO and median scheduling delay <= 2 s (Sarathi-Serve)"}
+
+
+# ---- the SLO budget ---------------------------------------------------------------------------------
+
+SLO_BUDGET_CEILING = 2048
+
+
+def slo_budget_capacity(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str = "sharegpt",
+                        num_requests: int = 1000, seed: int = 0, slos: dict[str, float] | None = None,
+                        log: Any = print) -> dict[str, Any]:
+    """Capacity under each SLO of stall_free with fixed budgets 512 and 2048, with the SLO
+    budget (ceiling 2048, `tbt_slo_ms` = the SLO, nothing else tuned), and of dynamic."""
+    slos = slos or SLOS
+    unit = make_trace(workload, "poisson", n=num_requests, rate=1.0, seed=seed)
+    rows = []
+    for slo_name, slo in slos.items():
+        systems = [("stall_free", 512, None), ("stall_free", 2048, None),
+                   ("stall_free+slo", SLO_BUDGET_CEILING, 1000 * slo),
+                   ("dynamic", baseline_mbp(workload), None)]
+        for name, mbp, slo_ms in systems:
+            spec = replica_spec(gpu, model, name.split("+")[0], mbp)
+            if slo_ms is not None:
+                spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, tbt_slo_ms=slo_ms))
+            t0 = time.perf_counter()
+            res = find_capacity(SimConfig(spec, 1, router="round_robin", tbt_slo_s=slo), unit, Criteria(slo),
+                                start_rate=1.0)
+            at = res["at_capacity"] or {}
+            rows.append({"gpu": gpu, "model": model, "slo": slo_name, "tbt_slo_s": slo, "system": name,
+                         "mbp": mbp, "capacity_rps": res["capacity_rps"],
+                         "tbt_bucket_p99_s": at.get("tbt_bucket_p99_s"), "ttft_p99_s": at.get("ttft_p99_s"),
+                         "sched_delay_p50_s": at.get("sched_delay_p50_s"), "search_s": time.perf_counter() - t0})
+            log(f"  {model} {gpu} {slo_name:7s} {name:15s} mbp {mbp:5d}: {res['capacity_rps']:.3f} req/s "
+                f"({time.perf_counter() - t0:.1f}s)")
+    checks = []
+    for slo_name in slos:
+        cap = {(r["system"], r["mbp"]): r["capacity_rps"] for r in rows if r["slo"] == slo_name}
+        fixed = [cap[("stall_free", 512)], cap[("stall_free", 2048)]]
+        mine = cap[("stall_free+slo", SLO_BUDGET_CEILING)]
+        checks.append({"slo": slo_name, "slo_budget_rps": mine, "best_fixed_rps": max(fixed),
+                       "worst_fixed_rps": min(fixed),
+                       "vs_best": mine / max(fixed) if max(fixed) else math.inf,
+                       "vs_worst": mine / min(fixed) if min(fixed) else math.inf})
+    return {"gpu": gpu, "model": model, "workload": workload, "num_requests": num_requests, "seed": seed,
+            "rows": rows, "checks": checks,
+            "criteria": "P99 TBT <= SLO and median scheduling delay <= 2 s (Sarathi-Serve)",
+            "target": "SLO budget >= the best fixed budget, >= 1.2x the worst, at every SLO"}
 
 
 # ---- routing -------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from loadtests.sim.costmodel import CostModel, batch_features
 from loadtests.sim.metrics import Recorder
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
+from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
 from replicas.protocol import InvalidRequestError, Limits
 from replicas.request import Request, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerOutput
@@ -69,6 +70,19 @@ class ReplicaSpec:
         return None
 
 
+def profile_passes(cost: CostModel, ceiling: int) -> list[tuple[PassShape, float]]:
+    """The engine's start-up profile (`pass_time.seed_shapes`), timed by the cost model: each
+    shape's prefill pass and two decode passes."""
+    out = []
+    for n, k in seed_shapes(ceiling):
+        pairs = k * n * (n + 1) // 2
+        out.append((PassShape(n * k, 0, k, n * k), cost.iteration_time(n * k, 0, n * k, k, pairs, 0)))
+        for step in (1, 2):
+            ctx = k * (n + step)
+            out.append((PassShape(0, k, k, ctx), cost.iteration_time(0, k, ctx, k, ctx, k * (n + step))))
+    return out
+
+
 class SimReplica:
     """A replica's scheduler state plus the simulator's bookkeeping around it."""
 
@@ -83,6 +97,19 @@ class SimReplica:
         # What the engine's pass-time model reports: the marginal cost of a prompt token.
         per_token = spec.cost.per_prefill_token_s + spec.cost.per_kv_token_s
         self.prefill_tps = 1.0 / per_token if per_token > 0 else 0.0
+        # With a TBT SLO, the engine's own SLO budget: its pass-time model learns this replica's
+        # cost model online from a start-up profile and every pass, as it learns a real machine.
+        self.pass_time: PassTimeModel | None = None
+        self.slo_budget: SloBudget | None = None
+        cfg = spec.engine
+        if cfg.tbt_slo_ms is not None and cfg.policy == "stall_free" and cfg.slo_budget:
+            target = cfg.tbt_slo_ms / 1000 * cfg.budget_margin
+            self.pass_time = PassTimeModel(error_floor_s=target)
+            for shape, seconds in profile_passes(spec.cost, cfg.max_batch_prefill_tokens):
+                self.pass_time.observe(shape, seconds)
+            self.pass_time.freeze_seed()
+            self.slo_budget = SloBudget(self.pass_time, target, cfg.slo_budget_floor)
+            self.scheduler.prefill_budget = self.slo_budget
         self.rec = recorder
         self.on_finish = on_finish
         self.batch: SchedulerOutput | None = None  # the pass in flight
@@ -114,11 +141,16 @@ class SimReplica:
 
     def start_iteration(self, now: float) -> float | None:
         """Schedule the next pass at `now`; returns when it ends (None: nothing to run)."""
+        if self.slo_budget is not None:
+            self.slo_budget.reset()
         batch = self.scheduler.schedule()
         if not batch.decodes and not batch.prefills:
             return None
         f = batch_features(batch)
         dur = self.cost.iteration_time(*f)
+        if self.pass_time is not None:
+            shape = PassShape(f[0], f[1], f[3], f[2])
+            self.pass_time.observe(shape, dur, self.pass_time.predict(shape))
         if self.log is not None:
             self.log.append((now, dur, f[0], f[1], f[2], f[3]))
         self.batch = batch

@@ -119,3 +119,17 @@ def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: 
     assert samples[0]["type"] == "meta" and samples[0]["mix"]["long_min"] == 200
     assert all(r["completion_tokens"] == r["max_tokens"] for r in samples[1:])  # ignore_eos: exact
     assert (tmp_path / "loadtest.html").stat().st_size > 0
+
+
+def test_the_sweep_lets_only_its_slo_line_choose_the_budget() -> None:
+    from app.args import AppArgs
+    from loadtests.sweep import SLO_POLICY, SWEEP_MIX, app_args, parse_args
+
+    args = parse_args(["--quick", "--policies", f"dynamic,stall_free,{SLO_POLICY}"])
+    fixed, slo = app_args(args, "stall_free", SWEEP_MIX), app_args(args, SLO_POLICY, SWEEP_MIX)
+    assert fixed["policy"] == slo["policy"] == "stall_free"
+    assert fixed["max_batch_prefill_tokens"] == args.chunk and not fixed["slo_budget"]
+    assert slo["max_batch_prefill_tokens"] == whole_prompt_mbp(SWEEP_MIX) and slo["slo_budget"]
+    for kwargs in (fixed, slo):
+        engine = AppArgs(**kwargs).engine_config()
+        assert engine.tbt_slo_ms == args.tbt_slo_ms and engine.slo_budget == kwargs["slo_budget"]

@@ -3,6 +3,7 @@ and a hand-worked scenario gives exactly the iterations and token times the poli
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -154,3 +155,28 @@ def test_autoscaler_adds_replicas_after_start_up_delay():
     ready_at = {p[0]: p[1] for p in res.scaling}
     assert ready_at[first_up + 19.0] == 1 and ready_at[first_up + 21.0] > 1
     assert res.summary["replica_seconds"] < 6 * res.summary["duration_s"]
+
+
+def test_a_simulated_replica_with_a_tbt_slo_runs_the_engines_slo_budget():
+    """The simulated replica learns its cost model with the engine's pass-time model and picks
+    each stall_free chunk with the engine's SloBudget: beside decodes, passes stay under the SLO
+    that the fixed 2048-token budget breaks."""
+    spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 2048)
+    seeds = sim_replica.profile_passes(spec.cost, 2048)
+    assert len(seeds) == 15 and all(t > 0 for _, t in seeds)
+    n = 30
+    trace = Trace("long", np.arange(n) * 0.05, np.full(n, 1500), np.full(n, 40))
+    hybrid_times = {}
+    for slo_ms in (None, 60.0):
+        s = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, tbt_slo_ms=slo_ms))
+        sim = Simulator(SimConfig(s, 1, router="round_robin", tbt_slo_s=0.06, ttft_slo_s=10.0,
+                                  log_iterations=True), trace)
+        replica = sim.replicas[0]
+        res = sim.run()
+        assert res.summary["completed"] == n
+        hybrid_times[slo_ms] = [dur for _, dur, p, d, *_ in replica.log if p and d]
+        if slo_ms is not None:
+            assert replica.pass_time.trusted and replica.scheduler.prefill_budget is replica.slo_budget
+    assert max(hybrid_times[None]) > 0.06  # the fixed budget's hybrid passes break the SLO
+    within = [t <= 0.06 for t in hybrid_times[60.0]]
+    assert hybrid_times[60.0] and sum(within) >= 0.95 * len(within)

@@ -160,8 +160,8 @@ def test_an_untrusted_model_falls_back_to_the_ceiling(llama) -> None:
     decoding = Request("d", [5] * 10, SamplingParams(max_tokens=4), 0, 0.0)
     decoding.num_computed_tokens = 10
     nxt = Request("n", [6] * 400, SamplingParams(max_tokens=4), 0, 0.0)
-    budget = eng._slo_budget([ScheduledSeq(decoding, 10, 1)], nxt, 255)
-    assert budget == 255 and eng._fallback
+    budget = eng.slo_budget([ScheduledSeq(decoding, 10, 1)], nxt, 255)
+    assert budget == 255 and eng.slo_budget.fallback and eng.slo_budget.last is None
 
 
 def test_without_an_slo_nothing_changes(llama) -> None:
@@ -179,3 +179,11 @@ def test_misses_far_below_the_target_do_not_cost_trust() -> None:
     for _ in range(32):  # 10 ms passes predicted at 20 ms: 100% off, but 10% of the 100 ms target
         model.observe(PassShape(0, 4, 4, 400), 0.010, predicted=0.020)
     assert model.recent_error == pytest.approx(0.1) and model.trusted
+
+
+def test_slo_budget_off_keeps_the_fixed_budget_but_still_fits_the_model(llama) -> None:
+    eng = slo_engine(llama, 1.0, slo_budget=False)
+    assert eng.pass_time is not None and eng.slo_budget is None and eng.scheduler.prefill_budget is None
+    eng.generate([[5] * 100, [6] * 10], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert all(it.prefill_budget is None for it in eng.iterations)
+    assert any(it.predicted_s is not None for it in eng.iterations)
