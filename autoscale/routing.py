@@ -121,7 +121,9 @@ def choose_by_ttft(request_tokens: int, request_kv_tokens: int, loads: Mapping[s
     Under stall_free a new prompt waits for the prompts queued ahead of it, not for the running
     streams (their KV is what token load counts), and a faster replica drains its queue sooner.
     A replica with no known rate gets the median of the known ones (all unknown: 1 token/s, i.e.
-    plain prompt backlog). KV headroom filters as in `choose_replica`; ties are random.
+    plain prompt backlog). KV headroom filters as in `choose_replica`, then whether the replica's
+    queue bound (`queue_bound_tokens`) admits the prompt on top of its backlog (one that would
+    answer 429 comes after every one that would not); ties are random.
     """
     if candidates is None:
         candidates = sorted(set(loads) | set(in_flight))
@@ -130,11 +132,12 @@ def choose_by_ttft(request_tokens: int, request_kv_tokens: int, loads: Mapping[s
     known = sorted(r for r in (prefill_rate(loads.get(c)) for c in candidates) if r > 0)
     default = known[len(known) // 2] if known else 1.0
 
-    def key(replica: str) -> tuple[bool, float, float]:
+    def key(replica: str) -> tuple[bool, bool, float, float]:
         load = loads.get(replica)
         fits = kv_headroom(load, in_flight_kv.get(replica, 0)) >= request_kv_tokens
         backlog = (load.waiting_tokens if load is not None else 0) + in_flight.get(replica, 0) + request_tokens
-        return (not fits, backlog / (prefill_rate(load) or default), rng.random())
+        admits = load is None or load.queue_bound_tokens <= 0 or backlog <= load.queue_bound_tokens
+        return (not fits, not admits, backlog / (prefill_rate(load) or default), rng.random())
 
     return sorted(candidates, key=key)
 

@@ -4,6 +4,7 @@ equal replicas share a burst exactly evenly."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -137,3 +138,11 @@ def test_ttft_uses_the_drain_rate_or_the_median_rate_when_no_model_reports() -> 
 def test_ttft_with_no_rates_at_all_is_prompt_backlog() -> None:
     loads = {"a": ttft_load(300), "b": ttft_load(200)}
     assert choose_by_ttft(10, 0, loads, {}, candidates=["a", "b", "new"]) == ["new", "b", "a"]
+
+
+def test_ttft_prefers_a_replica_whose_queue_bound_admits_the_prompt() -> None:
+    fast = dataclasses.replace(ttft_load(500, prefill_tps=10_000), queue_bound_tokens=1000)
+    slow = dataclasses.replace(ttft_load(500, prefill_tps=1000), queue_bound_tokens=4000)
+    # 500 + 800 > 1000: the fast replica would answer 429, so the slower one that admits wins.
+    assert choose_by_ttft(800, 0, {"fast": fast, "slow": slow}, {}) == ["slow", "fast"]
+    assert choose_by_ttft(400, 0, {"fast": fast, "slow": slow}, {}) == ["fast", "slow"]
