@@ -29,12 +29,13 @@ from typing import Any
 
 import httpx
 
+from autoscale.serve_options import ROUTERS as SERVE_ROUTERS
 from loadtests import serve_local
 from loadtests.loadtest import load_samples, run_locust, summarize
 from loadtests.mix import MixSpec
 from loadtests.sweep import warm_up
 
-ROUTERS = ("token_load", "ttft", "power_of_two")
+ROUTERS = ("token_load", "power_of_two")  # the default pair; `--routers` takes any of SERVE_ROUTERS
 METRIC = "ray_stallfree_request_success_total"
 # Heavy-tailed: mostly short chats, 30% of them long prompts (1k-1.5k tokens) that make
 # one replica's queue far longer than its request count says.
@@ -169,7 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="30 s per router (about 3-4 minutes)")
     p.add_argument("--json", type=Path, default=Path("loadtests/out/bench_routing.json"))
     p.add_argument("--runs-dir", type=Path, default=Path("loadtests/out/bench_routing"))
-    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--routers", default=",".join(ROUTERS),
+                   help="comma-separated: token_load, ttft, power_of_two")
     p.add_argument("--model", default="embedded:tiny")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--rps", type=float, default=7.0, help="offered requests/s (Poisson)")
@@ -188,6 +190,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.drain is None:
         args.drain = 20.0 if args.quick else 30.0
     args.routers = args.routers.split(",")
+    if unknown := set(args.routers) - set(SERVE_ROUTERS):
+        p.error(f"--routers: unknown {sorted(unknown)}; choose from {', '.join(SERVE_ROUTERS)}")
     return args
 
 
