@@ -131,8 +131,11 @@ class AppArgs(BaseModel):
 
     @property
     def name(self) -> str:
-        """The model name clients use in requests and see in /v1/models."""
-        return self.served_model_name or self.model
+        """The model name clients use in requests and see in /v1/models: `served_model_name`,
+        else the model with any ':' made '-' (`embedded:tiny` -> `embedded-tiny`: clients that
+        load a tokenizer by the served name cannot take a colon). The model's own spelling
+        stays accepted in requests as an alias."""
+        return self.served_model_name or self.model.replace(":", "-")
 
     @property
     def resolved_ingress_replicas(self) -> int:

@@ -175,7 +175,7 @@ class OpenAIIngress:
 
     def _meta(self, prefix: str, body: GenerationRequest) -> StreamMeta:
         return StreamMeta(f"{prefix}-{uuid.uuid4().hex}", self.args.name, int(time.time()),
-                          body.include_usage)
+                          body.include_usage, body.continuous_usage)
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         """Messages -> chat template text -> token ids (runs on the tokenizer thread)."""

@@ -47,6 +47,8 @@ def find_invalid_unicode(value: Any) -> str | None:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
+    # vLLM's extension (guidellm sends it): with include_usage, usage on every chunk too.
+    continuous_usage_stats: bool = False
 
 
 class GenerationRequest(BaseModel):
@@ -66,6 +68,7 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    response_format: dict[str, Any] | None = None
     priority: int = Field(0, description="scheduling class; lower is more urgent")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -101,6 +104,15 @@ class GenerationRequest(BaseModel):
             raise ValueError("logit_bias is not supported")
         return value
 
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Structured output is not built yet: a request for it is refused, never ignored."""
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format type {value.get('type')!r} is not supported; "
+                             "only 'text'")
+        return value
+
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
@@ -111,6 +123,11 @@ class GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM: only together with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The request's `SamplingParams`, checked once, here (InvalidRequestError names the
@@ -186,7 +203,15 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs: true")
+        return value
 
     @field_validator("logprobs", "tools")
     @classmethod

@@ -56,6 +56,7 @@ class StreamMeta:
     model: str
     created: int
     include_usage: bool
+    continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
 
     @property
     def exclude(self) -> set[str] | None:
@@ -87,7 +88,7 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
         choice = CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason,
                                   stop_reason=out.stop_reason)
         chunk = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                   choices=[choice])
+                                   choices=[choice], usage=_running_usage(meta, out))
         yield sse(chunk, exclude=meta.exclude)
     if meta.include_usage and last is not None:
         final = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
@@ -98,20 +99,38 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
 async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     """SSE chunks of a chat completion: the role first, then content, then finish_reason."""
 
-    def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
+    def chunk(delta: ChatDelta, out: RequestOutput | None, finish_reason: str | None = None) -> str:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
         return sse(ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
-                                       choices=[choice]), exclude=meta.exclude)
+                                       choices=[choice], usage=_running_usage(meta, out)),
+                   exclude=meta.exclude)
 
-    yield chunk(ChatDelta(role="assistant", content=""))
     last: RequestOutput | None = None
+    first = True
     async for out in outputs:
+        if first:  # the role chunk (its usage: the prompt, no completion tokens yet)
+            yield chunk(ChatDelta(role="assistant", content=""), _before(out))
+            first = False
         last = out
         if out.delta_text:
-            yield chunk(ChatDelta(content=out.delta_text))
+            yield chunk(ChatDelta(content=out.delta_text), out)
         if out.finished:
-            yield chunk(ChatDelta(), out.finish_reason)
+            yield chunk(ChatDelta(), out, out.finish_reason)
+    if first:  # no output at all (the caller guarantees one; keep the role chunk regardless)
+        yield chunk(ChatDelta(role="assistant", content=""), None)
     if meta.include_usage and last is not None:
         final = ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
                                     choices=[], usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens))
         yield sse(final)
+
+
+def _running_usage(meta: StreamMeta, out: RequestOutput | None) -> Usage | None:
+    """Usage so far, on each chunk when continuous usage was asked for (else None: omitted)."""
+    if not meta.continuous_usage or out is None:
+        return None
+    return Usage.of(out.num_prompt_tokens, out.num_output_tokens)
+
+
+def _before(out: RequestOutput) -> RequestOutput:
+    """`out` as it stood before its tokens: the role chunk's usage."""
+    return RequestOutput(out.request_id, "", [], False, None, out.num_prompt_tokens, 0)

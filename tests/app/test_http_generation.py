@@ -108,6 +108,30 @@ def test_chat_stream_equals_offline_greedy(client: httpx.Client, reference) -> N
     assert "".join(d.get("content", "") for d in deltas) == expected
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_guidellm_streams_get_usage_on_every_chunk(client: httpx.Client, reference, path, body) -> None:  # noqa: ANN001
+    """guidellm's request shape, raw: vLLM's continuous_usage_stats puts the usage so far on
+    every chunk (prompt tokens throughout, completion tokens counting up), then the final one."""
+    prompt_tokens = (reference.num_tokens(PROMPT) if path == "/v1/completions"
+                     else len(reference.chat_ids(MESSAGES)))
+    body = {**body, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = stream_post(client, path, body)
+    assert events[-1] == "[DONE]"
+    chunks, final = events[:-2], events[-2]
+    usages = [c["usage"] for c in chunks]
+    assert all(u["prompt_tokens"] == prompt_tokens for u in usages)
+    completion = [u["completion_tokens"] for u in usages]
+    assert completion == sorted(completion) and completion[-1] == MAX_TOKENS
+    assert all(u["total_tokens"] == prompt_tokens + u["completion_tokens"] for u in usages)
+    if path == "/v1/chat/completions":
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert completion[0] == 0
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == MAX_TOKENS
+
+
 async def test_32_concurrent_streams(aclient: httpx.AsyncClient, reference) -> None:  # noqa: ANN001
     prompts = [f"Request number {i} asks the server for tokens" for i in range(32)]
     max_tokens = 8
