@@ -21,10 +21,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from jinja2 import TemplateError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from app import prometheus
 from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
 from app.errors import OpenAIError, from_exception, install_handlers, replica_gone
@@ -116,6 +117,13 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001 - any failure means not healthy
             return OpenAIError(503, f"unhealthy: {exc}", code="unhealthy").response()
         return JSONResponse({"status": "ok"})
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        """This application's Prometheus series (replicas and ingress), from every node's Ray
+        export, so a client needs no Ray metrics port (app/prometheus.py)."""
+        app_name = getattr(self.llm, "app_name", None) or serve.get_replica_context().app_name
+        return Response(await prometheus.scrape(app_name), media_type=prometheus.CONTENT_TYPE)
 
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:

@@ -67,3 +67,23 @@ def test_metrics_are_exported_with_names_labels_and_counts(metrics_url, ray_serv
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "token_load"):
         assert any(name == PREFIX + gauge for name, _ in after.samples), gauge
     assert any(name == PREFIX + "iteration_duration_seconds_bucket" for name, _ in after.samples)
+
+
+def test_the_http_port_serves_this_applications_series(metrics_url, ray_serve, wait_until):
+    """GET /metrics on the app's own HTTP port: the same series Ray exports for this application
+    (the replica's and the ingress's), no other application's, in Prometheus text."""
+    def agree():  # noqa: ANN202 - both views once the export has caught up
+        r = httpx.get(f"{metrics_url}/metrics", timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        ray_view = ray_serve.scrape()
+        ours = type(ray_view).parse(r.text)  # the conftest's parser of Prometheus text
+        name = PREFIX + "request_success_total"
+        if ours.total(name) and ours.total(name) == ray_view.total(name, application=APP):
+            return r.text, ours
+        return None
+
+    text, ours = wait_until(agree, interval_s=1.0, what="/metrics agrees with Ray's export")
+    assert ours.total(PREFIX + "request_success_total", finished_reason="length") == 3  # the test above
+    assert all(("application", APP) in ls for _, ls in ours.samples)
+    assert f"# TYPE {PREFIX}time_to_first_token_seconds histogram" in text
+    assert any(name == PREFIX + "http_responses_total" for name, _ in ours.samples)

@@ -1,0 +1,74 @@
+"""`GET /metrics` on the HTTP port: this application's Prometheus series, gathered from Ray.
+
+The replicas record through `ray.util.metrics`; Ray's agent on every node exports them (with
+Serve's `application`/`deployment`/`replica` tags) on the node's metrics export port. A client
+or a single-machine user should not need to know that port, so the ingress fetches every alive
+node's export, keeps the `ray_stallfree_` series of its own application (and their HELP/TYPE
+lines), and answers with the Prometheus text. Ray's own export stays as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterable
+
+import httpx
+
+PREFIX = "ray_stallfree_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s")
+
+
+def app_series(texts: Iterable[str], application: str, prefix: str = PREFIX) -> str:
+    """The lines of Prometheus exposition `texts` that belong to `application`'s metrics:
+    samples named `prefix...` tagged `application="<application>"`, with their HELP and TYPE
+    lines once per metric family (first seen), in the order met."""
+    tag = f'application="{application}"'
+    families: dict[str, list[str]] = {}
+    headers: dict[str, list[str]] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                name = line.split(" ", 3)[2]
+                if name.startswith(prefix):
+                    kept = headers.setdefault(name, [])
+                    if len(kept) < 2 and line not in kept:
+                        kept.append(line)
+                continue
+            m = _SAMPLE.match(line)
+            if m is None or not m.group(1).startswith(prefix) or tag not in (m.group(2) or ""):
+                continue
+            families.setdefault(_family(m.group(1), headers), []).append(line)
+    out = []
+    for family, samples in families.items():
+        out += headers.get(family, [])
+        out += samples
+    return "\n".join(out) + "\n" if out else ""
+
+
+def _family(sample_name: str, headers: dict[str, list[str]]) -> str:
+    """A histogram's `_bucket`/`_sum`/`_count` samples belong to the family without it."""
+    for suffix in ("_bucket", "_sum", "_count", "_total"):
+        base = sample_name.removesuffix(suffix)
+        if base != sample_name and base in headers:
+            return base
+    return sample_name
+
+
+def export_urls() -> list[str]:
+    """Every alive Ray node's metrics export endpoint (a GCS call: run it off the event loop)."""
+    import ray
+
+    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+
+
+async def scrape(application: str, timeout_s: float = 5.0) -> str:
+    """This application's series from every node's export (a node that does not answer is
+    skipped: its series are missing from this scrape, as Prometheus would see it)."""
+    urls = await asyncio.get_running_loop().run_in_executor(None, export_urls)
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        replies = await asyncio.gather(*(client.get(u) for u in urls), return_exceptions=True)
+    texts = [r.text for r in replies if isinstance(r, httpx.Response) and r.status_code == 200]
+    return app_series(texts, application)
