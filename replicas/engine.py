@@ -21,9 +21,9 @@ from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
 from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
-                               check_priority)
+                               TokenLogprob, check_priority)
 from replicas.request import Request, RequestStatus
-from replicas.sampler import sample, stop_token_hit
+from replicas.sampler import sample, stop_token_hit, token_logprobs
 from replicas.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class CompletionOutput:
     token_times: list[float]  # perf_counter when each generated token was produced
     arrival_time: float
     num_preemptions: int = 0
+    # With params.logprobs: per output token, (logprob, ((id, logprob) of the top alternatives)).
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclass
@@ -207,7 +209,9 @@ class Engine:
             predicted = self.pass_time.predict(shape)
         start = time.perf_counter()
         logits = self.runner.execute(batch)
-        token_ids = sample(logits, [s.request for s in batch.seqs if s.samples])
+        sampling = [s.request for s in batch.seqs if s.samples]
+        token_ids = sample(logits, sampling)
+        token_logprobs(logits, sampling, token_ids)
         now = time.perf_counter()
         stats = self._record(batch, start, now, shape, predicted)
         outputs = self._postprocess(batch, token_ids, now)
@@ -264,14 +268,26 @@ class Engine:
             detok.flush()  # a stop string already cut the text; anything else keeps it all
         out_ids = req.output_token_ids
         n_out = len(out_ids)
-        out = RequestOutput(req.request_id, detok.take_delta(finished), out_ids[req.num_sent_tokens:],
+        sent = req.num_sent_tokens
+        out = RequestOutput(req.request_id, detok.take_delta(finished), out_ids[sent:],
                             finished, req.finish_reason if finished else None,
-                            len(req.prompt_token_ids), n_out, req.stop_reason)
+                            len(req.prompt_token_ids), n_out, req.stop_reason,
+                            self._logprobs(req, sent) if req.params.logprobs is not None else None)
         req.num_sent_tokens = n_out
         if finished:
             del self.requests[req.request_id]
             del self._detok[req.request_id]
         return out
+
+    def _logprobs(self, req: Request, start: int) -> list[TokenLogprob]:
+        """The output tokens from `start` on, with their logprobs and each token's text."""
+        text = self._token_text
+        return [TokenLogprob(tok, text(tok), lp, tuple((i, text(i), v) for i, v in top))
+                for tok, (lp, top) in zip(req.output_token_ids[start:], req.output_logprobs[start:])]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape | None,
                 predicted: float | None) -> IterationStats:
@@ -325,7 +341,9 @@ class Engine:
                     texts[out.request_id].append(out.delta_text)
         return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                                  "".join(texts[r.request_id]), r.finish_reason, list(r.token_times),
-                                 r.arrival_time, r.num_preemptions) for r in reqs]
+                                 r.arrival_time, r.num_preemptions,
+                                 list(r.output_logprobs) if r.params.logprobs is not None else None)
+                for r in reqs]
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

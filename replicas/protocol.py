@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat top_logprobs limit; vLLM's default)
 MAX_STOP_STRING_CHARS = 256
 PRIORITY_RANGE = (-1_000, 1_000)
 
@@ -90,6 +91,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities of each generated token and of the `logprobs` most likely alternatives
+    # (0: the chosen token's only). None: none computed. Raw: the model's own distribution,
+    # before temperature, top-k and top-p (vLLM's default).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -113,6 +118,8 @@ class SamplingParams:
                 raise _invalid("stop", f"strings must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids", "must be non-negative token ids")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -189,13 +196,27 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stop_reason: str | int | None = None
+    # With SamplingParams.logprobs: one TokenLogprob per token of delta_token_ids.
+    logprobs: list[TokenLogprob] | None = None
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One delta carrying this one and the `later` one of the same request."""
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
         return RequestOutput(self.request_id, self.delta_text + later.delta_text,
                              self.delta_token_ids + later.delta_token_ids, later.finished,
                              later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                             later.stop_reason)
+                             later.stop_reason, logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives', with their text
+    (each token decoded on its own) so the edge needs no tokenizer to format them."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), most likely first
 
 
 @dataclass

@@ -62,6 +62,8 @@ class Request:
     finish_time: float | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    # With params.logprobs: (logprob of each output token, ((id, logprob) of the top alternatives)).
+    output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

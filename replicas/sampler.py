@@ -24,6 +24,24 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return out.tolist()
 
 
+def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> None:
+    """For the rows whose request asks for logprobs: the chosen token's log-probability and the
+    top alternatives', from log_softmax of the raw logits, all such rows in one call; appended to
+    each request's `output_logprobs`."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # (n, V)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+    k = max(requests[i].params.logprobs for i in rows)
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(rows):
+        req = requests[i]
+        n = req.params.logprobs
+        req.output_logprobs.append((chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n]))))
+
+
 def _argmax(logits: torch.Tensor) -> np.ndarray:
     """Row-wise argmax as a numpy array. On CPU numpy's is an order of magnitude faster than
     torch's (256 x 2048 float32: 0.04 ms against 0.5 ms on one thread)."""

@@ -288,3 +288,50 @@ def test_a_slow_caller_gets_the_queued_deltas_merged_in_order():
     assert [t for o in outs for t in o.delta_token_ids] == reference.token_ids
     assert "".join(o.delta_text for o in outs) == reference.text
     assert outs[-1].finished and outs[-1].num_output_tokens == 40 and outs[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_logprobs_are_the_models_own_log_softmax(llama, temperature):
+    """Each generated token's logprob and its top-5 alternatives equal log_softmax of HF's own
+    forward over the same sequence (raw: before temperature/top-k/top-p), with prompts split
+    into chunks and decodes batched; requests without logprobs get none."""
+    model = llama[0]
+    ps = prompts(2000)[:5]
+    eng = engine_for(llama, "stall_free")
+    params = [SamplingParams(max_tokens=8, temperature=temperature, top_k=50, seed=i, ignore_eos=True,
+                             logprobs=5 if i != 2 else None) for i in range(len(ps))]
+    outs = eng.generate(ps, params)
+    assert outs[2].logprobs is None
+    for i, (p, o) in enumerate(zip(ps, outs)):
+        if i == 2:
+            continue
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(torch.tensor([p + o.token_ids])).logits[0].float(), dim=-1)
+        assert len(o.logprobs) == len(o.token_ids) == 8
+        for j, (tok, (lp, top)) in enumerate(zip(o.token_ids, o.logprobs)):
+            row = ref[len(p) + j - 1]
+            assert lp == pytest.approx(row[tok].item(), abs=1e-4)
+            values, ids = row.topk(5)
+            assert [t for t, _ in top] == ids.tolist()
+            assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+            if temperature == 0.0:
+                assert tok == top[0][0]  # greedy picks the most likely token
+
+
+def test_logprobs_stream_with_their_tokens(llama):
+    eng = engine_for(llama, "stall_free")
+    eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
+    streamed = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.logprobs is not None and len(out.logprobs) == len(out.delta_token_ids)
+            streamed += out.logprobs
+    assert len(streamed) == 6 and all(len(t.top) == 2 and t.top[0][0] == t.token_id for t in streamed)
+    assert all(isinstance(t.token, str) and t.logprob <= 0 for t in streamed)
+    assert streamed[0].token == eng.tokenizer.decode([streamed[0].token_id])
+
+
+def test_logprobs_out_of_range_name_the_field():
+    with pytest.raises(InvalidRequestError, match="logprobs") as e:
+        SamplingParams(logprobs=21)
+    assert e.value.param == "logprobs"
