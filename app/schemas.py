@@ -129,10 +129,15 @@ class GenerationRequest(BaseModel):
         """Usage on every streamed chunk (vLLM: only together with include_usage)."""
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The request's `SamplingParams`, checked once, here (InvalidRequestError names the
         field). `max_tokens` None: what the serving replica's context and KV cache leave."""
-        params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
+                                  "logprobs": self.num_logprobs}
         for name in ("temperature", "top_p", "seed"):
             if (value := getattr(self, name)) is not None:
                 params[name] = value
@@ -164,12 +169,16 @@ class CompletionRequest(GenerationRequest):
             return prompt[0]
         return prompt
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
             raise ValueError(f"{info.field_name} is not supported")
         return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -213,7 +222,7 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("top_logprobs requires logprobs: true")
         return value
 
-    @field_validator("logprobs", "tools")
+    @field_validator("tools")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
@@ -223,6 +232,11 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine computes (None: no logprobs asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -238,10 +252,33 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobContent(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobContent]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -265,7 +302,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -293,7 +330,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from app.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                         ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse,
+                         ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice,
+                         CompletionLogprobs, CompletionResponse, TokenLogprobContent, TopLogprob,
                          Usage)
-from replicas.protocol import RequestOutput
+from replicas.protocol import RequestOutput, TokenLogprob
 
 DONE = "data: [DONE]\n\n"
 
@@ -33,19 +34,51 @@ class Collected:
     finish_reason: str | None
     stop_reason: str | int | None
     usage: Usage
+    logprobs: list[TokenLogprob] | None = None
 
 
 async def collect(outputs: AsyncIterator[RequestOutput]) -> Collected:
     """Join every delta of a stream (the non-streaming answer)."""
     parts: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
     last: RequestOutput | None = None
     async for out in outputs:
         parts.append(out.delta_text)
+        if out.logprobs is not None:
+            logprobs = (logprobs or []) + out.logprobs
         last = out
     if last is None or not last.finished:
         raise RuntimeError("the replica's stream ended before the request finished")
     return Collected("".join(parts), last.finish_reason, last.stop_reason,
-                     Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+                     Usage.of(last.num_prompt_tokens, last.num_output_tokens), logprobs)
+
+
+def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
+    """OpenAI's completions shape; `text_offset` counts characters from `offset` (the length of
+    the text the previous chunks carried)."""
+    if items is None:
+        return None
+    offsets, at = [], offset
+    for t in items:
+        offsets.append(at)
+        at += len(t.token)
+    return CompletionLogprobs(tokens=[t.token for t in items], token_logprobs=[t.logprob for t in items],
+                              top_logprobs=[{text: lp for _, text, lp in t.top} for t in items],
+                              text_offset=offsets)
+
+
+def chat_logprobs(items: list[TokenLogprob] | None) -> ChatLogprobs | None:
+    """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and top alternatives."""
+    if items is None:
+        return None
+
+    def entry(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return ChatLogprobs(content=[
+        TokenLogprobContent(**entry(t.token, t.logprob),
+                            top_logprobs=[TopLogprob(**entry(text, lp)) for _, text, lp in t.top])
+        for t in items])
 
 
 @dataclass(frozen=True)
@@ -66,13 +99,13 @@ class StreamMeta:
 
 def completion_response(meta: StreamMeta, result: Collected) -> CompletionResponse:
     choice = CompletionChoice(text=result.text, finish_reason=result.finish_reason,
-                              stop_reason=result.stop_reason)
+                              stop_reason=result.stop_reason, logprobs=completion_logprobs(result.logprobs))
     return CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
                               choices=[choice], usage=result.usage)
 
 
 def chat_response(meta: StreamMeta, result: Collected) -> ChatCompletionResponse:
-    choice = ChatChoice(message=AssistantMessage(content=result.text),
+    choice = ChatChoice(message=AssistantMessage(content=result.text), logprobs=chat_logprobs(result.logprobs),
                         finish_reason=result.finish_reason, stop_reason=result.stop_reason)
     return ChatCompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
                                   choices=[choice], usage=result.usage)
@@ -81,12 +114,16 @@ def chat_response(meta: StreamMeta, result: Collected) -> ChatCompletionResponse
 async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     """SSE chunks of a text completion; empty deltas are skipped unless they finish it."""
     last: RequestOutput | None = None
+    offset = 0  # characters of token text sent so far (text_offset of the next token)
     async for out in outputs:
         last = out
-        if not out.delta_text and not out.finished:
+        if not out.delta_text and not out.finished and not out.logprobs:
             continue
+        logprobs = completion_logprobs(out.logprobs, offset)
+        if logprobs is not None and logprobs.tokens:
+            offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         choice = CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason,
-                                  stop_reason=out.stop_reason)
+                                  stop_reason=out.stop_reason, logprobs=logprobs)
         chunk = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
                                    choices=[choice], usage=_running_usage(meta, out))
         yield sse(chunk, exclude=meta.exclude)
@@ -99,8 +136,9 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
 async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     """SSE chunks of a chat completion: the role first, then content, then finish_reason."""
 
-    def chunk(delta: ChatDelta, out: RequestOutput | None, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def chunk(delta: ChatDelta, out: RequestOutput | None, finish_reason: str | None = None,
+              logprobs: ChatLogprobs | None = None) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
                                        choices=[choice], usage=_running_usage(meta, out)),
                    exclude=meta.exclude)
@@ -112,8 +150,8 @@ async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -
             yield chunk(ChatDelta(role="assistant", content=""), _before(out))
             first = False
         last = out
-        if out.delta_text:
-            yield chunk(ChatDelta(content=out.delta_text), out)
+        if out.delta_text or out.logprobs:
+            yield chunk(ChatDelta(content=out.delta_text), out, logprobs=chat_logprobs(out.logprobs))
         if out.finished:
             yield chunk(ChatDelta(), out, out.finish_reason)
     if first:  # no output at all (the caller guarantees one; keep the role chunk regardless)

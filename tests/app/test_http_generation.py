@@ -240,3 +240,42 @@ def test_client_mistake_never_breaks_the_next_request(client: httpx.Client, path
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     good = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert client.post(path, json=good).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_logprobs_in_openais_shape(client: httpx.Client, reference, stream) -> None:  # noqa: ANN001
+    """lm-eval's and the SDK's shape: parallel lists, the greedy token first among its top-3,
+    offsets into the generated text; the same numbers streamed or whole."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3,
+            "stream": stream}
+    if stream:
+        chunks = stream_post(client, "/v1/completions", body)[:-1]
+        parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+        lp = {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                            "text_offset")}
+    else:
+        lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) <= 3 and value <= 0 and max(top.values()) == pytest.approx(value)
+        assert token in top
+    assert lp["text_offset"][0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"]))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_in_openais_shape(client: httpx.Client, reference, stream) -> None:  # noqa: ANN001
+    body = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": True,
+            "top_logprobs": 2, "stream": stream}
+    if stream:
+        chunks = stream_post(client, "/v1/chat/completions", body)[:-1]
+        content = [x for c in chunks if c["choices"][0].get("logprobs") for x in c["choices"][0]["logprobs"]["content"]]
+    else:
+        content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode("utf-8", "replace"))
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the most likely
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
