@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.models.llama import modeling_llama
 
+from loadtests.report import report
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas import engine as engine_module
 from replicas import model_runner
@@ -294,12 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         lines.append("targets: pass/bare <= 1.2 at every B; mixed/equal <= 1.3")
         text = "\n".join(lines)
         result |= {"equal": equal, "mixed": mixed}
-    print(text)
-    result["table"] = text
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return report(text, result, args.json)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 
 import torch
 import transformers
 
 from loadtests.bench_engine import build_workloads, kv_capacity, run_engine, summarize
+from loadtests.report import report
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 
@@ -66,12 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{'share asking':>13}{'out tok/s':>11}{'vs none':>9}"]
                      + [f"{r['share']:>13.0%}{r['output_tok_s']:>11.1f}{r['vs_none']:>9.3f}" for r in rows]
                      + ["target: >= 0.90 (logprobs cost under 10%)"])
-    print(text)
-    result = {"config": vars(args), "rows": rows, "table": text}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return report(text, {"config": vars(args), "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

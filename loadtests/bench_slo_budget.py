@@ -13,7 +13,6 @@ Noisy shared machine: ratios within one run; `--repeats` interleaves and takes m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import transformers
 from tqdm import tqdm
 
 from loadtests.bench_engine import _greedy, build_workloads, kv_capacity, run_engine, summarize
+from loadtests.report import report
 from replicas import Engine, EngineConfig
 from replicas.models import load_model
 
@@ -135,14 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
                 + (f"{c['long_ttft_vs_best_fixed']:.2f}x the best fixed budget meeting the SLO "
                    f"({c['best_fixed_mbp']})" if c["best_fixed_mbp"] else "(no fixed budget meets the SLO)")
                 + f" (target <= 1.10): {'met' if c['met'] else 'MISSED'}" for c in checks))
-    print(text)
     result = {"command": " ".join(["python -m loadtests.bench_slo_budget", *(argv if argv is not None else sys.argv[1:])]),
-              "config": vars(args), "workload": s, "rows": rows, "checks": checks, "table": text,
+              "config": vars(args), "workload": s, "rows": rows, "checks": checks,
               "loadavg_1m": os.getloadavg()[0]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return report(text, result, args.json)
 
 
 if __name__ == "__main__":
