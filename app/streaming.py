@@ -125,7 +125,8 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
         choice = CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason,
                                   stop_reason=out.stop_reason, logprobs=logprobs)
         chunk = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                   choices=[choice], usage=_running_usage(meta, out))
+                                   choices=[choice],
+                                   usage=_running_usage(meta, out.num_prompt_tokens, out.num_output_tokens))
         yield sse(chunk, exclude=meta.exclude)
     if meta.include_usage and last is not None:
         final = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
@@ -136,39 +137,31 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
 async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     """SSE chunks of a chat completion: the role first, then content, then finish_reason."""
 
-    def chunk(delta: ChatDelta, out: RequestOutput | None, finish_reason: str | None = None,
+    def chunk(delta: ChatDelta, usage: Usage | None, finish_reason: str | None = None,
               logprobs: ChatLogprobs | None = None) -> str:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
-                                       choices=[choice], usage=_running_usage(meta, out)),
-                   exclude=meta.exclude)
+                                       choices=[choice], usage=usage), exclude=meta.exclude)
 
+    role = ChatDelta(role="assistant", content="")
     last: RequestOutput | None = None
-    first = True
     async for out in outputs:
-        if first:  # the role chunk (its usage: the prompt, no completion tokens yet)
-            yield chunk(ChatDelta(role="assistant", content=""), _before(out))
-            first = False
+        if last is None:  # the role chunk first (its usage: the prompt, no completion tokens yet)
+            yield chunk(role, _running_usage(meta, out.num_prompt_tokens, 0))
         last = out
+        usage = _running_usage(meta, out.num_prompt_tokens, out.num_output_tokens)
         if out.delta_text or out.logprobs:
-            yield chunk(ChatDelta(content=out.delta_text), out, logprobs=chat_logprobs(out.logprobs))
+            yield chunk(ChatDelta(content=out.delta_text), usage, logprobs=chat_logprobs(out.logprobs))
         if out.finished:
-            yield chunk(ChatDelta(), out, out.finish_reason)
-    if first:  # no output at all (the caller guarantees one; keep the role chunk regardless)
-        yield chunk(ChatDelta(role="assistant", content=""), None)
+            yield chunk(ChatDelta(), usage, out.finish_reason)
+    if last is None:  # no output at all (the caller guarantees one; keep the role chunk regardless)
+        yield chunk(role, None)
     if meta.include_usage and last is not None:
         final = ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
                                     choices=[], usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens))
         yield sse(final)
 
 
-def _running_usage(meta: StreamMeta, out: RequestOutput | None) -> Usage | None:
+def _running_usage(meta: StreamMeta, prompt_tokens: int, completion_tokens: int) -> Usage | None:
     """Usage so far, on each chunk when continuous usage was asked for (else None: omitted)."""
-    if not meta.continuous_usage or out is None:
-        return None
-    return Usage.of(out.num_prompt_tokens, out.num_output_tokens)
-
-
-def _before(out: RequestOutput) -> RequestOutput:
-    """`out` as it stood before its tokens: the role chunk's usage."""
-    return RequestOutput(out.request_id, "", [], False, None, out.num_prompt_tokens, 0)
+    return Usage.of(prompt_tokens, completion_tokens) if meta.continuous_usage else None

@@ -202,11 +202,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return expired
-        shape = predicted = None
-        if self.pass_time is not None:
-            shape = PassShape(batch.num_prefill_tokens, batch.num_decode_tokens, len(batch.seqs),
-                              sum(s.start + s.num_tokens for s in batch.seqs))
-            predicted = self.pass_time.predict(shape)
+        shape = PassShape.of(batch)
+        predicted = self.pass_time.predict(shape) if self.pass_time is not None else None
         start = time.perf_counter()
         logits = self.runner.execute(batch)
         sampling = [s.request for s in batch.seqs if s.samples]
@@ -289,18 +286,17 @@ class Engine:
         return self.tokenizer.decode([token_id], skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
 
-    def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape | None,
+    def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape,
                 predicted: float | None) -> IterationStats:
         decoding = sum(1 for r in self.scheduler.running if not r.is_prefilling)
-        context = shape.context_tokens if shape is not None else sum(s.start + s.num_tokens for s in batch.seqs)
         stats = IterationStats(
-            start, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
-            len(batch.seqs), context, len(batch.preempted),
+            start, end - start, shape.prefill_tokens, shape.decode_tokens, shape.sequences,
+            shape.context_tokens, len(batch.preempted),
             num_stalled=decoding - len(batch.decodes), predicted_s=predicted)
         if self.slo_budget is not None:
             stats.prefill_budget, stats.budget_fallback = self.slo_budget.last, self.slo_budget.fallback
         self.iterations.append(stats)
-        if shape is not None:
+        if self.pass_time is not None:
             self.pass_time.observe(shape, stats.duration, predicted)
         return stats
 

@@ -40,6 +40,13 @@ class PassShape:
     sequences: int
     context_tokens: int
 
+    @classmethod
+    def of(cls, batch: Any) -> PassShape:
+        """The shape of a `SchedulerOutput` (context: each sequence's start + its tokens)."""
+        seqs = batch.seqs
+        return cls(batch.num_prefill_tokens, batch.num_decode_tokens, len(seqs),
+                   sum(s.start + s.num_tokens for s in seqs))
+
     def features(self) -> tuple[float, float, float, float, float]:
         return (1.0, float(self.prefill_tokens), float(self.decode_tokens), float(self.sequences),
                 float(self.context_tokens))
