@@ -60,6 +60,9 @@ class AppArgs(BaseModel):
                                            "attention as one torch.compile'd kernel reading the KV "
                                            "blocks in place (~17% faster passes at 64 decodes on CPU; "
                                            "seconds of compile at start)")
+    enable_prefix_caching: bool = Field(_ENGINE.enable_prefix_caching, description="share the KV "
+                                        "of full blocks between requests with equal leading tokens "
+                                        "(cached tokens cost no prefill and no new KV)")
 
     # ---- replica behaviour -----------------------------------------------------------
     max_queued_tokens: int = Field(_REPLICA.max_queued_tokens, ge=1, description="prompt tokens a replica may hold "
@@ -81,7 +84,9 @@ class AppArgs(BaseModel):
     router: RouterName = Field(
         "token_load", description="token_load: least predicted token load with KV headroom; "
         "ttft: least predicted time to first token (prompt backlog / the replica's prefill rate, "
-        "KV headroom as a filter); power_of_two: Serve's default, for comparison")
+        "KV headroom as a filter); prefix: the replica holding the longest cached prefix of the "
+        "prompt unless its token load is over the least loaded's by more than 2048 tokens, else "
+        "token_load; power_of_two: Serve's default, for comparison")
     autoscale_by: Literal["tbt_slo", "ongoing_requests"] = Field(
         "tbt_slo", description="with max_replicas: scale against tbt_slo_ms (needs it), or "
         "Serve's default request-count policy")
@@ -165,6 +170,7 @@ class AppArgs(BaseModel):
             num_threads=self.resolved_torch_threads, trust_remote_code=self.trust_remote_code,
             seed=self.seed, queue_timeout_s=self.queue_timeout_s,
             compile_decode_attention=self.compile_decode_attention, tbt_slo_ms=self.tbt_slo_ms,
+            enable_prefix_caching=self.enable_prefix_caching,
             slo_budget=self.slo_budget, budget_margin=self.budget_margin)
 
     def scaling_config(self) -> ScalingConfig:

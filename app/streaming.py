@@ -50,7 +50,7 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> Collected:
     if last is None or not last.finished:
         raise RuntimeError("the replica's stream ended before the request finished")
     return Collected("".join(parts), last.finish_reason, last.stop_reason,
-                     Usage.of(last.num_prompt_tokens, last.num_output_tokens), logprobs)
+                     usage_of(last), logprobs)
 
 
 def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
@@ -126,11 +126,11 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
                                   stop_reason=out.stop_reason, logprobs=logprobs)
         chunk = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
                                    choices=[choice],
-                                   usage=_running_usage(meta, out.num_prompt_tokens, out.num_output_tokens))
+                                   usage=_running_usage(meta, out))
         yield sse(chunk, exclude=meta.exclude)
     if meta.include_usage and last is not None:
         final = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                   choices=[], usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+                                   choices=[], usage=usage_of(last))
         yield sse(final)
 
 
@@ -147,9 +147,9 @@ async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -
     last: RequestOutput | None = None
     async for out in outputs:
         if last is None:  # the role chunk first (its usage: the prompt, no completion tokens yet)
-            yield chunk(role, _running_usage(meta, out.num_prompt_tokens, 0))
+            yield chunk(role, _running_usage(meta, out, completion_tokens=0))
         last = out
-        usage = _running_usage(meta, out.num_prompt_tokens, out.num_output_tokens)
+        usage = _running_usage(meta, out)
         if out.delta_text or out.logprobs:
             yield chunk(ChatDelta(content=out.delta_text), usage, logprobs=chat_logprobs(out.logprobs))
         if out.finished:
@@ -158,10 +158,18 @@ async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -
         yield chunk(role, None)
     if meta.include_usage and last is not None:
         final = ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
-                                    choices=[], usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+                                    choices=[], usage=usage_of(last))
         yield sse(final)
 
 
-def _running_usage(meta: StreamMeta, prompt_tokens: int, completion_tokens: int) -> Usage | None:
+def usage_of(out: RequestOutput) -> Usage:
+    """Usage as of this output: prompt (and its cached part) and completion tokens so far."""
+    return Usage.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+
+
+def _running_usage(meta: StreamMeta, out: RequestOutput, completion_tokens: int | None = None) -> Usage | None:
     """Usage so far, on each chunk when continuous usage was asked for (else None: omitted)."""
-    return Usage.of(prompt_tokens, completion_tokens) if meta.continuous_usage else None
+    if not meta.continuous_usage:
+        return None
+    done = out.num_output_tokens if completion_tokens is None else completion_tokens
+    return Usage.of(out.num_prompt_tokens, done, out.num_cached_tokens)

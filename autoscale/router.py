@@ -40,9 +40,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
 from autoscale.inflight import InFlightBook
 from replicas.protocol import ReplicaLoad
-from autoscale.routing import RequestCost, choose_by_ttft, choose_replica, request_cost
+from autoscale.routing import (DEFAULT_PREFIX_IMBALANCE_TOKENS, RequestCost, choose_by_prefix, choose_by_ttft,
+                               choose_replica, prompt_block_hashes, prompt_of, request_cost)
 
-RANKINGS = {"token_load": choose_replica, "ttft": choose_by_ttft}
+RANKINGS = {"token_load": choose_replica, "ttft": choose_by_ttft, "prefix": choose_by_prefix}
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,16 @@ class TokenLoadRouter(RequestRouter):
                          stale_after_s: float = 0.2, stale_wait_s: float = 0.1,
                          snapshot_timeout_s: float = 1.0, max_snapshot_age_s: float = 2.0,
                          reflect_grace_s: float = 0.05, default_max_tokens: int = 0,
-                         seed: int | None = None, ranking: str = "token_load", **_: Any) -> None:
+                         seed: int | None = None, ranking: str = "token_load",
+                         prefix_imbalance_tokens: int = DEFAULT_PREFIX_IMBALANCE_TOKENS, **_: Any) -> None:
         """Serve passes `RequestRouterConfig.request_router_kwargs` here. `ranking`: token_load
-        (`routing.choose_replica`) or ttft (`routing.choose_by_ttft`)."""
+        (`routing.choose_replica`), ttft (`routing.choose_by_ttft`) or prefix
+        (`routing.choose_by_prefix`, bounded by `prefix_imbalance_tokens`)."""
         if ranking not in RANKINGS:
             raise ValueError(f"ranking must be one of {sorted(RANKINGS)}, got {ranking!r}")
         self._rank = RANKINGS[ranking]
+        self._by_prefix = ranking == "prefix"
+        self._prefix_imbalance_tokens = prefix_imbalance_tokens
         self._controller_name, self._namespace = controller_name, namespace
         self._refresh_interval_s = refresh_interval_s
         self._stale_after_s, self._stale_wait_s = stale_after_s, stale_wait_s
@@ -96,8 +101,13 @@ class TokenLoadRouter(RequestRouter):
         loads = self._fresh_loads(now)
         self._book.prune(now)
         in_flight, in_flight_kv = self._book.unreflected(loads)
+        extra: dict[str, Any] = {}
+        if self._by_prefix and pending_request is not None:
+            prompt = prompt_of(pending_request.args, pending_request.kwargs)
+            extra = {"prompt_hashes": prompt_block_hashes(prompt, loads),
+                     "max_imbalance_tokens": self._prefix_imbalance_tokens}
         ranked = self._rank(cost.tokens, cost.kv_tokens, loads, in_flight, candidates=list(by_key),
-                            in_flight_kv=in_flight_kv, rng=self._rng)
+                            in_flight_kv=in_flight_kv, rng=self._rng, **extra)
         if pending_request is not None and cost.tokens:
             self._book.tentative(pending_request.metadata.internal_request_id, ranked[0], cost, now)
         return [[by_key[k]] for k in ranked]

@@ -1,5 +1,5 @@
-"""Routing choices as pure functions of a load view: token-load, predicted TTFT, power-of-two,
-round-robin.
+"""Routing choices as pure functions of a load view: token-load, predicted TTFT, prefix
+affinity, power-of-two, round-robin.
 
 `choose_replica` is the policy the Serve router runs; the other two are the baselines it is
 compared against (Serve's default is power-of-two on ongoing-request counts). The simulator
@@ -23,9 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from replicas.prefix_hash import block_hashes
 from replicas.protocol import ReplicaLoad
 
 CHARS_PER_TOKEN = 4  # a text prompt's token estimate when the caller did not tokenize
+DEFAULT_PREFIX_IMBALANCE_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ def request_cost(args: Sequence[Any], kwargs: Mapping[str, Any], default_max_tok
     `params=` / `sampling_params=` (a dict or an object with `max_tokens`). Anything else, e.g.
     `model_info()`, costs zero tokens.
     """
-    prompt = kwargs.get("prompt_token_ids", kwargs.get("prompt", args[0] if args else None))
+    prompt = prompt_of(args, kwargs)
     if isinstance(prompt, (list, tuple)):
         tokens = len(prompt)
     elif isinstance(prompt, str):
@@ -60,6 +62,20 @@ def request_cost(args: Sequence[Any], kwargs: Mapping[str, Any], default_max_tok
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = default_max_tokens
     return RequestCost(tokens, tokens + max_tokens if tokens else 0)
+
+
+def prompt_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """The prompt of a `generate(prompt_token_ids, params, ...)` handle call, if it has one."""
+    return kwargs.get("prompt_token_ids", kwargs.get("prompt", args[0] if args else None))
+
+
+def prompt_block_hashes(prompt: Any, loads: Mapping[str, ReplicaLoad]) -> list[int]:
+    """The prompt's block hashes as the replicas name their cached blocks (their block size),
+    for `choose_by_prefix`; empty without token ids or a replica reporting a sketch."""
+    if not isinstance(prompt, (list, tuple)) or not prompt or not isinstance(prompt[0], int):
+        return []
+    sizes = {load.block_size for load in loads.values() if load.prefix_sketch is not None}
+    return block_hashes(prompt, sizes.pop()) if len(sizes) == 1 else []
 
 
 def predicted_load(load: ReplicaLoad | None, in_flight_tokens: int = 0) -> int:
@@ -140,6 +156,52 @@ def choose_by_ttft(request_tokens: int, request_kv_tokens: int, loads: Mapping[s
         return (not fits, not admits, backlog / (prefill_rate(load) or default), rng.random())
 
     return sorted(candidates, key=key)
+
+
+def cached_prefix_blocks(load: ReplicaLoad | None, prompt_hashes: Sequence[int]) -> int:
+    """Leading blocks of the prompt a replica's reported sketch holds (0 without a sketch)."""
+    if load is None or load.prefix_sketch is None or not prompt_hashes:
+        return 0
+    return load.prefix_sketch.matched_blocks(prompt_hashes)
+
+
+def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping[str, ReplicaLoad],
+                     in_flight: Mapping[str, int], *, prompt_hashes: Sequence[int] = (),
+                     max_imbalance_tokens: int = DEFAULT_PREFIX_IMBALANCE_TOKENS,
+                     candidates: Sequence[str] | None = None,
+                     in_flight_kv: Mapping[str, int] | None = None,
+                     rng: random.Random | None = None) -> list[str]:
+    """Rank candidates, best first: the replica holding the longest cached prefix of the prompt
+    (its reported `prefix_sketch`, asked with `prompt_hashes`), unless its predicted token load
+    is more than `max_imbalance_tokens` above the least loaded replica that fits; then the
+    token-load order of `choose_replica`.
+
+    The bound is the trade-off made explicit: a cache hit saves the hit's prefill, while piling
+    every conversation onto one replica costs everyone's TBT there. With no hit anywhere (or
+    `max_imbalance_tokens` 0 and equal loads) this is exactly `choose_replica`.
+    """
+    ranked = choose_replica(request_tokens, request_kv_tokens, loads, in_flight, candidates=candidates,
+                            in_flight_kv=in_flight_kv, rng=rng)
+    if not ranked or not prompt_hashes:
+        return ranked
+    in_flight_kv = in_flight if in_flight_kv is None else in_flight_kv
+
+    def fits(r: str) -> bool:
+        return kv_headroom(loads.get(r), in_flight_kv.get(r, 0)) >= request_kv_tokens
+
+    def load_of(r: str) -> int:
+        return predicted_load(loads.get(r), in_flight.get(r, 0))
+
+    floor = min((load_of(r) for r in ranked if fits(r)), default=None)
+    if floor is None:
+        return ranked
+    hits = {r: cached_prefix_blocks(loads.get(r), prompt_hashes) for r in ranked
+            if fits(r) and load_of(r) <= floor + max_imbalance_tokens}
+    best = max(hits.values(), default=0)
+    if best == 0:
+        return ranked
+    first = min((r for r, h in hits.items() if h == best), key=ranked.index)  # ties: token-load order
+    return [first] + [r for r in ranked if r != first]
 
 
 def power_of_two(candidates: Sequence[str], queue_lens: Mapping[str, float],

@@ -20,7 +20,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.scaling import ScalingConfig
 
-ROUTERS = ("token_load", "ttft", "power_of_two")
+ROUTERS = ("token_load", "ttft", "prefix", "power_of_two")
 RouterName = Literal[ROUTERS]  # type: ignore[valid-type]
 TOKEN_LOAD_ROUTER = "autoscale.router.TokenLoadRouter"
 TBT_SLO_POLICY = "autoscale.policy:TbtSloPolicy"

@@ -9,17 +9,12 @@ interleaved over repeats and medians reported (a noisy shared machine: read the 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 
-import torch
-import transformers
-
 from loadtests.bench_engine import build_workloads, kv_capacity, run_engine, summarize
-from loadtests.report import report
+from loadtests.report import bench_parser, load_bench_model, report
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import load_model
 
 SHARES = (0.0, 0.5, 1.0)
 
@@ -43,15 +38,8 @@ def run(model_tok, workload, share: float, block_size: int = 16) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_logprobs", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="embedded:mid")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    model_tok = load_model(args.model)
+    args = bench_parser("loadtests.bench_logprobs", __doc__).parse_args(argv)
+    model_tok = load_bench_model(args)
     vocab = model_tok[0].get_output_embeddings().weight.shape[0]
     workload = build_workloads(vocab, list(model_tok[1].all_special_ids), True, 0)[0]  # quick chat
     runs: dict[float, list[float]] = {s: [] for s in SHARES}

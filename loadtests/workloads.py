@@ -11,6 +11,10 @@ prompts, the same lengths and the same arrival schedule.
   intervals: the case where a prefill-first scheduler stalls every running stream.
 - `long_context_workload`: a few long-context requests decoding beside many short ones, all at
   t=0: the case where decode attention padded to the longest context costs what it should not.
+- `shared_prefix_workload`: one long system prompt in front of every short user turn, all at
+  t=0: what a prefix cache computes once.
+- `multi_turn_conversations`: conversations whose every turn resends the whole history (system
+  prompt, earlier turns and answers) plus a new user message; driven closed-loop.
 - `poisson_arrivals` / `with_poisson_arrivals`: an open-loop arrival schedule.
 """
 
@@ -252,3 +256,47 @@ def long_context_workload(vocab_size: int, seed: int = 0, *, num_long: int = 2, 
                 "short_prompt": dataclasses.asdict(short_prompt),
                 "short_output": dataclasses.asdict(short_output)}
     return Workload("long_context", reqs, seed, settings)
+
+
+def shared_prefix_workload(vocab_size: int, seed: int = 0, *, num_requests: int = 48,
+                           system_tokens: int = 1024,
+                           user: LengthDist = LengthDist("uniform", 50, 20, 80), output: int = 32,
+                           avoid_ids: Sequence[int] = ()) -> Workload:
+    """`num_requests` prompts = the same `system_tokens`-token system prompt + a short user turn."""
+    rng = np.random.default_rng(seed)
+    system = random_prompt(rng, system_tokens, vocab_size, avoid_ids)
+    reqs = [WorkloadRequest(f"shared-{i}", system + random_prompt(rng, n, vocab_size, avoid_ids), output, 0.0, "shared")
+            for i, n in enumerate(user.sample(rng, num_requests))]
+    settings = {"system_tokens": system_tokens, "user": dataclasses.asdict(user), "output": output}
+    return Workload("shared_system_prompt", reqs, seed, settings)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A system prompt and the user messages of each turn, with each answer's length."""
+
+    conversation_id: str
+    system: list[int]
+    turns: list[tuple[list[int], int]]  # (user message ids, max_tokens of the answer)
+
+    def prompt(self, turn: int, answers: Sequence[Sequence[int]]) -> list[int]:
+        """Turn `turn`'s prompt: the system prompt, every earlier message and answer, its own."""
+        ids = list(self.system)
+        for (user, _), answer in zip(self.turns[:turn], answers):
+            ids += user + list(answer)
+        return ids + self.turns[turn][0]
+
+
+def multi_turn_conversations(vocab_size: int, seed: int = 0, *, num_conversations: int = 8,
+                             num_turns: int = 4, system_tokens: int = 256,
+                             user: LengthDist = LengthDist("uniform", 60, 40, 80),
+                             output: int = 48, avoid_ids: Sequence[int] = ()) -> list[Conversation]:
+    """Conversations with their own system prompt (distinct ones: only each conversation's own
+    history repeats) and `num_turns` user messages each."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c in range(num_conversations):
+        system = random_prompt(rng, system_tokens, vocab_size, avoid_ids)
+        turns = [(random_prompt(rng, n, vocab_size, avoid_ids), output) for n in user.sample(rng, num_turns)]
+        out.append(Conversation(f"conv-{c}", system, turns))
+    return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
 from replicas.engine import Engine
+from replicas.prefix_hash import PrefixSketch
 from replicas.protocol import ReplicaLoad, RequestOutput, SamplingParams
 from replicas.request import Request
 
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 IDLE_REFRESH_S = 5.0  # while idle, observers hear `on_idle` this often (gauges stay exported)
+SKETCH_INTERVAL_S = 0.1  # the prefix cache's sketch for load reports is rebuilt at most this often
 
 
 class EngineDeadError(RuntimeError):
@@ -55,6 +57,8 @@ class AsyncEngine:
         # Published by the loop thread after every change, read by any thread: the scheduler's
         # load and the TBT samples (count ever taken, latest ones), never half-updated.
         self.load_snapshot: ReplicaLoad = engine.last_load
+        self.sketch_snapshot: PrefixSketch | None = engine.blocks.sketch()
+        self._sketch_at = time.monotonic()
         self.tbt_snapshot: tuple[int, tuple[float, ...]] = (0, ())
         self._idle_told_at: float | None = None  # when observers last heard on_idle
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -194,6 +198,9 @@ class AsyncEngine:
     def _publish(self) -> None:
         engine = self.engine
         self.load_snapshot = engine.last_load
+        now = time.monotonic()
+        if now - self._sketch_at >= SKETCH_INTERVAL_S:  # rebuilt here: the loop owns the cache
+            self.sketch_snapshot, self._sketch_at = engine.blocks.sketch(), now
         if self.tbt_snapshot[0] != engine.num_tbt_samples:
             self.tbt_snapshot = (engine.num_tbt_samples, tuple(engine.recent_tbt))
 

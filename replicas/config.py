@@ -62,6 +62,9 @@ class EngineConfig:
     # Decode attention as one torch.compile'd kernel that reads each context's KV blocks in place
     # (no gathered copy). Costs a compile (seconds) at start and for new shape classes.
     compile_decode_attention: bool = False
+    # Share the KV of full blocks between requests whose tokens start the same way (a system
+    # prompt, a conversation's history): cached tokens cost no prefill and no new KV.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

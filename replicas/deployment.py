@@ -260,7 +260,8 @@ class LLMServer:
             snap, waiting_tokens=max(snap.waiting_tokens, self.queued_tokens),
             num_waiting=max(snap.num_waiting, len(self._queued)),
             queue_bound_tokens=self.queue_bound_tokens(), drain_tps=self.drain_tps() or 0.0,
-            prefill_tps=(model.prefill_tokens_per_s or 0.0) if model is not None else 0.0)
+            prefill_tps=(model.prefill_tokens_per_s or 0.0) if model is not None else 0.0,
+            prefix_sketch=self.engine.sketch_snapshot)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling metrics hook: TBT percentiles and token load of this replica."""

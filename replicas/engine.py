@@ -43,6 +43,7 @@ class CompletionOutput:
     num_preemptions: int = 0
     # With params.logprobs: per output token, (logprob, ((id, logprob) of the top alternatives)).
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         num_blocks = self._num_blocks(model)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention)
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
@@ -269,7 +270,8 @@ class Engine:
         out = RequestOutput(req.request_id, detok.take_delta(finished), out_ids[sent:],
                             finished, req.finish_reason if finished else None,
                             len(req.prompt_token_ids), n_out, req.stop_reason,
-                            self._logprobs(req, sent) if req.params.logprobs is not None else None)
+                            self._logprobs(req, sent) if req.params.logprobs is not None else None,
+                            req.num_cached_tokens)
         req.num_sent_tokens = n_out
         if finished:
             del self.requests[req.request_id]
@@ -338,7 +340,8 @@ class Engine:
         return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                                  "".join(texts[r.request_id]), r.finish_reason, list(r.token_times),
                                  r.arrival_time, r.num_preemptions,
-                                 list(r.output_logprobs) if r.params.logprobs is not None else None)
+                                 list(r.output_logprobs) if r.params.logprobs is not None else None,
+                                 r.num_cached_tokens)
                 for r in reqs]
 
 

@@ -1,24 +1,59 @@
-"""Paged KV block manager: fixed-size blocks, per-request block tables, never over-commits.
+"""Paged KV block manager: fixed-size blocks, per-request block tables, never over-commits,
+and (with `enable_caching`) a prefix cache of full blocks shared by reference.
 
 It only does the bookkeeping; the KV tensors live in the model runner and are addressed by
 the slot numbers this manager hands out (slot = block * block_size + offset).
+
+Prefix caching (vLLM's automatic prefix caching). A full block whose KV has been computed is
+registered under its hash (`prefix_hash.block_hash`: parent hash + token ids), so a later
+request whose tokens start the same way takes a reference to it instead of recomputing it.
+Blocks are reference-counted. A block nobody references stays cached ("cached-free") and is
+reclaimed only when a new block is needed and no plain free block is left: least recently freed
+first, and a request's blocks are freed last block first, so a shared prefix outlives its tails.
+
+Invariant (`check()`): used + cached-free + free == total; a block is referenced (refcount > 0)
+or in the free pool, never both; a hash names at most one block.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from replicas.prefix_hash import PrefixSketch, block_hash
+
+if TYPE_CHECKING:
+    from replicas.request import Request
 
 
 class BlockManager:
-    """Allocates KV blocks to requests. Invariant: num_used + num_free == num_blocks."""
+    """Allocates KV blocks to requests and shares cached prefix blocks between them."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 extra_key: bytes = b"") -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self.extra_key = extra_key  # whatever else changes the KV (model, adapter)
+        # The free pool, in reuse order: plain free blocks first, then cached-free ones from the
+        # least recently freed. Values unused (an ordered set).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._cached: dict[int, int] = {}  # block hash -> block
+        self._hash_of: dict[int, int] = {}  # block -> its hash, for registered blocks
+        self._registered: dict[str, int] = {}  # request -> leading blocks looked at for registering
+        # Counters for metrics (tokens) and the report's sketch.
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
+        self.version = 0  # bumped whenever the set of cached hashes changes
+        self._sketch: tuple[int, PrefixSketch] | None = None
+
+    # ---- sizes ---------------------------------------------------------------------------
 
     @property
     def capacity_tokens(self) -> int:
@@ -26,44 +61,75 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
+        """Blocks a new allocation may take: plain free and cached-free (reclaimable)."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Blocks some request references."""
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache, referenced or not."""
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found cached over prompt tokens looked up, since start."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks a request must gain so its table covers `num_tokens` tokens."""
-        have = len(self._tables.get(request_id, ()))
-        return max(0, self.blocks_for(num_tokens) - have)
+    # ---- allocation ----------------------------------------------------------------------
 
-    def can_allocate(self, request_id: str, num_tokens: int, reserve: int = 0) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) + reserve <= len(self._free)
+    def num_new_blocks(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> int:
+        """Free blocks a request takes so its table covers `num_tokens` tokens (with `prefix`:
+        a table starting with those cached blocks, the idle ones among them counted as taken)."""
+        have = len(self._tables.get(request_id, ())) or len(prefix)
+        return max(0, self.blocks_for(num_tokens) - have) + self.num_idle(prefix)
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to cover `num_tokens`; all or nothing."""
+    def num_idle(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` nobody references (taking them shrinks the free pool)."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def can_allocate(self, request_id: str, num_tokens: int, reserve: int = 0,
+                     prefix: Sequence[int] = ()) -> bool:
+        return self.num_new_blocks(request_id, num_tokens, prefix) + reserve <= len(self._free)
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Grow the request's table to cover `num_tokens`; all or nothing. `prefix` (cached
+        blocks from `cached_prefix`, for a request with no table yet) starts the table."""
         table = self._tables.get(request_id)
         if table is not None and len(table) * self.block_size >= num_tokens:
             return True  # already covered: most decode steps
-        need = self.num_new_blocks(request_id, num_tokens)
-        if need > len(self._free):
+        if self.num_new_blocks(request_id, num_tokens, () if table else prefix) > len(self._free):
             return False
-        table = self._tables.setdefault(request_id, [])
-        for _ in range(need):
-            table.append(self._free.popleft())
+        if table is None:
+            table = self._tables[request_id] = []
+            for b in prefix:
+                self._ref(b)
+                table.append(b)
+        while len(table) * self.block_size < num_tokens:
+            table.append(self._take_free())
         return True
 
     def free(self, request_id: str) -> int:
-        """Return every block of the request to the pool; returns how many."""
+        """Drop every reference the request holds; returns how many blocks it held. Blocks
+        whose last reference goes return to the pool (cached ones stay findable)."""
         table = self._tables.pop(request_id, [])
-        self._free.extend(table)
+        self._registered.pop(request_id, None)
+        for b in reversed(table):  # tail first: the shared prefix is reclaimed last
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free[b] = None
+                if b not in self._hash_of:
+                    self._free.move_to_end(b, last=False)  # nothing cached: reuse first
         return len(table)
 
     def block_table(self, request_id: str) -> list[int]:
@@ -73,3 +139,91 @@ class BlockManager:
         """Cache slot of each token position in [start, end)."""
         table, bs = self._tables[request_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _ref(self, block: int) -> None:
+        if self._refs[block] == 0:
+            del self._free[block]
+        self._refs[block] += 1
+
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        if (h := self._hash_of.pop(block, None)) is not None:  # reclaim a cached-free block
+            del self._cached[h]
+            self.evictions += 1
+            self.version += 1
+        self._refs[block] = 1
+        return block
+
+    # ---- the prefix cache ------------------------------------------------------------------
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks holding the request's leading tokens, at most all but its last
+        token (that one always runs, so the pass samples). Empty when caching is off."""
+        if not self.enable_caching:
+            return []
+        usable = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in self._hashes(request, usable):
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """A request was admitted: `num_tokens` looked up, `num_hit_tokens` of them cached."""
+        if self.enable_caching:
+            self.query_tokens += num_tokens
+            self.hit_tokens += num_hit_tokens
+
+    def cache_computed(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is now computed (after a pass)."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        full = min(request.num_computed_tokens // self.block_size, len(self._tables.get(rid, ())))
+        done = self._registered.get(rid, 0)
+        if full <= done:
+            return
+        table = self._tables[rid]
+        for i, h in enumerate(self._hashes(request, full)[done:], start=done):
+            if h not in self._cached and table[i] not in self._hash_of:
+                self._cached[h] = table[i]
+                self._hash_of[table[i]] = h
+                self.version += 1
+        self._registered[rid] = full
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's first `num_blocks` block hashes, computed once and kept on it."""
+        hashes, bs = request.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            b = len(hashes)
+            tokens = [request.token_at(p) for p in range(b * bs, (b + 1) * bs)]
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens, self.extra_key))
+        return hashes[:num_blocks]
+
+    def sketch(self) -> PrefixSketch | None:
+        """A Bloom filter of the cached hashes for the load report (rebuilt only on change)."""
+        if not self.enable_caching:
+            return None
+        if self._sketch is None or self._sketch[0] != self.version:
+            self._sketch = (self.version, PrefixSketch.of(self._cached, self.num_blocks))
+        return self._sketch[1]
+
+    def check(self) -> None:
+        """Assert the allocator's invariant (tests call it after every operation)."""
+        referenced = {b for table in self._tables.values() for b in table}
+        counts = [0] * self.num_blocks
+        for table in self._tables.values():
+            for b in table:
+                counts[b] += 1
+        assert counts == self._refs, "refcounts match the tables"
+        assert all(r >= 0 for r in self._refs), "refcounts are never negative"
+        assert not referenced & self._free.keys(), "no block is both free and referenced"
+        assert len(referenced) + len(self._free) == self.num_blocks, "used + free == total"
+        used = sum(1 for r in self._refs if r > 0)
+        cached_free = sum(1 for b in self._free if b in self._hash_of)
+        plain_free = sum(1 for b in self._free if b not in self._hash_of)
+        assert all(self._refs[b] == 0 for b in self._free), "free blocks have no reference"
+        assert used + cached_free + plain_free == self.num_blocks, "used + cached-free + free == total"
+        assert {b: h for h, b in self._cached.items()} == self._hash_of, "one block per hash"

@@ -146,6 +146,13 @@ class EngineMetrics:
                             (*t, "within_slo"))
         self.gen_tokens = c(p + "generation_tokens_total", "Generated tokens.", t)
         self.prompt_tokens = c(p + "prompt_tokens_total", "Prompt tokens computed (recompute included).", t)
+        self.prefix_queries = c(p + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
+                                "cache at admission.", t)
+        self.prefix_hits = c(p + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache "
+                             "(not computed again).", t)
+        self.cached_blocks = g(p + "prefix_cache_blocks", "KV blocks registered in the prefix cache "
+                               "(referenced or reclaimable).", t)
+        self._prefix_seen = (0, 0)  # the block manager's (queries, hits) counters last recorded
 
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
         tags = self.tags
@@ -157,6 +164,7 @@ class EngineMetrics:
             self.iter_tokens.record(stats.num_decode_tokens, {**tags, "phase": "decode"})
         if stats.num_preempted:
             self.preemptions.record(stats.num_preempted, tags)
+        self._record_prefix_cache(engine.blocks)
         if stats.num_stalled:
             self.stalls.record(1, {**tags, "cause": "skipped"})
         if stats.predicted_s is not None and stats.duration > 0:
@@ -199,6 +207,15 @@ class EngineMetrics:
             self.gen_tokens.record(len(ttft) + len(gaps), tags)
         self.record_load(engine.last_load)
 
+    def _record_prefix_cache(self, blocks: Any) -> None:
+        queries, hits = blocks.query_tokens, blocks.hit_tokens
+        seen_q, seen_h = self._prefix_seen
+        if queries != seen_q:
+            self.prefix_queries.record(queries - seen_q, self.tags)
+            if hits != seen_h:
+                self.prefix_hits.record(hits - seen_h, self.tags)
+            self._prefix_seen = (queries, hits)
+
     def on_abort(self, request: Any) -> None:
         """Count the request by how it ended (aborted, or past the queue deadline)."""
         self.finished.record(1, {**self.tags, "finished_reason": request.finish_reason or "abort"})
@@ -213,3 +230,4 @@ class EngineMetrics:
         self.waiting.record(load.num_waiting, tags)
         self.kv_usage.record(load.kv_usage, tags)
         self.token_load.record(load.running_tokens + load.waiting_tokens, tags)
+        self.cached_blocks.record(load.cached_blocks, tags)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replicas.prefix_hash import PrefixSketch
+
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat top_logprobs limit; vLLM's default)
@@ -198,6 +200,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     # With SamplingParams.logprobs: one TokenLogprob per token of delta_token_ids.
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One delta carrying this one and the `later` one of the same request."""
@@ -205,7 +208,7 @@ class RequestOutput:
         return RequestOutput(self.request_id, self.delta_text + later.delta_text,
                              self.delta_token_ids + later.delta_token_ids, later.finished,
                              later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                             later.stop_reason, logprobs)
+                             later.stop_reason, logprobs, later.num_cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,11 @@ class ReplicaLoad:
     iteration_mean_s: float = 0.0
     iteration_max_s: float = 0.0
     timestamp: float = 0.0
+    # Prefix cache: the share of looked-up prompt tokens found cached, the blocks registered, and
+    # a Bloom filter of their hashes (refreshed at most every ~0.1 s) for prefix-aware routing.
+    prefix_hit_rate: float = 0.0
+    cached_blocks: int = 0
+    prefix_sketch: PrefixSketch | None = None
 
     @property
     def token_load(self) -> int:

@@ -16,7 +16,9 @@ the next single forward pass, which requests run and how many tokens each:
 
 KV blocks are allocated as tokens are scheduled. When a decode needs a block and none is
 free, the least urgent, latest running request is preempted (blocks freed, recomputed
-later) instead of failing. Waiting requests are ordered by priority class (lower is more
+later) instead of failing. With prefix caching, a request is admitted with the cached blocks
+of its leading tokens (`BlockManager.cached_prefix`): only the tokens after them are charged,
+against the prefill budget (compute) and the free blocks (KV memory), and only they run. Waiting requests are ordered by priority class (lower is more
 urgent), aged so nothing starves, FCFS inside a class.
 """
 
@@ -136,6 +138,8 @@ class Scheduler:
                 req.token_times.append(now)
                 got.append(req)
         self.num_running_tokens += len(got)
+        for seq in batch.seqs:  # full blocks now computed join the prefix cache
+            self.blocks.cache_computed(seq.request)
         return got
 
     def load(self) -> ReplicaLoad:
@@ -143,7 +147,8 @@ class Scheduler:
         b = self.blocks
         return ReplicaLoad(running_tokens=self.num_running_tokens, waiting_tokens=self.num_waiting_tokens,
                            free_blocks=b.num_free, total_blocks=b.num_blocks, block_size=b.block_size,
-                           num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=b.usage)
+                           num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=b.usage,
+                           prefix_hit_rate=b.hit_rate, cached_blocks=b.num_cached)
 
     def _insert_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=self.urgency)
@@ -208,23 +213,25 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             reserve = self.watermark_blocks if self.running else 0
-            n = self._fit(req, budget, reserve)
+            prefix = self.blocks.cached_prefix(req)
+            n = self._fit(req, budget, reserve, prefix)
             if n <= 0:
                 return  # strict order: the most urgent request waits for room
-            self._admit(req)
+            self._admit(req, prefix)
             budget -= self._schedule_chunk(out, req, n, reserve=0)
 
     def _schedule_dynamic(self, out: SchedulerOutput) -> None:
         budget = self.config.max_batch_prefill_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_tokens_to_compute
+            prefix = self.blocks.cached_prefix(req)
+            n = req.num_tokens_to_compute - len(prefix) * self.blocks.block_size
             # A recompute after preemption may exceed MBP; it is admitted in a pass of its own.
             alone_ok = not out.prefills and req.num_preemptions > 0
             reserve = self.watermark_blocks if self.running or out.prefills else 0
-            if (n > budget and not alone_ok) or self._fit(req, n, reserve) < n:
+            if (n > budget and not alone_ok) or self._fit(req, n, reserve, prefix) < n:
                 break
-            self._admit(req)
+            self._admit(req, prefix)
             budget -= self._schedule_chunk(out, req, n, reserve=0)
         if not out.prefills:
             self._schedule_decodes(out)
@@ -236,9 +243,10 @@ class Scheduler:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 total = max(req.max_total_tokens, req.num_tokens)
-                if not self.blocks.can_allocate(req.request_id, total):
+                prefix = self.blocks.cached_prefix(req)
+                if not self.blocks.can_allocate(req.request_id, total, prefix=prefix):
                     break
-                self._admit(req)
+                self._admit(req, prefix)
                 self.blocks.allocate(req.request_id, total)
         prefilling = [r for r in self.running if r.is_prefilling]
         if prefilling:
@@ -288,16 +296,32 @@ class Scheduler:
         out.prefills.append(ScheduledSeq(req, req.num_computed_tokens, n))
         return n
 
-    def _fit(self, req: Request, limit: int, reserve: int) -> int:
-        """Largest chunk <= limit whose KV fits in the free blocks minus `reserve`."""
-        bs = self.blocks.block_size
-        have = len(self.blocks.block_table(req.request_id)) * bs
-        room = have + max(0, self.blocks.num_free - reserve) * bs - req.num_computed_tokens
-        return max(0, min(limit, req.num_tokens_to_compute, room))
+    def _fit(self, req: Request, limit: int, reserve: int, prefix: list[int] | None = None) -> int:
+        """Largest chunk <= limit whose KV fits in the free blocks minus `reserve`. `prefix`: the
+        cached blocks a waiting request would be admitted with (they are not charged; the idle
+        ones among them leave the free pool)."""
+        bs, blocks = self.blocks.block_size, self.blocks
+        if prefix:
+            have = computed = len(prefix) * bs
+            free = blocks.num_free - blocks.num_idle(prefix)
+        else:
+            have, computed = len(blocks.block_table(req.request_id)) * bs, req.num_computed_tokens
+            free = blocks.num_free
+        room = have + max(0, free - reserve) * bs - computed
+        return max(0, min(limit, req.num_tokens - computed, room))
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, prefix: list[int]) -> None:
+        """Waiting -> running, with the cached blocks of its prefix (they count as computed)."""
         self.waiting.remove(req)
         self.num_waiting_tokens -= req.num_tokens_to_compute
+        hit = len(prefix) * self.blocks.block_size
+        self.blocks.count_lookup(req.num_tokens, hit)
+        if prefix:
+            ok = self.blocks.allocate(req.request_id, hit, prefix)
+            assert ok, "a fitted prefix must allocate"
+            req.num_computed_tokens = hit
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hit
         bisect.insort(self.running, req, key=self.urgency)
         self.num_running_tokens += req.num_tokens
         req.status = RequestStatus.RUNNING

@@ -97,7 +97,7 @@ def build_report(args: argparse.Namespace, runs: dict[str, EngineRun], info: dic
     fits = {form: fit(x, y, form) for form in ("sum", "max")}
     errors = {form: fit_error(m, x, y) for form, m in fits.items()}
     best = min(fits, key=lambda f: errors[f]["rel_err_mean"])
-    spec = ReplicaSpec(EngineConfig(**info["engine_config"]), info["num_blocks"], fits[best], info["max_model_len"])
+    spec = ReplicaSpec(EngineConfig(**{**info["engine_config"], "enable_prefix_caching": False}), info["num_blocks"], fits[best], info["max_model_len"])
     held = {}
     for name, run in runs.items():
         xh, yh = run.xy()

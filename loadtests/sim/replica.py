@@ -91,7 +91,7 @@ class SimReplica:
                  log_iterations: bool = False) -> None:
         self.replica_id = replica_id
         self.spec = spec
-        self.blocks = BlockManager(spec.num_blocks, spec.engine.block_size)
+        self.blocks = BlockManager(spec.num_blocks, spec.engine.block_size, spec.engine.enable_prefix_caching)
         self.scheduler = Scheduler(spec.engine, self.blocks, clock)
         self.cost = spec.cost
         # What the engine's pass-time model reports: the marginal cost of a prompt token.

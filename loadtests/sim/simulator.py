@@ -254,8 +254,9 @@ class Simulator:
         if sp is None:
             sp = self._params[olen] = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
         # The scheduler reads only the prompt's length (tests/loadtests/test_sim.py checks it),
-        # so a range stands in for token ids at no memory cost.
-        req = Request(str(i), range(plen), sp, 0, ta)
+        # so a range stands in for token ids at no memory cost; its own range per request, so the
+        # prefix cache (when a spec turns it on) finds no prefix shared by chance.
+        req = Request(str(i), range(i << 32, (i << 32) + plen), sp, 0, ta)
         cost = RequestCost(plen, plen + olen)
         r = self.router.choose(cost, self.routable, ta)
         r.add(req)

@@ -49,8 +49,22 @@ def test_completion_equals_offline_greedy(client: httpx.Client, reference) -> No
     assert choice["text"] == reference.greedy(PROMPT, MAX_TOKENS, ignore_eos=True)
     assert choice["finish_reason"] == "length"
     prompt_tokens = reference.num_tokens(PROMPT)
-    assert data["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
-                             "total_tokens": prompt_tokens + MAX_TOKENS}
+    usage = data["usage"]
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]  # other tests send PROMPT too
+    assert usage == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
+                     "total_tokens": prompt_tokens + MAX_TOKENS}
+    assert 0 <= cached < prompt_tokens and cached % 16 == 0
+
+
+def test_a_resent_prompt_reports_its_cached_tokens(client: httpx.Client) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: the second time, every full block
+    but the one holding the last token comes from the prefix cache."""
+    prompt = [(7 * i) % 900 + 50 for i in range(100)]  # 100 ids no other test sends
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}  # 6 blocks of 16
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
 
 
 def test_completion_stream_equals_offline_greedy(client: httpx.Client, reference) -> None:  # noqa: ANN001

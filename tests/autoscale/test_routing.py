@@ -146,3 +146,50 @@ def test_ttft_prefers_a_replica_whose_queue_bound_admits_the_prompt() -> None:
     # 500 + 800 > 1000: the fast replica would answer 429, so the slower one that admits wins.
     assert choose_by_ttft(800, 0, {"fast": fast, "slow": slow}, {}) == ["slow", "fast"]
     assert choose_by_ttft(400, 0, {"fast": fast, "slow": slow}, {}) == ["fast", "slow"]
+
+
+# ---- prefix affinity ---------------------------------------------------------------------
+
+def cached(rid: str, prompts: list[list[int]], running: int = 0, block: int = 16) -> ReplicaLoad:
+    """A replica whose prefix cache holds the full blocks of `prompts` (its reported sketch)."""
+    from replicas.prefix_hash import PrefixSketch, block_hashes
+
+    hashes = [h for p in prompts for h in block_hashes(p, block)]
+    return dataclasses.replace(load(rid, running=running), prefix_sketch=PrefixSketch.of(hashes, 1000))
+
+
+def test_a_conversations_next_turn_goes_where_its_history_is_cached():
+    from autoscale.routing import choose_by_prefix, prompt_block_hashes
+
+    turn1 = list(range(100, 420))  # 20 blocks
+    turn2 = turn1 + list(range(500, 560))
+    loads = {"a": cached("a", [], running=100), "b": cached("b", [turn1], running=1500),
+             "c": cached("c", [turn1[:64]], running=0)}
+    hashes = prompt_block_hashes(turn2, loads)
+    assert len(hashes) == len(turn2) // 16
+    # b holds all 20 blocks and is 1500 tokens above the least loaded: within the bound.
+    assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=hashes, max_imbalance_tokens=2048,
+                            rng=random.Random(0)) == ["b", "c", "a"]
+    # A tighter bound: b is too busy; c (4 blocks, load 0) is the best hit within it.
+    assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=hashes, max_imbalance_tokens=1000,
+                            rng=random.Random(0)) == ["c", "a", "b"]
+    # Tokens in flight count against the bound too: 600 unreported tokens put b over 2048.
+    assert choose_by_prefix(380, 400, loads, {"b": 600}, prompt_hashes=hashes, max_imbalance_tokens=2048,
+                            rng=random.Random(0))[0] == "c"
+    # No hit anywhere: exactly the token-load order.
+    other = prompt_block_hashes(list(range(900, 1300)), loads)
+    assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=other, rng=random.Random(0)) == \
+        choose_replica(380, 400, loads, {}, rng=random.Random(0))
+
+
+def test_prefix_affinity_never_picks_a_replica_without_kv_room():
+    from autoscale.routing import choose_by_prefix, prompt_block_hashes
+
+    turn1 = list(range(100, 420))
+    full = dataclasses.replace(cached("b", [turn1]), free_blocks=1)
+    loads = {"a": cached("a", []), "b": full}
+    hashes = prompt_block_hashes(turn1 + [7] * 30, loads)
+    assert choose_by_prefix(350, 400, loads, {}, prompt_hashes=hashes, rng=random.Random(0))[0] == "a"
+    # Text prompts (no ids) and replicas without sketches give no hashes: plain token-load.
+    assert prompt_block_hashes("some text", loads) == []
+    assert prompt_block_hashes(turn1, {"x": load("x")}) == []

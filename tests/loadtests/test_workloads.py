@@ -138,3 +138,19 @@ def test_workload_round_trips_through_a_dict() -> None:
     assert Workload.from_dict(w.to_dict()) == w
     s = w.summary()
     assert s["num_requests"] == 3 and s["output_tokens"] == sum(w.output_lens)
+
+
+def test_shared_prefix_and_multi_turn_workloads_repeat_exactly_what_they_say():
+    from loadtests.workloads import multi_turn_conversations, shared_prefix_workload
+
+    w = shared_prefix_workload(1000, 3, num_requests=5, system_tokens=64)
+    system = w.requests[0].prompt_token_ids[:64]
+    assert all(r.prompt_token_ids[:64] == system and 20 <= r.prompt_len - 64 <= 80 for r in w.requests)
+    assert shared_prefix_workload(1000, 3, num_requests=5, system_tokens=64) == w  # seeded
+    convs = multi_turn_conversations(1000, 1, num_conversations=2, num_turns=3, system_tokens=16)
+    assert convs[0].system != convs[1].system
+    c = convs[0]
+    answers = [[1, 2], [3]]
+    p2 = c.prompt(2, answers)
+    assert p2 == c.system + c.turns[0][0] + [1, 2] + c.turns[1][0] + [3] + c.turns[2][0]
+    assert c.prompt(1, answers[:1]) == p2[:len(c.prompt(1, answers[:1]))]  # each turn extends the last

@@ -117,18 +117,24 @@ def test_a_long_context_decoding_beside_short_ones_matches_hf(arch, compiled, re
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
-def test_preemption_keeps_outputs_correct(llama):
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_keeps_outputs_correct(llama, caching):
+    """A preempted request frees its references; recomputed (finding its own prefix again
+    when cached), it produces the same tokens."""
     ps = prompts(2000)[:6]
     refs = [hf_greedy(llama[0], p, 20) for p in ps]
-    for policy, preemptions in [("stall_free", 11), ("dynamic", 3)]:
+    expected = {False: {"stall_free": 11, "dynamic": 3}, True: {"stall_free": 6, "dynamic": 3}}
+    for policy, preemptions in expected[caching].items():
         # 24 blocks of 4 tokens: a few requests at once, then KV runs out mid-generation.
-        eng = engine_for(llama, policy, max_batch_total_tokens=96, max_batch_prefill_tokens=96)
+        eng = engine_for(llama, policy, max_batch_total_tokens=96, max_batch_prefill_tokens=96,
+                         enable_prefix_caching=caching)
         outs = eng.generate(ps, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
         assert [o.token_ids for o in outs] == refs
         # Scheduling depends on lengths only (ignore_eos), so the count is exact.
         assert sum(o.num_preemptions for o in outs) == preemptions, policy
         assert sum(it.num_preempted for it in eng.iterations) == preemptions
-        assert eng.blocks.num_free == eng.blocks.num_blocks
+        assert eng.blocks.num_used == 0
+        eng.blocks.check()
 
 
 def test_sampling_is_reproducible_with_a_seed(llama):

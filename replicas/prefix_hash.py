@@ -1,0 +1,79 @@
+"""Block hashes of a token sequence and a compact sketch of a replica's cached blocks.
+
+A full KV block is named by the hash of (its parent block's hash, its token ids, an optional
+key for anything else that changes the KV, e.g. a model or adapter): equal hashes mean equal
+prefixes, so a block can be shared by every request whose prompt starts the same way (vLLM's
+automatic prefix caching). The replica's `BlockManager`, the router and the simulator all call
+`block_hashes`, so they name blocks alike. Light on purpose (hashlib only): the router and the
+ingress import it.
+
+`PrefixSketch` is what a replica reports of its cache: a Bloom filter over its cached block
+hashes, a fixed number of bits whatever the cache holds, so the load report stays small. The
+router asks it how many leading blocks of a prompt a replica holds; a false positive (rare at
+the default 16 bits a block) only makes the router overestimate one replica's hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+HASH_BYTES = 16  # 128-bit block hashes: a collision (a wrong KV block reused) is out of reach
+SKETCH_BITS_PER_BLOCK = 16
+SKETCH_HASHES = 3  # bit positions per block in the Bloom filter (~0.4% false positives at 16 bits)
+
+
+def block_hash(parent: int | None, tokens: Sequence[int], extra_key: bytes = b"") -> int:
+    """The hash naming a full block of `tokens` that follows the block hashed `parent`."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES, key=extra_key[:64])
+    h.update((parent or 0).to_bytes(HASH_BYTES, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, *, start: int = 0,
+                 parent: int | None = None, extra_key: bytes = b"") -> list[int]:
+    """Hashes of the full blocks of `token_ids` from block index `start` on (`parent`: the hash
+    of block `start - 1`, None at the start)."""
+    out: list[int] = []
+    for b in range(start, len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[b * block_size:(b + 1) * block_size], extra_key)
+        out.append(parent)
+    return out
+
+
+def _positions(h: int, num_bits: int) -> Iterable[int]:
+    for i in range(SKETCH_HASHES):  # disjoint 40-bit slices of the 128-bit hash
+        yield (h >> (40 * i)) % num_bits
+
+
+@dataclass(frozen=True)
+class PrefixSketch:
+    """A Bloom filter over block hashes: `bits`, a bit set of `num_bits` bits."""
+
+    num_bits: int
+    bits: bytes
+
+    @classmethod
+    def of(cls, hashes: Iterable[int], capacity_blocks: int) -> PrefixSketch:
+        """A sketch sized for `capacity_blocks` blocks holding `hashes`."""
+        num_bits = 8 * max(8, -(-SKETCH_BITS_PER_BLOCK * capacity_blocks // 8))
+        bits = bytearray(num_bits // 8)
+        for h in hashes:
+            for p in _positions(h, num_bits):
+                bits[p >> 3] |= 1 << (p & 7)
+        return cls(num_bits, bytes(bits))
+
+    def __contains__(self, h: int) -> bool:
+        return all(self.bits[p >> 3] >> (p & 7) & 1 for p in _positions(h, self.num_bits))
+
+    def matched_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (its `block_hashes`) the sketch holds."""
+        n = 0
+        for h in hashes:
+            if h not in self:
+                break
+            n += 1
+        return n
