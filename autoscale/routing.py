@@ -44,7 +44,7 @@ def request_cost(args: Sequence[Any], kwargs: Mapping[str, Any], default_max_tok
     Expected shape (the replica's `generate(prompt_token_ids, params, ...)`): the prompt as the
     first positional argument or `prompt_token_ids=` (a list of ids, or a string, estimated at
     4 characters per token), and sampling params as the second positional argument or
-    `params=` / `sampling_params=` (a dict or an object with `max_tokens`). Anything else, e.g.
+    `params=` / `sampling_params=` (a dict or an object with `max_tokens` and optionally `n`). Anything else, e.g.
     `model_info()`, costs zero tokens.
     """
     prompt = prompt_of(args, kwargs)
@@ -61,7 +61,11 @@ def request_cost(args: Sequence[Any], kwargs: Mapping[str, Any], default_max_tok
         max_tokens = getattr(params, "max_tokens", None)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = default_max_tokens
-    return RequestCost(tokens, tokens + max_tokens if tokens else 0)
+    n = params.get("n", 1) if isinstance(params, Mapping) else getattr(params, "n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        n = 1
+    # n samples share the prompt's KV blocks (a fork through the prefix cache); each generates.
+    return RequestCost(tokens, tokens + n * max_tokens if tokens else 0)
 
 
 def prompt_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

@@ -80,19 +80,22 @@ class AsyncEngine:
             raise TypeError("AsyncEngine.add_request takes prompt token ids, not text")
         now = time.perf_counter()
         arrival = now if arrival_time is None else min(arrival_time, now)
-        req = self.engine.make_request(prompt_token_ids, params, request_id, priority, arrival)
+        reqs = self.engine.make_requests(prompt_token_ids, params, request_id, priority, arrival)
         if not self.is_alive():
             raise EngineDeadError("engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(("add", req, stream))
+        self._inbox.put(("add", reqs, stream))
         self._wake.set()
-        return self._iterate(request_id, stream)
+        return self._iterate([r.request_id for r in reqs], stream)
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
+    async def _iterate(self, request_ids: list[str], stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """The deltas of the request's samples (one stream for all n), until each finished."""
+        unfinished = set(request_ids)
+        held: RequestOutput | None = None  # a delta of another sample, read while merging
         try:
-            while not finished:
-                item = await stream.queue.get()
+            while unfinished:
+                item = held if held is not None else await stream.queue.get()
+                held = None
                 # A caller slower than the loop gets the deltas that queued up as one: under
                 # load every hop downstream (Serve's stream, SSE) then carries fewer, larger items.
                 while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
@@ -100,13 +103,17 @@ class AsyncEngine:
                     if not isinstance(later, RequestOutput):
                         stream.queue.put_nowait(later)  # an exception: raise it after this delta
                         break
+                    if later.request_id != item.request_id:
+                        held = later  # another sample's: it comes next
+                        break
                     item = item.followed_by(later)
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(item.request_id)
                 yield item
         finally:
-            if not finished:  # the caller went away: free its KV blocks at the next iteration
+            for request_id in unfinished:  # the caller went away: free its KV blocks next iteration
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -180,15 +187,19 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                req: Request = payload
+                reqs: list[Request] = payload
                 try:
-                    self.engine.enqueue(req)
+                    for req in reqs:
+                        self.engine.enqueue(req)
                 except Exception as exc:  # e.g. a duplicate id: only this request fails
                     if not isinstance(exc, ValueError):
                         logger.exception("enqueue of %s failed", req.request_id)
+                    for queued in reqs[:reqs.index(req)]:
+                        self.engine.abort(queued.request_id)
                     stream.put(exc)
                     continue
-                self._streams[req.request_id] = stream
+                for req in reqs:
+                    self._streams[req.request_id] = stream
             else:
                 out = self.engine.abort(payload)
                 if out is not None:

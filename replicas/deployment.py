@@ -33,7 +33,7 @@ from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
-                               SamplingParams, Started)
+                               SamplingParams, Started, sample_id)
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class LLMServer:
             return
         self._queued[request_id] = len(prompt_token_ids)
         finished = started = False
+        unfinished = params.n  # samples still generating (their deltas share the stream)
         try:
             yield Acknowledged(request_id, "", [], False, None, len(prompt_token_ids), 0,
                                replica_id=self.replica_id, at=time.time())
@@ -143,7 +144,8 @@ class LLMServer:
                 self._queued.pop(request_id, None)
                 if not started:
                     out = Started(**vars(out), left_at=time.time())
-                finished, started = out.finished, True
+                unfinished -= out.finished
+                finished, started = unfinished == 0, True
                 if out.finish_reason == "queue_timeout":
                     yield self._queue_timeout(len(prompt_token_ids))
                     return
@@ -159,7 +161,8 @@ class LLMServer:
             self._live.discard(request_id)
             self._queued.pop(request_id, None)
             if not finished:  # cancelled (client gone) or failed: free its KV blocks now
-                self.engine.abort(request_id)
+                for j in range(params.n):
+                    self.engine.abort(sample_id(request_id, j))
 
     async def _accept(self, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:

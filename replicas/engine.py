@@ -21,7 +21,7 @@ from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
 from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
-                               TokenLogprob, check_priority)
+                               TokenLogprob, check_priority, sample_id)
 from replicas.request import Request, RequestStatus
 from replicas.sampler import sample, stop_token_hit, token_logprobs
 from replicas.scheduler import Scheduler, SchedulerOutput
@@ -161,6 +161,21 @@ class Engine:
         return Request(request_id, ids, params, priority,
                        arrival_time if arrival_time is not None else time.perf_counter())
 
+    def make_requests(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, priority: int = 0,
+                      arrival_time: float | None = None) -> list[Request]:
+        """`make_request`, then the prompt's other `params.n - 1` samples forked from it: ids
+        `protocol.sample_id`, seeds `seed + j`, each waiting for the first one's prefill (`Request.parent`)."""
+        first = self.make_request(prompt, params, request_id, priority, arrival_time)
+        reqs = [first]
+        for j in range(1, first.params.n):
+            sp = first.params
+            if sp.seed is not None:
+                sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**63)
+            reqs.append(Request(sample_id(first.request_id, j), first.prompt_token_ids, sp, priority,
+                                first.arrival_time, index=j, parent=first))
+        return reqs
+
     def enqueue(self, req: Request) -> None:
         """Queue a request built by `make_request` (no checks again but the id's uniqueness)."""
         if req.request_id in self.requests:
@@ -271,7 +286,7 @@ class Engine:
                             finished, req.finish_reason if finished else None,
                             len(req.prompt_token_ids), n_out, req.stop_reason,
                             self._logprobs(req, sent) if req.params.logprobs is not None else None,
-                            req.num_cached_tokens)
+                            req.num_cached_tokens, req.index)
         req.num_sent_tokens = n_out
         if finished:
             del self.requests[req.request_id]
@@ -323,13 +338,14 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Run prompts to completion; outputs in the order of the prompts."""
+        """Run prompts to completion; outputs in the order of the prompts (with `n` > 1, each
+        prompt's n samples in a row)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params")
-        reqs = [self.make_request(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
+        reqs = [r for p, sp in zip(prompts, plist) for r in self.make_requests(p, sp)]  # all checked first
         for req in reqs:
             self.enqueue(req)
         texts = {r.request_id: [] for r in reqs}

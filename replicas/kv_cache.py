@@ -170,6 +170,16 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def num_cached_leading(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are cached now (the exact view a sketch
+        approximates; the simulator's prefix router reads it)."""
+        n = 0
+        for h in hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """A request was admitted: `num_tokens` looked up, `num_hit_tokens` of them cached."""
         if self.enable_caching:

@@ -15,6 +15,7 @@ from replicas.prefix_hash import PrefixSketch
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat top_logprobs limit; vLLM's default)
+MAX_N = 128  # samples of one prompt (OpenAI's limit for n)
 MAX_STOP_STRING_CHARS = 256
 PRIORITY_RANGE = (-1_000, 1_000)
 
@@ -70,6 +71,11 @@ class ReplicaUnhealthyError(RequestRejected):
     default_code = "engine_unavailable"
 
 
+def sample_id(request_id: str, index: int) -> str:
+    """The engine's id of sample `index` of a request with `SamplingParams.n` > 1."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 def _invalid(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"{param} {message}", param)
 
@@ -97,6 +103,9 @@ class SamplingParams:
     # (0: the chosen token's only). None: none computed. Raw: the model's own distribution,
     # before temperature, top-k and top-p (vLLM's default).
     logprobs: int | None = None
+    # Samples of the prompt: its prefill runs once, the others fork from its cached blocks; with a
+    # seed, sample j draws from seed + j.
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -122,6 +131,8 @@ class SamplingParams:
             raise _invalid("stop_token_ids", "must be non-negative token ids")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise _invalid("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -201,6 +212,7 @@ class RequestOutput:
     # With SamplingParams.logprobs: one TokenLogprob per token of delta_token_ids.
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    index: int = 0  # which of the prompt's n samples (SamplingParams.n) this is
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One delta carrying this one and the `later` one of the same request."""
@@ -208,7 +220,7 @@ class RequestOutput:
         return RequestOutput(self.request_id, self.delta_text + later.delta_text,
                              self.delta_token_ids + later.delta_token_ids, later.finished,
                              later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                             later.stop_reason, logprobs, later.num_cached_tokens)
+                             later.stop_reason, logprobs, later.num_cached_tokens, later.index)
 
 
 @dataclass(frozen=True)

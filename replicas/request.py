@@ -67,6 +67,10 @@ class Request:
     # Hashes of the request's full KV blocks (prefix caching), computed once as they are needed.
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    # One of n samples of a prompt (SamplingParams.n): its index, and the first sample, whose
+    # prefill the others wait for so they find the prompt's blocks cached (a fork, no copy).
+    index: int = 0
+    parent: Request | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -212,6 +212,8 @@ class Scheduler:
             budget -= self._schedule_chunk(out, req, budget, reserve=0)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._waits_for_parent(req):
+                return
             reserve = self.watermark_blocks if self.running else 0
             prefix = self.blocks.cached_prefix(req)
             n = self._fit(req, budget, reserve, prefix)
@@ -224,6 +226,8 @@ class Scheduler:
         budget = self.config.max_batch_prefill_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._waits_for_parent(req):
+                break
             prefix = self.blocks.cached_prefix(req)
             n = req.num_tokens_to_compute - len(prefix) * self.blocks.block_size
             # A recompute after preemption may exceed MBP; it is admitted in a pass of its own.
@@ -309,6 +313,13 @@ class Scheduler:
             free = blocks.num_free
         room = have + max(0, free - reserve) * bs - computed
         return max(0, min(limit, req.num_tokens - computed, room))
+
+    def _waits_for_parent(self, req: Request) -> bool:
+        """A forked sample waits while the first sample of its prompt prefills, then finds the
+        prompt's blocks cached (static batches do not wait: each member computes its own)."""
+        parent = req.parent
+        return (parent is not None and self.blocks.enable_caching and not parent.is_finished
+                and not parent.output_token_ids)
 
     def _admit(self, req: Request, prefix: list[int]) -> None:
         """Waiting -> running, with the cached blocks of its prefix (they count as computed)."""

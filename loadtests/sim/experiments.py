@@ -18,7 +18,7 @@ from loadtests.sim.capacity import Criteria, find_capacity
 from loadtests.sim.deploy import replica_spec
 from loadtests.sim.routers import ROUTERS
 from loadtests.sim.simulator import SimConfig, Simulator
-from loadtests.sim.traffic import make_trace
+from loadtests.sim.traffic import make_trace, multi_turn_trace
 
 POLICIES = ("static", "dynamic", "stall_free")
 SLOS = {"strict": 0.1, "relaxed": 0.5}
@@ -147,6 +147,45 @@ def routing(replica_counts: tuple[int, ...] = (16, 64), per_replica_rps: float =
                 f"TBT bucket p99 {s['tbt_bucket_p99_s'] * 1e3:.0f}ms ({res.wall_s:.1f}s)")
     return {"gpu": gpu, "model": model, "workload": workload, "policy": policy, "mbp": mbp,
             "per_replica_rps": per_replica_rps, "arrivals": arrivals, "rows": rows}
+
+
+def prefix_routing(replica_counts: tuple[int, ...] = (16, 64), per_replica_rps: float = 15.0,
+                   conversations_per_replica: int = 100, turns: int = 6, think_s: float = 5.0,
+                   gpu: str = "A100-80GB",
+                   model: str = "mistral-7b", policy: str = "stall_free", mbp: int = 512,
+                   tbt_slo_s: float = 0.1, seed: int = 0,
+                   routers: tuple[str, ...] = ("prefix", "token_load", "power_of_two"),
+                   progress: bool = True, log: Any = print) -> dict[str, Any]:
+    """Multi-turn chat (each turn resends the history) on replicas with the prefix cache on:
+    TTFT and the cluster's prefix-cache hit rate per router, the same trace per cluster size.
+
+    `per_replica_rps` sets how fast conversations start (its / turns per replica per second); the
+    request rate the replicas see is lower, paced by the think time: each row says it (offered_rps).
+    """
+    spec = replica_spec(gpu, model, policy, mbp, prefix_caching=True)
+    rows = []
+    for n in replica_counts:
+        trace = multi_turn_trace(n * conversations_per_replica, n * per_replica_rps / turns, turns=turns,
+                                 think_s=think_s, seed=seed)
+        for router in routers:
+            sim = Simulator(SimConfig(spec, n, router=router, tbt_slo_s=tbt_slo_s, seed=seed), trace)
+            res = sim.run(progress=progress, desc=f"{router}@{n}")
+            s = res.summary
+            everyone = sim.retired + sim.replicas
+            queried = sum(r.blocks.query_tokens for r in everyone)
+            hit_rate = sum(r.blocks.hit_tokens for r in everyone) / queried if queried else 0.0
+            rows.append({"replicas": n, "router": router, "offered_rps": len(trace) / trace.duration_s,
+                         "hit_rate": hit_rate,
+                         **{k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_bucket_p99_s",
+                                              "sched_delay_p99_s", "e2e_p99_s", "goodput_rps", "completed")},
+                         "wall_s": res.wall_s})
+            log(f"  {n:3d} replicas {router:13s} TTFT p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f}s "
+                f"hit rate {hit_rate:.1%} TBT bucket p99 {s['tbt_bucket_p99_s'] * 1e3:.0f}ms ({res.wall_s:.1f}s)")
+    by = {(r["replicas"], r["router"]): r for r in rows}
+    ratios = {n: 1 - by[n, "prefix"]["ttft_p99_s"] / by[n, "token_load"]["ttft_p99_s"]
+              for n in replica_counts if (n, "prefix") in by and (n, "token_load") in by}
+    return {"gpu": gpu, "model": model, "policy": policy, "mbp": mbp, "per_replica_rps": per_replica_rps,
+            "trace": trace.summary(), "rows": rows, "prefix_p99_ttft_reduction_vs_token_load": ratios}
 
 
 # ---- autoscaling ---------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ classes only hold what the Serve router holds between requests:
   removes such entries at report time so the book stays small at cluster scale.
 - ttft: the same reports and book, ranked by predicted time to first token (prompt backlog over
   the replica's prefill rate; the simulated replicas report their cost model's rate).
+- prefix: production's `choose_by_prefix` on the same reports and book: the replica holding the
+  longest cached prefix of the prompt within a bounded token-load imbalance. The replicas'
+  caches are read exactly (`BlockManager.num_cached_leading`) where production reads a Bloom
+  sketch refreshed every ~0.1 s: the simulated view is a little fresher and never false-positive.
 - power_of_two: two random replicas, fewer ongoing requests first (Serve's default probes the
   replicas' live queue lengths, so counts here are exact, not reported).
 - round_robin: rotate.
@@ -25,10 +29,13 @@ from collections.abc import Sequence
 
 from autoscale.inflight import InFlightBook
 from autoscale.load import ReplicaLoad
-from autoscale.routing import RequestCost, choose_by_ttft, choose_replica, power_of_two, round_robin
+from autoscale.routing import (DEFAULT_PREFIX_IMBALANCE_TOKENS, RequestCost, choose_by_prefix, choose_by_ttft,
+                               choose_replica, power_of_two, round_robin)
 from loadtests.sim.replica import SimReplica
+from replicas.kv_cache import BlockManager
+from replicas.prefix_hash import block_hashes
 
-ROUTERS = ("token_load", "ttft", "power_of_two", "round_robin")
+ROUTERS = ("token_load", "ttft", "prefix", "power_of_two", "round_robin")
 WHAT_IF_ROUTERS = ("prefill_backlog",)
 
 
@@ -37,7 +44,8 @@ class Router:
 
     needs_reports = False
 
-    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
+               prompt: Sequence[int] | None = None) -> SimReplica:
         raise NotImplementedError
 
     def routed(self, request_id: str, replica: SimReplica, cost: RequestCost, now: float) -> None:
@@ -64,7 +72,8 @@ class TokenLoadRouter(Router):
         self.loads: dict[str, ReplicaLoad] = {}
         self._sent: dict[str, deque[tuple[float, str]]] = {}
 
-    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
+               prompt: Sequence[int] | None = None) -> SimReplica:
         in_flight, in_flight_kv = self.book.unreflected(self.loads)
         by_id = {r.replica_id: r for r in replicas}
         ranked = self.rank(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=list(by_id),
@@ -97,6 +106,37 @@ class TtftRouter(TokenLoadRouter):
     rank = staticmethod(choose_by_ttft)
 
 
+class _LiveCache:
+    """A replica's prefix cache as `choose_by_prefix` asks a sketch: leading blocks held."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+
+    def matched_blocks(self, hashes: Sequence[int]) -> int:
+        return self.blocks.num_cached_leading(hashes)
+
+
+class PrefixRouter(TokenLoadRouter):
+    """Production's `prefix` ranking (`routing.choose_by_prefix`) on the same reports and book."""
+
+    def __init__(self, seed: int = 0, max_imbalance_tokens: int = DEFAULT_PREFIX_IMBALANCE_TOKENS) -> None:
+        super().__init__(seed)
+        self.max_imbalance_tokens = max_imbalance_tokens
+
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
+               prompt: Sequence[int] | None = None) -> SimReplica:
+        in_flight, in_flight_kv = self.book.unreflected(self.loads)
+        by_id = {r.replica_id: r for r in replicas}
+        hashes = block_hashes(prompt, replicas[0].blocks.block_size) if prompt is not None and replicas else []
+        ranked = choose_by_prefix(cost.tokens, cost.kv_tokens, self.loads, in_flight, prompt_hashes=hashes,
+                                  max_imbalance_tokens=self.max_imbalance_tokens, candidates=list(by_id),
+                                  in_flight_kv=in_flight_kv, rng=self.rng)
+        return by_id[ranked[0]]
+
+    def reported(self, replica: SimReplica, load: ReplicaLoad, now: float) -> None:
+        super().reported(replica, replace(load, prefix_sketch=_LiveCache(replica.blocks)), now)
+
+
 class PrefillBacklogRouter(TokenLoadRouter):
     """What-if, not production: the same `choose_replica` fed the same reports, minus running KV.
 
@@ -106,7 +146,8 @@ class PrefillBacklogRouter(TokenLoadRouter):
     filters). Kept to measure that alternative side by side, with identical staleness.
     """
 
-    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
+               prompt: Sequence[int] | None = None) -> SimReplica:
         in_flight, in_flight_kv = self.book.unreflected(self.loads)
         backlog = {k: replace(v, running_tokens=0) for k, v in self.loads.items()}
         by_id = {r.replica_id: r for r in replicas}
@@ -119,7 +160,8 @@ class PowerOfTwoRouter(Router):
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
 
-    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
+               prompt: Sequence[int] | None = None) -> SimReplica:
         by_id = {r.replica_id: r for r in replicas}
         queues = {r.replica_id: r.num_requests for r in replicas}
         return by_id[power_of_two(list(by_id), queues, self.rng)[0]]
@@ -129,7 +171,8 @@ class RoundRobinRouter(Router):
     def __init__(self) -> None:
         self.turn = 0
 
-    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float) -> SimReplica:
+    def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
+               prompt: Sequence[int] | None = None) -> SimReplica:
         ids = [r.replica_id for r in replicas]
         first = round_robin(ids, self.turn)[0]
         self.turn += 1
@@ -141,6 +184,8 @@ def make_router(name: str, seed: int = 0) -> Router:
         return TokenLoadRouter(seed)
     if name == "ttft":
         return TtftRouter(seed)
+    if name == "prefix":
+        return PrefixRouter(seed)
     if name == "power_of_two":
         return PowerOfTwoRouter(seed)
     if name == "round_robin":

@@ -256,9 +256,10 @@ class Simulator:
         # The scheduler reads only the prompt's length (tests/loadtests/test_sim.py checks it),
         # so a range stands in for token ids at no memory cost; its own range per request, so the
         # prefix cache (when a spec turns it on) finds no prefix shared by chance.
-        req = Request(str(i), range(i << 32, (i << 32) + plen), sp, 0, ta)
+        ids = self.trace.token_ids[i] if self.trace.token_ids is not None else range(i << 32, (i << 32) + plen)
+        req = Request(str(i), ids, sp, 0, ta)
         cost = RequestCost(plen, plen + olen)
-        r = self.router.choose(cost, self.routable, ta)
+        r = self.router.choose(cost, self.routable, ta, ids)
         r.add(req)
         self.router.routed(req.request_id, r, cost, ta)
         if r.batch is None:

@@ -2,7 +2,9 @@
 
 Lengths are lognormal (`loadtests.workloads.LengthDist`, fitted to a published median and P90,
 see profiles.json) with prompt + output capped at the workload's `max_total`. The simulator only
-needs lengths, so no token ids are drawn. Arrival processes:
+needs lengths, so no token ids are drawn, except for `multi_turn_trace`, whose prompts repeat
+each conversation's history (the prefix cache and prefix-aware routing need the ids). Arrival
+processes:
 
 - `poisson`: exponential gaps at `rate` req/s.
 - `bursty`: gamma-distributed gaps with coefficient of variation `cv` (> 1 is burstier than Poisson).
@@ -24,7 +26,7 @@ import numpy as np
 
 from autoscale.load import percentile
 from loadtests.sim.costmodel import load_profiles
-from loadtests.workloads import LengthDist
+from loadtests.workloads import LengthDist, multi_turn_conversations
 
 Z90 = 1.2815515655446004  # standard normal quantile at 0.9
 
@@ -38,6 +40,7 @@ class Trace:
     prompt_len: np.ndarray
     output_len: np.ndarray
     settings: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[list[int]] | None = None  # each request's prompt ids, when they matter
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -136,3 +139,31 @@ def _need(value: Any, name: str) -> Any:
     if value is None:
         raise ValueError(f"{name} is required for this arrival process")
     return value
+
+
+SIM_TOKEN = 0  # every token a simulated replica "generates" (Scheduler.advance gets zeros)
+
+
+def multi_turn_trace(num_conversations: int, rate: float, *, turns: int = 6, think_s: float = 20.0,
+                     system_tokens: int = 512, user: LengthDist = LengthDist("uniform", 100, 50, 150),
+                     output: int = 200, vocab_size: int = 32_000, seed: int = 0) -> Trace:
+    """Conversations starting as a Poisson process at `rate` per second, each sending `turns`
+    turns; turn k+1 comes `think_s` plus an exponential (mean think_s / 2) after turn k, its
+    prompt the whole history: system prompt, earlier messages and the answers (the simulator's
+    tokens, `SIM_TOKEN`), and a new message. The request rate is about `rate * turns`."""
+    rng = np.random.default_rng(seed)
+    convs = multi_turn_conversations(vocab_size, seed, num_conversations=num_conversations, num_turns=turns,
+                                     system_tokens=system_tokens, user=user, output=output)
+    items: list[tuple[float, list[int], int]] = []
+    for conv, start in zip(convs, poisson(rng, num_conversations, rate)):
+        answers: list[list[int]] = []
+        t = float(start)
+        for k, (_, max_tokens) in enumerate(conv.turns):
+            items.append((t, conv.prompt(k, answers), max_tokens))
+            answers.append([SIM_TOKEN] * max_tokens)
+            t += think_s + rng.exponential(think_s / 2)
+    items.sort(key=lambda item: item[0])
+    settings = {"rate": rate, "conversations": num_conversations, "turns": turns, "think_s": think_s,
+                "system_tokens": system_tokens, "user": dataclasses.asdict(user), "output": output}
+    return Trace("multi_turn", np.array([t for t, _, _ in items]), np.array([len(p) for _, p, _ in items]),
+                 np.array([o for _, _, o in items]), settings, [p for _, p, _ in items])

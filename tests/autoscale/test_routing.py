@@ -86,6 +86,8 @@ def test_request_cost_from_call_shapes():
     assert request_cost(["x" * 40], {}, default_max_tokens=16) == RequestCost(10, 26)
     assert request_cost([], {}) == RequestCost(0, 0)  # model_info(), check_health()
     assert request_cost([ids, {"max_tokens": "many"}], {}) == RequestCost(40, 40)
+    # n samples: one prompt's blocks, n answers of KV.
+    assert request_cost([ids, {"max_tokens": 20, "n": 3}], {}) == RequestCost(40, 100)
 
 
 def test_power_of_two_and_round_robin():

@@ -180,3 +180,40 @@ def test_a_simulated_replica_with_a_tbt_slo_runs_the_engines_slo_budget():
     assert max(hybrid_times[None]) > 0.06  # the fixed budget's hybrid passes break the SLO
     within = [t <= 0.06 for t in hybrid_times[60.0]]
     assert hybrid_times[60.0] and sum(within) >= 0.95 * len(within)
+
+
+def test_prefix_router_keeps_each_conversation_where_its_history_is_cached():
+    """Multi-turn chat with the prefix cache on: under `prefix` every later turn of a
+    conversation goes to the replica that served its first turn (loads stay within the bound)
+    and finds its history cached; round robin scatters them and recomputes."""
+    from loadtests.sim.traffic import SIM_TOKEN, multi_turn_trace
+    from loadtests.workloads import LengthDist
+
+    trace = multi_turn_trace(8, 0.5, turns=3, think_s=5.0, system_tokens=64,
+                             user=LengthDist("uniform", 20, 10, 30), output=16, seed=1)
+    assert len(trace) == 24 and trace.token_ids is not None
+    first = trace.token_ids[0]
+    later = next(p for p in trace.token_ids[1:] if p[:64] == first[:64])  # a later turn: history + answer
+    assert later[:len(first)] == first and later[len(first):len(first) + 16] == [SIM_TOKEN] * 16
+    spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 512, prefix_caching=True)
+    results = {}
+    for router in ("prefix", "round_robin"):
+        sim = Simulator(SimConfig(spec, 4, router=router, tbt_slo_s=0.1), trace)
+        placed: dict[str, str] = {}
+        routed = sim.router.routed
+
+        def spy(rid, replica, cost, now, routed=routed, placed=placed):  # noqa: ANN001
+            placed[rid] = replica.replica_id
+            routed(rid, replica, cost, now)
+
+        sim.router.routed = spy
+        assert sim.run().summary["completed"] == 24
+        homes: dict[tuple[int, ...], set[str]] = {}
+        for i, ids in enumerate(trace.token_ids):
+            homes.setdefault(tuple(ids[:64]), set()).add(placed[str(i)])
+        queried = sum(r.blocks.query_tokens for r in sim.replicas)
+        results[router] = (homes, sum(r.blocks.hit_tokens for r in sim.replicas) / queried)
+    homes, hit_rate = results["prefix"]
+    assert len(homes) == 8 and all(len(h) == 1 for h in homes.values())
+    assert hit_rate > results["round_robin"][1] + 0.2
+    assert any(len(h) > 1 for h in results["round_robin"][0].values())

@@ -4,6 +4,7 @@ with budgets small enough that prompts are split across iterations and KV runs o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -225,6 +226,33 @@ async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
             await asyncio.sleep(0.02)
         assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests
         assert ae.is_healthy()
+    finally:
+        ae.shutdown()
+
+
+async def test_async_stream_of_n_samples_carries_each_and_aborts_all(llama):
+    """One stream for the n samples of a prompt: every delta names its sample (index), deltas of
+    different samples are never merged, and a caller that leaves aborts every sample."""
+    eng = engine_for(llama, "stall_free", max_batch_total_tokens=512)
+    ae = AsyncEngine(eng)
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, n=3)
+        outs = [o async for o in await ae.add_request([5, 6, 7, 8, 9], params, "n3")]
+        by = {j: [o for o in outs if o.index == j] for j in range(3)}
+        assert {o.request_id for o in by[1]} == {"n3#1"} and {o.request_id for o in by[0]} == {"n3"}
+        tokens = [[t for o in by[j] for t in o.delta_token_ids] for j in range(3)]
+        assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 5  # greedy: equal samples
+        assert [sum(o.finished for o in by[j]) for j in range(3)] == [1, 1, 1]
+        stream = await ae.add_request([5, 6, 7, 8], dataclasses.replace(params, max_tokens=200), "gone")
+        async for out in stream:
+            if out.num_output_tokens >= 2:
+                break
+        await stream.aclose()  # the client went away: all three samples are aborted
+        for _ in range(200):
+            if not eng.requests:
+                break
+            await asyncio.sleep(0.02)
+        assert not eng.requests and eng.blocks.num_used == 0
     finally:
         ae.shutdown()
 

@@ -3,6 +3,8 @@ is computed once: the prompt tokens run through the model are exactly the uncach
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,3 +113,31 @@ def test_admission_charges_only_uncached_tokens_against_both_budgets():
     assert s.blocks.num_free == free - 10 and len(s.blocks.block_table("b")) == 10
     assert s.blocks.hit_tokens == 36 and s.blocks.query_tokens == 36 + 40
     s.blocks.check()
+
+
+@pytest.mark.parametrize("policy", ["stall_free", "dynamic"])
+def test_n_samples_share_one_prefill(llama, policy):
+    """n=4: the first sample prefills the prompt; the others wait for it, then fork from its
+    cached blocks, running only the last (partial) block again."""
+    prompt = rand(40, 11)
+    eng = engine(llama, policy)
+    outs = eng.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=4))
+    ref = hf_greedy(llama[0], prompt, 6)
+    assert [o.token_ids for o in outs] == [ref] * 4
+    assert [o.num_cached_tokens for o in outs] == [0, 36, 36, 36]
+    assert prompt_tokens_run(eng) == 40 + 3 * 4
+    assert eng.blocks.num_used == 0
+    off = engine(llama, policy, enable_prefix_caching=False)
+    assert [o.token_ids for o in off.generate([prompt], SamplingParams(max_tokens=6, temperature=0,
+                                                                       ignore_eos=True, n=4))] == [ref] * 4
+    assert prompt_tokens_run(off) == 4 * 40
+
+
+def test_seeded_samples_are_the_single_requests_with_seed_plus_index(llama):
+    prompt = rand(30, 12)
+    eng = engine(llama, "stall_free")
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    many = eng.generate([prompt], dataclasses.replace(params, n=3))
+    singles = [eng.generate([prompt], dataclasses.replace(params, seed=7 + j))[0] for j in range(3)]
+    assert [o.token_ids for o in many] == [o.token_ids for o in singles]
+    assert len({tuple(o.token_ids) for o in many}) > 1  # different seeds, different samples
