@@ -330,6 +330,7 @@ class Engine:
             prompts = [torch.randint(10, self.vocab_size, (n,), generator=g).tolist() for _ in range(k)]
             self.generate(prompts, greedy)
         self.pass_time.freeze_seed()
+        self.blocks.query_tokens = self.blocks.hit_tokens = 0  # the profile's lookups are not traffic
         self.iterations.clear()
         self.recent_tbt.clear()
         self.num_tbt_samples = 0

@@ -24,9 +24,10 @@ def metrics_url(extra_app) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py
 def test_metrics_are_exported_with_names_labels_and_counts(metrics_url, ray_serve, wait_until):
     model = METRICS_APP_ARGS["served_model_name"]
     n, max_tokens = 3, 5
+    shared = list(range(300, 332))  # two full KV blocks: the 2nd and 3rd prompts find them cached
     for i in range(n):
         r = httpx.post(f"{metrics_url}/v1/completions", timeout=60, json={
-            "model": model, "prompt": f"metrics test {i}", "max_tokens": max_tokens,
+            "model": model, "prompt": shared + [400 + i], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
     bad = httpx.post(f"{metrics_url}/v1/completions", timeout=60,
@@ -57,6 +58,9 @@ def test_metrics_are_exported_with_names_labels_and_counts(metrics_url, ray_serv
     assert count(PREFIX + "request_queue_time_seconds_count") == n
     assert count(PREFIX + "inter_token_latency_seconds_count") == n * (max_tokens - 1)
     assert count(PREFIX + "generation_tokens_total") == n * max_tokens
+    assert count(PREFIX + "prefix_cache_queries_total") == n * 33
+    assert count(PREFIX + "prefix_cache_hits_total") == (n - 1) * 32
+    assert count(PREFIX + "prompt_tokens_total") == 33 + (n - 1) * 1  # only the uncached tokens ran
     assert count(PREFIX + "tbt_slo_tokens_total", within_slo="true") == n * (max_tokens - 1)
     # Serve's own tags ride along with ours.
     [labels] = {ls for (name, ls) in after.samples if name == PREFIX + "request_success_total"
@@ -64,7 +68,8 @@ def test_metrics_are_exported_with_names_labels_and_counts(metrics_url, ray_serv
     keys = dict(labels)
     assert keys["model_name"] == METRICS_APP_ARGS["model"] and keys["deployment"] == "LLMServer"
     assert "replica" in keys and keys["application"] == APP
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "token_load"):
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "token_load",
+                  "prefix_cache_blocks"):
         assert any(name == PREFIX + gauge for name, _ in after.samples), gauge
     assert any(name == PREFIX + "iteration_duration_seconds_bucket" for name, _ in after.samples)
 
