@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.kv_cache import BlockManager
+from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
 from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
@@ -90,6 +91,7 @@ class Engine:
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.logits_processors = LogitsProcessors(self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -152,6 +154,7 @@ class Engine:
         else:
             ids = list(prompt)
             self.limits.check_prompt_ids(ids)
+        self.limits.check_token_ids(params)
         check_priority(priority)
         max_tokens = self.limits.max_tokens(len(ids), params.max_tokens)
         if max_tokens != params.max_tokens:
@@ -207,8 +210,8 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.execute(batch)
         sampling = [s.request for s in batch.seqs if s.samples]
-        token_ids = sample(logits, sampling)
-        token_logprobs(logits, sampling, token_ids)
+        token_ids = sample(self.logits_processors(logits, sampling), sampling)
+        token_logprobs(logits, sampling, token_ids)  # raw: before the processors
         now = time.perf_counter()
         stats = self._record(batch, start, now, shape, predicted)
         outputs = self._postprocess(batch, token_ids, now)
@@ -238,23 +241,26 @@ class Engine:
             if len(times) > 1:
                 tbt.append(now - times[-2])
                 n_tbt += 1
-            status = self._check_stop(req, req.output_token_ids[-1])
+            status = self._check_stop(req)
             if status is not None:
                 self.scheduler.finish(req, status)
             outputs.append(self._emit(req))
         self.num_tbt_samples += n_tbt
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        stop = self._detok[req.request_id].add_token(token)
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        params, out = req.params, req.output_token_ids
+        token = out[-1]
+        # As vLLM: nothing stops the first min_tokens tokens (EOS and stop ids are masked too).
+        may_stop = len(out) > params.min_tokens
+        stop = self._detok[req.request_id].add_token(token, find_stop=may_stop)
         if stop is not None:
             req.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
-        params = req.params
-        if stop_token_hit(token, params, self.eos_token_ids):
+        if may_stop and stop_token_hit(token, params, self.eos_token_ids):
             req.stop_reason = token if token in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(out) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
