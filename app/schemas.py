@@ -14,7 +14,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-from replicas.protocol import SamplingParams
+from replicas.protocol import InvalidRequestError, SamplingParams
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type `app.errors` maps to its field
@@ -133,9 +133,17 @@ class GenerationRequest(BaseModel):
     def num_logprobs(self) -> int | None:
         return None
 
+    @property
+    def echoes(self) -> bool:
+        """The response starts with the prompt (completions' `echo`): max_tokens may be 0."""
+        return False
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The request's `SamplingParams`, checked once, here (InvalidRequestError names the
         field). `max_tokens` None: what the serving replica's context and KV cache leave."""
+        if max_tokens == 0 and not self.echoes:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo, which "
+                                      "returns the scored prompt)", "max_tokens")
         params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
                                   "logprobs": self.num_logprobs}
         for name in ("temperature", "top_p", "seed"):

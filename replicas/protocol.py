@@ -83,7 +83,9 @@ class SamplingParams:
     """How to pick tokens and when to stop (OpenAI / vLLM semantics), checked when built.
 
     temperature 0 means greedy; top_k 0 means off; top_p 1.0 means off. max_tokens None means
-    as many as the context and the KV cache leave (resolved by the replica that serves it).
+    as many as the context and the KV cache leave (resolved by the replica that serves it);
+    0 means nothing is generated: the prompt is only run through the model (to score it, with
+    `prompt_logprobs`) and the request finishes with "length".
 
     Logits processing (vLLM's semantics, applied batched before temperature/top-k/top-p and
     before greedy's argmax, in this order): `logit_bias` added to the logits; EOS and
@@ -105,6 +107,9 @@ class SamplingParams:
     # (0: the chosen token's only). None: none computed. Raw: the model's own distribution,
     # before the logits processing below and temperature, top-k and top-p (vLLM's default).
     logprobs: int | None = None
+    # The same for each prompt token after the first (its logprob given the tokens before it),
+    # computed in the prefill passes. None: none computed (and no prompt logits kept).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension; 1 is off
@@ -119,8 +124,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
         object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
         if self.max_tokens is not None and (not _is_int(self.max_tokens)
-                                            or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT):
-            raise _invalid("max_tokens", f"must be an integer in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
+                                            or not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT):
+            raise _invalid("max_tokens", f"must be an integer in [0, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
         if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 2.0:
             raise _invalid("temperature", f"must be in [0, 2], got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -136,8 +141,10 @@ class SamplingParams:
                 raise _invalid("stop", f"strings must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids", "must be non-negative token ids")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise _invalid(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         low, high = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -248,6 +255,9 @@ class RequestOutput:
     stop_reason: str | int | None = None
     # With SamplingParams.logprobs: one TokenLogprob per token of delta_token_ids.
     logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs, on the first output once the prompt is computed: one
+    # TokenLogprob per prompt token (the first one's logprob None: nothing comes before it).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One delta carrying this one and the `later` one of the same request."""
@@ -255,17 +265,17 @@ class RequestOutput:
         return RequestOutput(self.request_id, self.delta_text + later.delta_text,
                              self.delta_token_ids + later.delta_token_ids, later.finished,
                              later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                             later.stop_reason, logprobs)
+                             later.stop_reason, logprobs, self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability and the most likely alternatives', with their text
-    (each token decoded on its own) so the edge needs no tokenizer to format them."""
+    """One token's log-probability and the most likely alternatives', with their text (each
+    token decoded on its own) so the edge needs no tokenizer to format them."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which nothing scores
     top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), most likely first
 
 

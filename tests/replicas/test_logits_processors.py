@@ -219,7 +219,7 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary(llama) -> None:
     (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(logit_bias={1: 100.5}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={"1": 1.0}), "logit_bias"),
     (dict(logit_bias=[1, 2]), "logit_bias"), (dict(min_tokens=-1), "min_tokens"),
-    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(prompt_logprobs=21), "prompt_logprobs"),
 ])
 def test_out_of_range_params_name_the_field(kwargs, field) -> None:
     with pytest.raises(InvalidRequestError) as e:
