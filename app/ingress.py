@@ -135,7 +135,8 @@ class OpenAIIngress:
 
     @api.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        """Text completion of one prompt (text or token ids); SSE when `stream` is true."""
+        """Text completion of one prompt (text or token ids); SSE when `stream` is true; with
+        `echo`, the prompt's text (and, with `logprobs`, its tokens' logprobs) first."""
         arrived_at = arrival_time(request)
         self._check_model(body)
         prompt = body.prompt
@@ -145,9 +146,13 @@ class OpenAIIngress:
             ids = list(prompt)  # type: ignore[arg-type]
         meta = self._meta("cmpl", body)
         gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens, arrived_at)
+        echo = None  # the prompt's text, in front of the completion's
+        if body.echo:  # token ids are decoded once the replica has accepted them (in its vocabulary)
+            echo = prompt if isinstance(prompt, str) else await self._tokenizing(
+                self.tokenizer.decode, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if body.stream:
-            return self._sse(gen, completion_events(meta, outputs))
-        return completion_response(meta, await self._collect(gen, outputs))
+            return self._sse(gen, completion_events(meta, outputs, echo))
+        return completion_response(meta, await self._collect(gen, outputs), echo)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -171,8 +176,8 @@ class OpenAIIngress:
             self._info = await self.llm.model_info.remote()
         return self._info
 
-    async def _tokenizing(self, fn: Callable[..., list[int]], *args: Any, **kwargs: Any) -> list[int]:
-        """Run a tokenizer call on the tokenizer thread."""
+    async def _tokenizing(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a tokenizer call (encode, decode, the chat template) on the tokenizer thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 

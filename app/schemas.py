@@ -14,7 +14,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-from replicas.protocol import SamplingParams
+from replicas.protocol import InvalidRequestError, SamplingParams
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type `app.errors` maps to its field
@@ -72,7 +72,9 @@ class GenerationRequest(BaseModel):
     priority: int = Field(0, description="scheduling class; lower is more urgent")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="vLLM extension; 1 disables it")
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, description="vLLM extension: no EOS or stop before this many tokens")
     user: str | None = None
 
     @model_validator(mode="before")
@@ -89,20 +91,6 @@ class GenerationRequest(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("penalties are not supported; use 0 or omit the field")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
 
     @field_validator("response_format")
     @classmethod
@@ -133,14 +121,31 @@ class GenerationRequest(BaseModel):
     def num_logprobs(self) -> int | None:
         return None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes (None: the prompt is not scored)."""
+        return None
+
+    @property
+    def echoes(self) -> bool:
+        """The response starts with the prompt (completions' `echo`): max_tokens may be 0."""
+        return False
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The request's `SamplingParams`, checked once, here (InvalidRequestError names the
         field). `max_tokens` None: what the serving replica's context and KV cache leave."""
+        if max_tokens == 0 and not self.echoes:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo, which "
+                                      "returns the scored prompt)", "max_tokens")
         params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
-                                  "logprobs": self.num_logprobs}
-        for name in ("temperature", "top_p", "seed"):
+                                  "logprobs": self.num_logprobs,
+                                  "prompt_logprobs": self.num_prompt_logprobs}
+        for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens"):
             if (value := getattr(self, name)) is not None:
                 params[name] = value
+        if self.logit_bias:
+            params["logit_bias"] = _token_bias(self.logit_bias)
         if self.top_k is not None:
             params["top_k"] = 0 if self.top_k == -1 else self.top_k
         if self.stop is not None:
@@ -148,6 +153,17 @@ class GenerationRequest(BaseModel):
         if self.stop_token_ids:
             params["stop_token_ids"] = tuple(self.stop_token_ids)
         return SamplingParams(**params)
+
+
+def _token_bias(bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias's JSON keys (strings) as token ids; the ranges are SamplingParams' to check."""
+    ids: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):  # digits only: no sign, space or underscore
+            raise InvalidRequestError(f"logit_bias keys must be token ids (decimal integers), "
+                                      f"got {key!r}", "logit_bias")
+        ids[int(key)] = value
+    return ids
 
 
 class CompletionRequest(GenerationRequest):
@@ -169,7 +185,7 @@ class CompletionRequest(GenerationRequest):
             return prompt[0]
         return prompt
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
@@ -179,6 +195,15 @@ class CompletionRequest(GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """With echo, logprobs cover the prompt's tokens too (lm-eval's loglikelihood)."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def echoes(self) -> bool:
+        return self.echo
 
     @field_validator("best_of")
     @classmethod
@@ -259,11 +284,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completions shape: parallel lists, one entry per token."""
+    """OpenAI's legacy completions shape: parallel lists, one entry per token (with echo, a
+    prompt's first token has null token_logprobs and top_logprobs)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -35,27 +35,31 @@ class Collected:
     stop_reason: str | int | None
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 async def collect(outputs: AsyncIterator[RequestOutput]) -> Collected:
     """Join every delta of a stream (the non-streaming answer)."""
     parts: list[str] = []
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     last: RequestOutput | None = None
     async for out in outputs:
         parts.append(out.delta_text)
         if out.logprobs is not None:
             logprobs = (logprobs or []) + out.logprobs
+        prompt_logprobs = prompt_logprobs or out.prompt_logprobs
         last = out
     if last is None or not last.finished:
         raise RuntimeError("the replica's stream ended before the request finished")
     return Collected("".join(parts), last.finish_reason, last.stop_reason,
-                     usage_of(last), logprobs)
+                     usage_of(last), logprobs, prompt_logprobs)
 
 
 def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
     """OpenAI's completions shape; `text_offset` counts characters from `offset` (the length of
-    the text the previous chunks carried)."""
+    the text the previous chunks carried). A token nothing scores (an echoed prompt's first)
+    has null token_logprobs and top_logprobs."""
     if items is None:
         return None
     offsets, at = [], offset
@@ -63,8 +67,19 @@ def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> Co
         offsets.append(at)
         at += len(t.token)
     return CompletionLogprobs(tokens=[t.token for t in items], token_logprobs=[t.logprob for t in items],
-                              top_logprobs=[{text: lp for _, text, lp in t.top} for t in items],
+                              top_logprobs=[None if t.logprob is None else {text: lp for _, text, lp in t.top}
+                                            for t in items],
                               text_offset=offsets)
+
+
+def _echoed(echo: str | None, text: str, out: Collected | RequestOutput) -> tuple[str, list[TokenLogprob] | None]:
+    """The text and logprobs of a completion (or of its first chunk) with the prompt in front
+    when `echo` (the prompt's text) is given: with logprobs, the prompt's tokens come first."""
+    if echo is None:
+        return text, out.logprobs
+    if out.prompt_logprobs is None:
+        return echo + text, out.logprobs
+    return echo + text, out.prompt_logprobs + (out.logprobs or [])
 
 
 def chat_logprobs(items: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -97,9 +112,11 @@ class StreamMeta:
         return None if self.include_usage else {"usage"}
 
 
-def completion_response(meta: StreamMeta, result: Collected) -> CompletionResponse:
-    choice = CompletionChoice(text=result.text, finish_reason=result.finish_reason,
-                              stop_reason=result.stop_reason, logprobs=completion_logprobs(result.logprobs))
+def completion_response(meta: StreamMeta, result: Collected, echo: str | None = None) -> CompletionResponse:
+    """The whole completion; `echo`: the prompt's text, put in front (with its logprobs)."""
+    text, items = _echoed(echo, result.text, result)
+    choice = CompletionChoice(text=text, finish_reason=result.finish_reason,
+                              stop_reason=result.stop_reason, logprobs=completion_logprobs(items))
     return CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
                               choices=[choice], usage=result.usage)
 
@@ -111,18 +128,22 @@ def chat_response(meta: StreamMeta, result: Collected) -> ChatCompletionResponse
                                   choices=[choice], usage=result.usage)
 
 
-async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-    """SSE chunks of a text completion; empty deltas are skipped unless they finish it."""
+async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
+                            echo: str | None = None) -> AsyncIterator[str]:
+    """SSE chunks of a text completion; empty deltas are skipped unless they finish it. `echo`
+    (the prompt's text) goes with the first chunk, with the prompt's logprobs (as vLLM does)."""
     last: RequestOutput | None = None
     offset = 0  # characters of token text sent so far (text_offset of the next token)
     async for out in outputs:
         last = out
-        if not out.delta_text and not out.finished and not out.logprobs:
+        if echo is None and not out.delta_text and not out.finished and not out.logprobs:
             continue
-        logprobs = completion_logprobs(out.logprobs, offset)
+        text, items = _echoed(echo, out.delta_text, out)
+        echo = None
+        logprobs = completion_logprobs(items, offset)
         if logprobs is not None and logprobs.tokens:
             offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        choice = CompletionChoice(text=out.delta_text, finish_reason=out.finish_reason,
+        choice = CompletionChoice(text=text, finish_reason=out.finish_reason,
                                   stop_reason=out.stop_reason, logprobs=logprobs)
         chunk = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
                                    choices=[choice],

@@ -41,8 +41,9 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if the text now contains one."""
+    def add_token(self, token_id: int, find_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if the text now contains one (looked for
+        in the text this token completes, and only when `find_stop`: not before min_tokens)."""
         self.ids.append(token_id)
         if self._stream is not None:
             chunk = self._stream.step(self._backend, token_id)
@@ -60,7 +61,7 @@ class IncrementalDetokenizer:
         if chunk:
             before = len(self.text)
             self.text += chunk
-            if self.stop:
+            if self.stop and find_stop:
                 hit = find_stop_string(self.text, self.stop, before)
                 if hit is not None:
                     self.text = self.text[:hit[0]]

@@ -17,13 +17,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.kv_cache import BlockManager
+from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
 from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)
 from replicas.request import Request, RequestStatus
-from replicas.sampler import sample, stop_token_hit, token_logprobs
+from replicas.sampler import prompt_logprobs, sample, stop_token_hit, token_logprobs
 from replicas.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class CompletionOutput:
     num_preemptions: int = 0
     # With params.logprobs: per output token, (logprob, ((id, logprob) of the top alternatives)).
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
+    # With params.prompt_logprobs: the same for prompt tokens 1, 2, ... (token 0 has none).
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
 
 
@@ -91,6 +94,8 @@ class Engine:
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.logits_processors = LogitsProcessors(self.vocab_size, self.eos_token_ids)
+        self._token_texts: dict[int, str] = {}  # each token decoded on its own (logprobs)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -153,6 +158,7 @@ class Engine:
         else:
             ids = list(prompt)
             self.limits.check_prompt_ids(ids)
+        self.limits.check_token_ids(params)
         check_priority(priority)
         max_tokens = self.limits.max_tokens(len(ids), params.max_tokens)
         if max_tokens != params.max_tokens:
@@ -223,8 +229,9 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.execute(batch)
         sampling = [s.request for s in batch.seqs if s.samples]
-        token_ids = sample(logits, sampling)
-        token_logprobs(logits, sampling, token_ids)
+        token_ids = sample(self.logits_processors(logits.sampled, sampling), sampling)
+        token_logprobs(logits.sampled, sampling, token_ids)  # raw: before the processors
+        prompt_logprobs(logits.prompt, logits.prompt_spans)
         now = time.perf_counter()
         stats = self._record(batch, start, now, shape, predicted)
         outputs = self._postprocess(batch, token_ids, now)
@@ -254,23 +261,27 @@ class Engine:
             if len(times) > 1:
                 tbt.append(now - times[-2])
                 n_tbt += 1
-            status = self._check_stop(req, req.output_token_ids[-1])
+            status = self._check_stop(req)
             if status is not None:
                 self.scheduler.finish(req, status)
             outputs.append(self._emit(req))
         self.num_tbt_samples += n_tbt
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        stop = self._detok[req.request_id].add_token(token)
-        if stop is not None:
-            req.stop_reason = stop
-            return RequestStatus.FINISHED_STOPPED
-        params = req.params
-        if stop_token_hit(token, params, self.eos_token_ids):
-            req.stop_reason = token if token in params.stop_token_ids else None
-            return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        params, out = req.params, req.output_token_ids
+        if out:  # none: a prompt only scored (max_tokens 0)
+            token = out[-1]
+            # As vLLM: nothing stops the first min_tokens tokens (EOS and stop ids are masked too).
+            may_stop = len(out) > params.min_tokens
+            stop = self._detok[req.request_id].add_token(token, find_stop=may_stop)
+            if stop is not None:
+                req.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+            if may_stop and stop_token_hit(token, params, self.eos_token_ids):
+                req.stop_reason = token if token in params.stop_token_ids else None
+                return RequestStatus.FINISHED_STOPPED
+        if len(out) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -282,11 +293,16 @@ class Engine:
         out_ids = req.output_token_ids
         n_out = len(out_ids)
         sent = req.num_sent_tokens
+        params = req.params
+        # The prompt's logprobs go with the first output after it is computed.
+        scored = (params.prompt_logprobs is not None and sent == 0
+                  and req.num_computed_tokens >= req.num_prompt_tokens)
         out = RequestOutput(req.request_id, detok.take_delta(finished), out_ids[sent:],
                             finished, req.finish_reason if finished else None,
                             len(req.prompt_token_ids), n_out, req.stop_reason,
-                            self._logprobs(req, sent) if req.params.logprobs is not None else None,
-                            req.num_cached_tokens, req.index)
+                            self._logprobs(req, sent) if params.logprobs is not None else None,
+                            self._prompt_logprobs(req) if scored else None,
+                            num_cached_tokens=req.num_cached_tokens, index=req.index)
         req.num_sent_tokens = n_out
         if finished:
             del self.requests[req.request_id]
@@ -299,9 +315,19 @@ class Engine:
         return [TokenLogprob(tok, text(tok), lp, tuple((i, text(i), v) for i, v in top))
                 for tok, (lp, top) in zip(req.output_token_ids[start:], req.output_logprobs[start:])]
 
+    def _prompt_logprobs(self, req: Request) -> list[TokenLogprob]:
+        """Every prompt token with its logprob (the first one: None) and top alternatives."""
+        text, ids = self._token_text, req.prompt_token_ids
+        first = TokenLogprob(ids[0], text(ids[0]), None)
+        return [first] + [TokenLogprob(tok, text(tok), lp, tuple((i, text(i), v) for i, v in top))
+                          for tok, (lp, top) in zip(ids[1:], req.prompt_logprobs)]
+
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        text = self._token_texts.get(token_id)
+        if text is None:  # at most one decode per vocabulary entry (a scored prompt has many)
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text
 
     def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape,
                 predicted: float | None) -> IterationStats:
@@ -358,6 +384,7 @@ class Engine:
                                  "".join(texts[r.request_id]), r.finish_reason, list(r.token_times),
                                  r.arrival_time, r.num_preemptions,
                                  list(r.output_logprobs) if r.params.logprobs is not None else None,
+                                 list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
                                  r.num_cached_tokens)
                 for r in reqs]
 

@@ -158,8 +158,9 @@ class BlockManager:
 
     def cached_prefix(self, request: Request) -> list[int]:
         """The cached blocks holding the request's leading tokens, at most all but its last
-        token (that one always runs, so the pass samples). Empty when caching is off."""
-        if not self.enable_caching:
+        token (that one always runs, so the pass samples). Empty when caching is off, and for a
+        request asking for prompt logprobs (its prompt rows must run, as vLLM does)."""
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
         usable = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

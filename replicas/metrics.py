@@ -181,18 +181,19 @@ class EngineMetrics:
         gaps: list[float] = []
         e2e: list[float] = []
         for seq in batch.seqs:  # the pass's numbers first, then one call per metric
-            if not seq.samples:
+            if not seq.completes:
                 continue
             req = seq.request
-            times = req.token_times
-            if len(times) == 1:
+            times = req.token_times  # none for a prompt only scored (max_tokens 0)
+            if seq.samples and len(times) == 1:
                 ttft.append(times[0] - req.arrival_time)
                 if req.first_scheduled_time is not None:
                     queue.append(req.first_scheduled_time - req.arrival_time)
-            else:
+            elif seq.samples:
                 gaps.append(times[-1] - times[-2])
             if req.is_finished:
-                e2e.append(times[-1] - req.arrival_time)
+                if times:
+                    e2e.append(times[-1] - req.arrival_time)
                 self.finished.record(1, {**tags, "finished_reason": req.finish_reason or "unknown"})
         for metric, values in ((self.ttft, ttft), (self.queue, queue), (self.itl, gaps), (self.e2e, e2e)):
             if values:

@@ -54,6 +54,19 @@ class DecodeGroup:
 
 
 @dataclass
+class PassLogits:
+    """What a pass keeps of the model's logits: nothing for the positions nobody reads."""
+
+    sampled: torch.Tensor  # (N, V) the sequences that sample, in batch order
+    # (M, V) positions whose next token is a prompt token, for the requests that score their
+    # prompt (SamplingParams.prompt_logprobs): row i scores the token after its position.
+    prompt: torch.Tensor
+    # (request, rows) in the order of `prompt`: its next `rows` prompt tokens are scored, from
+    # token len(request.prompt_logprobs) + 1 on.
+    prompt_spans: list[tuple[Request, int]]
+
+
+@dataclass
 class AttnMeta:
     k_cache: torch.Tensor  # (layers, slots, Hkv, D)
     v_cache: torch.Tensor
@@ -223,8 +236,9 @@ class ModelRunner:
         return groups
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Run the pass; returns logits (N, V) for the sequences that sample, in batch order.
+    def execute(self, batch: SchedulerOutput) -> PassLogits:
+        """Run the pass; returns the logits of the sequences that sample, in batch order, and of
+        the prompt positions of requests that score their prompt (only those rows are computed).
 
         Decodes are packed by context length (for the grouped attention), prefill chunks after
         them; the logits come back in the batch's own order.
@@ -245,9 +259,16 @@ class ModelRunner:
             table_rows.append(self._row(req, table))
             row_of[id(seq)] = len(ids) - 1
         prefills: list[PrefillMeta] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Request, int]] = []
         for seq in batch.prefills:
             req, start, n = seq.request, seq.start, seq.num_tokens
             row = len(ids)
+            if req.params.prompt_logprobs is not None:
+                rows = _prompt_rows(req, start, n)
+                if rows:
+                    prompt_rows.extend(range(row + rows.start - start, row + rows.stop - start))
+                    prompt_spans.append((req, len(rows)))
             ids.extend(_token_slice(req, start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(self.blocks.slots(req.request_id, start, start + n))
@@ -267,12 +288,25 @@ class ModelRunner:
                         groups, prefills, self._fused_decode)
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)
         position_ids = torch.tensor([positions], device=self.device)  # (1, T)
-        keep = torch.tensor([row_of[id(s)] for s in batch.seqs if s.samples], dtype=torch.long,
-                            device=self.device)
+        sampled = [row_of[id(s)] for s in batch.seqs if s.samples]
+        keep = torch.tensor(sampled + prompt_rows, dtype=torch.long, device=self.device)
         kwargs = {"logits_to_keep": keep} if self._keep_logits else {}
         logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             attn_meta=meta, **kwargs).logits[0]
-        return logits if self._keep_logits else logits[keep]  # (N, V)
+        logits = logits if self._keep_logits else logits[keep]  # (N + M, V)
+        return PassLogits(logits[:len(sampled)], logits[len(sampled):], prompt_spans)
+
+
+def _prompt_rows(req: Request, start: int, n: int) -> range:
+    """Positions of the chunk [start, start + n) whose logits score a prompt token not scored
+    yet: position p scores token p + 1, so the prompt's last position (it samples) never does."""
+    done, end = len(req.prompt_logprobs), req.num_prompt_tokens - 1  # [0, done): scored already
+    if done >= end:  # all scored (a recompute after preemption scores nothing again)
+        return range(0)
+    if done < start:  # a gap would misalign every score after it
+        raise RuntimeError(f"{req.request_id}: prompt position {done} was never run through the "
+                           f"model (a chunk starts at {start}); prompt logprobs need every position")
+    return range(done, max(done, min(start + n, end)))
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -8,15 +8,18 @@ transformers or Ray: the ingress process imports this module and stays light.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from replicas.prefix_hash import PrefixSketch
 
 MAX_TOKENS_LIMIT = 1_000_000
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no limit
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat top_logprobs limit; vLLM's default)
 MAX_N = 128  # samples of one prompt (OpenAI's limit for n)
 MAX_STOP_STRING_CHARS = 256
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 PRIORITY_RANGE = (-1_000, 1_000)
 
 
@@ -88,7 +91,16 @@ class SamplingParams:
     """How to pick tokens and when to stop (OpenAI / vLLM semantics), checked when built.
 
     temperature 0 means greedy; top_k 0 means off; top_p 1.0 means off. max_tokens None means
-    as many as the context and the KV cache leave (resolved by the replica that serves it).
+    as many as the context and the KV cache leave (resolved by the replica that serves it);
+    0 means nothing is generated: the prompt is only run through the model (to score it, with
+    `prompt_logprobs`) and the request finishes with "length".
+
+    Logits processing (vLLM's semantics, applied batched before temperature/top-k/top-p and
+    before greedy's argmax, in this order): `logit_bias` added to the logits; EOS and
+    `stop_token_ids` masked while fewer than `min_tokens` tokens are generated (stop strings are
+    not looked for before then either); `repetition_penalty` over the prompt's and the output's
+    tokens (a positive logit divided by it, a negative one multiplied); then
+    logit -= frequency_penalty x count + presence_penalty x (count > 0) over the output's tokens.
     """
 
     max_tokens: int | None = 16
@@ -101,8 +113,18 @@ class SamplingParams:
     ignore_eos: bool = False
     # Log-probabilities of each generated token and of the `logprobs` most likely alternatives
     # (0: the chosen token's only). None: none computed. Raw: the model's own distribution,
-    # before temperature, top-k and top-p (vLLM's default).
+    # before the logits processing below and temperature, top-k and top-p (vLLM's default).
     logprobs: int | None = None
+    # The same for each prompt token after the first (its logprob given the tokens before it),
+    # computed in the prefill passes. None: none computed (and no prompt logits kept).
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension; 1 is off
+    # Token id -> bias added to its logit (a mapping is accepted and frozen into sorted pairs;
+    # ids are checked against the vocabulary by the replica, `Limits.check_token_ids`).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # vLLM's extension
     # Samples of the prompt: its prefill runs once, the others fork from its cached blocks; with a
     # seed, sample j draws from seed + j.
     n: int = 1
@@ -111,9 +133,10 @@ class SamplingParams:
         # Lists are accepted for convenience and frozen into tuples.
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
+        object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
         if self.max_tokens is not None and (not _is_int(self.max_tokens)
-                                            or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT):
-            raise _invalid("max_tokens", f"must be an integer in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
+                                            or not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT):
+            raise _invalid("max_tokens", f"must be an integer in [0, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
         if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 2.0:
             raise _invalid("temperature", f"must be in [0, 2], got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -129,14 +152,40 @@ class SamplingParams:
                 raise _invalid("stop", f"strings must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids", "must be non-negative token ids")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise _invalid(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_num(value) or not low <= value <= high:
+                raise _invalid(name, f"must be in [{low:g}, {high:g}], got {value!r}")
+        rep = self.repetition_penalty
+        if not _is_num(rep) or not 0.0 < rep < float("inf"):
+            raise _invalid("repetition_penalty", f"must be > 0 (1 disables it), got {rep!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _invalid("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _invalid("min_tokens", f"must not exceed max_tokens ({self.max_tokens}), "
+                           f"got {self.min_tokens}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise _invalid("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty over the tokens seen so far applies (they are counted for this request)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything changes this request's logits before sampling (`replicas.logits_processors`)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -186,6 +235,14 @@ class Limits:
         if vocab is not None and not all(_is_int(t) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """The token ids a request's parameters name exist in this model's vocabulary."""
+        vocab = self.vocab_size
+        bad = [t for t, _ in params.logit_bias if vocab is not None and t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}",
+                                      "logit_bias")
+
 
 def check_priority(priority: object) -> int:
     if not _is_int(priority) or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
@@ -211,6 +268,9 @@ class RequestOutput:
     stop_reason: str | int | None = None
     # With SamplingParams.logprobs: one TokenLogprob per token of delta_token_ids.
     logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs, on the first output once the prompt is computed: one
+    # TokenLogprob per prompt token (the first one's logprob None: nothing comes before it).
+    prompt_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     index: int = 0  # which of the prompt's n samples (SamplingParams.n) this is
 
@@ -220,17 +280,18 @@ class RequestOutput:
         return RequestOutput(self.request_id, self.delta_text + later.delta_text,
                              self.delta_token_ids + later.delta_token_ids, later.finished,
                              later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                             later.stop_reason, logprobs, later.num_cached_tokens, later.index)
+                             later.stop_reason, logprobs, self.prompt_logprobs or later.prompt_logprobs,
+                             later.num_cached_tokens, later.index)
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability and the most likely alternatives', with their text
-    (each token decoded on its own) so the edge needs no tokenizer to format them."""
+    """One token's log-probability and the most likely alternatives', with their text (each
+    token decoded on its own) so the edge needs no tokenizer to format them."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which nothing scores
     top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), most likely first
 
 
@@ -305,6 +366,25 @@ def _is_int(x: object) -> bool:
 
 def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def _as_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A {token id: bias} mapping (or pairs) as sorted (id, bias) pairs, each checked."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = dict(items)  # type: ignore[arg-type]  # a repeated id: the last one counts
+    except (TypeError, ValueError):
+        raise _invalid("logit_bias", "must map token ids to biases") from None
+    low, high = LOGIT_BIAS_RANGE
+    for token, bias in pairs.items():
+        if not _is_int(token) or token < 0:
+            raise _invalid("logit_bias", f"keys must be token ids (integers >= 0), got {token!r}")
+        if not _is_num(bias) or not low <= bias <= high:
+            raise _invalid("logit_bias", f"values must be in [{low:g}, {high:g}], got {bias!r} "
+                           f"for token {token}")
+    return tuple(sorted((t, float(b)) for t, b in pairs.items()))
 
 
 def _as_tuple(value: object, name: str, kind: type) -> tuple:

@@ -64,6 +64,9 @@ class Request:
     generator: torch.Generator | None = None
     # With params.logprobs: (logprob of each output token, ((id, logprob) of the top alternatives)).
     output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    # With params.prompt_logprobs: the same for prompt tokens 1, 2, ... (token 0 has none), appended
+    # as prefill chunks run; its length is the next prompt position whose logits are kept.
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     # Hashes of the request's full KV blocks (prefix caching), computed once as they are needed.
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted

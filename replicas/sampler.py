@@ -8,6 +8,8 @@ its tokens are reproducible whatever else is in the batch.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -31,15 +33,36 @@ def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[i
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if not rows:
         return
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # (n, V)
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
-    k = max(requests[i].params.logprobs for i in rows)
+    scored = _scored(logits[rows], [tokens[i] for i in rows], [requests[i].params.logprobs for i in rows])
+    for i, entry in zip(rows, scored):
+        requests[i].output_logprobs.append(entry)
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int]]) -> None:
+    """Score prompt tokens from the logits (M, V) of the positions before them (the model
+    runner's `PassLogits.prompt`, `spans` its (request, rows)), all rows in one call; appended to
+    each request's `prompt_logprobs` (raw, like `token_logprobs`)."""
+    if not spans:
+        return
+    chosen: list[int] = []
+    ks: list[int] = []
+    for req, n in spans:
+        done = len(req.prompt_logprobs)  # the first row scores prompt token done + 1
+        chosen += req.prompt_token_ids[done + 1:done + 1 + n]
+        ks += [req.params.prompt_logprobs] * n
+    scored = iter(_scored(logits, chosen, ks))
+    for req, n in spans:
+        req.prompt_logprobs.extend(itertools.islice(scored, n))
+
+
+def _scored(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Per row of logits (n, V): log_softmax's value at chosen[row] and its top ks[row] (id, value)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    picked = lp.gather(1, torch.tensor(chosen, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(ks)
     top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, i in enumerate(rows):
-        req = requests[i]
-        n = req.params.logprobs
-        req.output_logprobs.append((chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n]))))
+    return [(picked[j], tuple(zip(top_i[j][:n], top_v[j][:n]))) for j, n in enumerate(ks)]
 
 
 def _argmax(logits: torch.Tensor) -> np.ndarray:

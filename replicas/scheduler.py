@@ -42,12 +42,15 @@ class ScheduledSeq:
     request: Request
     start: int
     num_tokens: int
-    # The chunk reaches the end of the request's tokens, so the pass samples one. Fixed at
-    # scheduling time: it stays true after postprocess appends the sampled token.
+    # The chunk reaches the end of the request's tokens (`completes`), so the pass samples one,
+    # unless the request generates nothing (max_tokens 0: its prompt is only scored). Fixed at
+    # scheduling time: they stay true after postprocess appends the sampled token.
+    completes: bool = field(init=False)
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        self.completes = self.start + self.num_tokens == self.request.num_tokens
+        self.samples = self.completes and self.request.params.max_tokens != 0
 
 
 @dataclass
@@ -119,8 +122,9 @@ class Scheduler:
         """The pass in `batch` ran: every scheduled sequence advances by its tokens, and those
         that sample get their token (`sampled`, in batch order) stamped at `now`.
 
-        Returns the requests that got a token, in batch order; stop checks are the caller's
-        (the engine checks stop strings and EOS, the simulator only max_tokens).
+        Returns the requests that got a token, and those whose prompt is now computed and that
+        generate nothing (max_tokens 0, no token: they are done), in batch order; stop checks are
+        the caller's (the engine checks stop strings and EOS, the simulator only max_tokens).
         """
         got: list[Request] = []
         tokens = iter(sampled)
@@ -130,14 +134,17 @@ class Scheduler:
             req.output_token_ids.append(next(tokens))
             req.token_times.append(now)
             got.append(req)
+        num_sampled = len(got)
         for seq in batch.prefills:
             req = seq.request
             req.num_computed_tokens += seq.num_tokens
             if seq.samples:
                 req.output_token_ids.append(next(tokens))
                 req.token_times.append(now)
+                num_sampled += 1
+            if seq.completes:
                 got.append(req)
-        self.num_running_tokens += len(got)
+        self.num_running_tokens += num_sampled
         for seq in batch.seqs:  # full blocks now computed join the prefix cache
             self.blocks.cache_computed(seq.request)
         return got

@@ -293,3 +293,23 @@ def test_chat_logprobs_in_openais_shape(client: httpx.Client, reference, stream)
         assert len(entry["top_logprobs"]) == 2
         assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the most likely
         assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+
+
+SAMPLING_CONTROLS = {"presence_penalty": 0.5, "frequency_penalty": 1.25, "repetition_penalty": 1.3,
+                     "logit_bias": {"60": 4.0, "9": -100}, "min_tokens": 3}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_sampling_controls_equal_the_engines_offline(client: httpx.Client, reference, path) -> None:  # noqa: ANN001
+    """Penalties, logit_bias (JSON keys are strings) and min_tokens reach the engine as given:
+    the greedy text equals the offline engine's with the same parameters, not the plain one."""
+    prompt = PROMPT if path == "/v1/completions" else reference.chat_ids(MESSAGES)
+    controls = {**SAMPLING_CONTROLS, "logit_bias": {int(k): v for k, v in SAMPLING_CONTROLS["logit_bias"].items()}}
+    expected = reference.greedy(prompt, MAX_TOKENS, ignore_eos=True, **controls)
+    assert expected != reference.greedy(prompt, MAX_TOKENS, ignore_eos=True)
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **SAMPLING_CONTROLS}
+    body.update({"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES})
+    data = client.post(path, json=body).json()
+    [choice] = data["choices"]
+    text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+    assert text == expected and data["usage"]["completion_tokens"] == MAX_TOKENS

@@ -68,3 +68,23 @@ def test_errors_raise_typed_exceptions(oai: openai.OpenAI) -> None:
     assert "maximum context length is 2048" in bad.value.message
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_completion_with_echo_penalties_and_logit_bias(oai: openai.OpenAI, reference) -> None:  # noqa: ANN001
+    """The SDK's own fields (echo, logprobs, presence/frequency penalties, logit_bias) and the
+    vLLM extensions through extra_body reach the engine; the echoed prompt's first token has no
+    logprob."""
+    prompt = "Once upon a time"
+    out = oai.completions.create(model="embedded:tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                 echo=True, logprobs=2, presence_penalty=0.5, frequency_penalty=1.0,
+                                 logit_bias={"60": 3.0}, extra_body={"ignore_eos": True, "min_tokens": 2,
+                                                                     "repetition_penalty": 1.2})
+    choice = out.choices[0]
+    expected = reference.greedy(prompt, MAX_TOKENS, ignore_eos=True, presence_penalty=0.5, frequency_penalty=1.0,
+                                logit_bias={60: 3.0}, min_tokens=2, repetition_penalty=1.2)
+    assert choice.text == prompt + expected
+    n = reference.num_tokens(prompt)
+    assert choice.logprobs is not None and len(choice.logprobs.tokens) == n + MAX_TOKENS
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in choice.logprobs.token_logprobs[1:])
+    assert out.usage is not None and out.usage.prompt_tokens == n and out.usage.completion_tokens == MAX_TOKENS

@@ -182,7 +182,7 @@ def test_bad_input_is_a_value_error_and_nothing_is_admitted(llama, bad, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=10**7), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"), (dict(seed=-5), "seed"),
     (dict(stop=[""]), "stop"), (dict(stop=["x"] * 17), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),

@@ -83,3 +83,18 @@ def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles(wa
         assert value(reg, "stallfree_request_success_total", finished_reason="abort") == 1
     finally:
         loop.shutdown()
+
+
+def test_a_prompt_only_scored_request_counts_as_finished_with_no_token_latency():
+    reg = CollectorRegistry()
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_prefill_tokens=16,
+                                                                max_batch_total_tokens=512))
+    eng.observers.append(EngineMetrics(PrometheusBackend(reg), "m"))
+    eng.generate([list(range(5, 45)), [5, 6, 7]], [SamplingParams(max_tokens=0, prompt_logprobs=1),
+                                                   SamplingParams(max_tokens=2, ignore_eos=True)])
+    p = "stallfree_"
+    assert value(reg, p + "request_success_total", finished_reason="length") == 2
+    assert value(reg, p + "time_to_first_token_seconds_count") == 1
+    assert value(reg, p + "e2e_request_latency_seconds_count") == 1
+    assert value(reg, p + "generation_tokens_total") == 2
+    assert value(reg, p + "prompt_tokens_total") == 43

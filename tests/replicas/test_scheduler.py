@@ -218,3 +218,22 @@ def test_without_a_deadline_nothing_expires():
     r.arrival_time = -1e9
     s.add(r)
     assert s.expire(clock.t) == []
+
+
+@pytest.mark.parametrize("policy", ["stall_free", "dynamic", "static"])
+def test_a_prompt_only_request_samples_nothing_and_leaves_after_its_prefill(policy):
+    """max_tokens 0 (a prompt only scored): its last chunk completes it without sampling, advance
+    hands it back once with no token, and it holds no KV after; the others are unaffected."""
+    s, clock = make(policy, mbp=16 if policy != "dynamic" else 64)
+    a, b = req("a", 30, 0, clock), req("b", 5, 3, clock)
+    s.add(a)
+    s.add(b)
+    passes = []
+    while s.has_unfinished():
+        out = step(s)
+        passes.append({seq.request.request_id: (seq.num_tokens, seq.samples) for seq in out.seqs})
+    a_chunks = [p["a"] for p in passes if "a" in p]
+    assert sum(n for n, _ in a_chunks) == 30 and not any(samples for _, samples in a_chunks)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [] and a.token_times == []
+    assert len(b.output_token_ids) == 3
+    assert s.blocks.num_free == s.blocks.num_blocks
