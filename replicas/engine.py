@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
+from replicas.guided import Grammars
 from replicas.kv_cache import BlockManager
 from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
@@ -90,6 +91,7 @@ class Engine:
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -156,9 +158,10 @@ class Engine:
         max_tokens = self.limits.max_tokens(len(ids), params.max_tokens)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        guide = self.grammars.matcher(params.guided) if params.guided is not None else None
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(request_id, ids, params, priority,
-                       arrival_time if arrival_time is not None else time.perf_counter())
+                       arrival_time if arrival_time is not None else time.perf_counter(), guide=guide)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request built by `make_request` (no checks again but the id's uniqueness)."""
@@ -207,7 +210,7 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.execute(batch)
         sampling = [s.request for s in batch.seqs if s.samples]
-        token_ids = sample(logits, sampling)
+        token_ids = sample(self.grammars.mask(logits, sampling), sampling)
         token_logprobs(logits, sampling, token_ids)
         now = time.perf_counter()
         stats = self._record(batch, start, now, shape, predicted)
@@ -253,6 +256,8 @@ class Engine:
         params = req.params
         if stop_token_hit(token, params, self.eos_token_ids):
             req.stop_reason = token if token in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if req.guide is not None and self.grammars.advance(req, token):  # its grammar is complete
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -8,6 +8,7 @@ transformers or Ray: the ingress process imports this module and stays light.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 MAX_TOKENS_LIMIT = 1_000_000
@@ -15,6 +16,8 @@ MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat top_logprobs limit; vLLM's default)
 MAX_STOP_STRING_CHARS = 256
 PRIORITY_RANGE = (-1_000, 1_000)
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_GUIDED_SPEC_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused
 
 
 # ---- refusals ----------------------------------------------------------------------------
@@ -76,6 +79,50 @@ def _invalid(param: str, message: str) -> InvalidRequestError:
 
 
 @dataclass(frozen=True)
+class GuidedDecoding:
+    """Structured output: the generated text must match this grammar. Checked for shape here;
+    compiled on the replica, where the tokenizer is (`replicas.guided`), before the request is
+    acknowledged, so a grammar that does not compile is a 400 naming `param`.
+
+    kind `json_schema`: `spec` is the schema as JSON text; `json_object`: any JSON object (no
+    spec); `regex`: the whole output matches it (Rust `regex` syntax); `choice`: exactly one of
+    the strings in `spec`; `grammar`: a Lark or GBNF grammar. `param` is the request field the
+    constraint came from (`response_format`, `guided_json`, `tools`, ...).
+    """
+
+    kind: str
+    spec: str | tuple[str, ...] = ""
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        kind, spec, param = self.kind, self.spec, self.param
+        if kind not in GUIDED_KINDS:
+            raise _invalid(param, f"kind must be one of {', '.join(GUIDED_KINDS)}, got {kind!r}")
+        if kind == "choice":
+            object.__setattr__(self, "spec", spec := _as_tuple(spec, param, str))
+            if not spec or not all(spec):
+                raise _invalid(param, "must be a non-empty list of non-empty strings")
+            size = sum(len(c) for c in spec)
+        elif kind == "json_object":
+            if spec:
+                raise _invalid(param, "json_object takes no schema")
+            size = 0
+        else:
+            if not isinstance(spec, str) or not spec:
+                raise _invalid(param, f"must be a non-empty string for kind {kind}")
+            size = len(spec)
+        if size > MAX_GUIDED_SPEC_CHARS:
+            raise _invalid(param, f"is {size} characters, more than the {MAX_GUIDED_SPEC_CHARS} accepted")
+        if kind == "json_schema":
+            try:
+                schema = json.loads(spec)
+            except ValueError as exc:
+                raise _invalid(param, f"schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise _invalid(param, "schema must be a JSON object")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (OpenAI / vLLM semantics), checked when built.
 
@@ -95,6 +142,8 @@ class SamplingParams:
     # (0: the chosen token's only). None: none computed. Raw: the model's own distribution,
     # before temperature, top-k and top-p (vLLM's default).
     logprobs: int | None = None
+    # Structured output (a JSON schema, regex, choice or grammar); None: free text.
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -120,6 +169,8 @@ class SamplingParams:
             raise _invalid("stop_token_ids", "must be non-negative token ids")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise _invalid("guided", "must be a GuidedDecoding")
 
     @property
     def greedy(self) -> bool:

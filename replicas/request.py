@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from replicas.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 class RequestStatus(enum.IntEnum):
     """Ordered: everything above PREEMPTED is finished."""
@@ -64,6 +68,8 @@ class Request:
     generator: torch.Generator | None = None
     # With params.logprobs: (logprob of each output token, ((id, logprob) of the top alternatives)).
     output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    # With params.guided: the grammar's state after the output so far (replicas.guided).
+    guide: LLMatcher | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
