@@ -74,6 +74,9 @@ class AppArgs(BaseModel):
                              "choose each pass's prefill budget from the SLO (false: the fixed budget)")
     budget_margin: float = Field(_ENGINE.budget_margin, gt=0, le=1, description="the SLO budget aims "
                                  "each pass at tbt_slo_ms x budget_margin")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="reads tool calls out of free text for tool_choice 'auto': hermes takes "
+        "<tool_call>{...}</tool_call> blocks (Hermes / Qwen templates); None: 'auto' is a 400")
     wedge_timeout_s: float = Field(_REPLICA.wedge_timeout_s, gt=0, description="one iteration longer than this "
                                    "fails the health check")
 

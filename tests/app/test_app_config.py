@@ -41,6 +41,7 @@ def test_defaults_make_a_valid_engine_config() -> None:
     ({"min_replicas": 1}, "min_replicas needs max_replicas"),
     ({"device": "cuda"}, "num_gpus is 0"),
     ({"max_batch_prefil_tokens": 256}, "max_batch_prefil_tokens"),  # a typo is not ignored
+    ({"tool_call_parser": "mistral"}, "tool_call_parser"),  # only hermes is implemented
 ])
 def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as err:
