@@ -12,16 +12,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import transformers
 
 from loadtests.bench_engine import build_workloads, kv_capacity, run_engine, summarize
+from loadtests.workloads import Workload
 from loadtests.report import report
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 
 SHARES = (0.0, 0.5, 1.0)
+T = TypeVar("T")
 
 
 def run(model_tok, workload, share: float, block_size: int = 16) -> float:
@@ -42,6 +46,21 @@ def run(model_tok, workload, share: float, block_size: int = 16) -> float:
     return summarize(run_engine(engine, workload, f"logprobs {share:.0%}"))["output_tok_s"]
 
 
+def run_shares(model: str, threads: int, repeats: int, run: Callable[..., T]) -> tuple[Workload, dict[float, list[T]]]:
+    """`run(model_tok, workload, share)` for each of SHARES on the quick chat workload, repeats
+    interleaved (the order rotates each repeat); the results by share."""
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+    model_tok = load_model(model)
+    vocab = model_tok[0].get_output_embeddings().weight.shape[0]
+    workload = build_workloads(vocab, list(model_tok[1].all_special_ids), True, 0)[0]  # quick chat
+    runs: dict[float, list[T]] = {s: [] for s in SHARES}
+    for rep in range(repeats):
+        for share in SHARES[rep % 3:] + SHARES[:rep % 3]:
+            runs[share].append(run(model_tok, workload, share))
+    return workload, runs
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m loadtests.bench_logprobs", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded:mid")
@@ -49,15 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    model_tok = load_model(args.model)
-    vocab = model_tok[0].get_output_embeddings().weight.shape[0]
-    workload = build_workloads(vocab, list(model_tok[1].all_special_ids), True, 0)[0]  # quick chat
-    runs: dict[float, list[float]] = {s: [] for s in SHARES}
-    for rep in range(args.repeats):
-        for share in SHARES[rep % 3:] + SHARES[:rep % 3]:
-            runs[share].append(run(model_tok, workload, share))
+    workload, runs = run_shares(args.model, args.threads, args.repeats, run)
     base = statistics.median(runs[0.0])
     rows = [{"share": s, "output_tok_s": statistics.median(v), "vs_none": statistics.median(v) / base,
              "repeats": v} for s, v in runs.items()]

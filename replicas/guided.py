@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 from transformers import PreTrainedTokenizerBase
 
 from replicas.protocol import GuidedDecoding, InvalidRequestError
@@ -35,6 +36,16 @@ log = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: `,` and `:` only
 ANY_OBJECT = '{"type": "object"}'
 CACHE_SIZE = 256  # compiled grammars kept per engine, least recently used dropped
+# Byte -> the 8 additive biases of its bits (bit set: allowed, 0; clear: blocked, -inf). Adding
+# a row of biases is branch-free; on CPU it is 15x faster than masked_fill with a bool mask
+# (32 x 32000 logits, half allowed: 0.4 ms against 6 ms).
+# llguidance's executor fills rows on a pool of 80% of the cores (at most 32). With fewer than two
+# pool threads, or few rows, one thread is faster: on 2 cores, 8 rows took 0.10 ms a pass (max
+# 0.2) in a loop against 0.18 ms (max 4.6, thread wake-ups) through the pool.
+POOL_THREADS = min(32, int(0.8 * (os.cpu_count() or 1)))
+POOL_MIN_ROWS = 8
+_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
+                      np.float32(0.0), np.float32(-np.inf))  # (256, 8)
 
 
 def grammar_text(guided: GuidedDecoding) -> str:
@@ -121,20 +132,24 @@ class Grammars:
         rows = [i for i, r in enumerate(requests) if r.guide is not None]
         if not rows:
             return logits
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
         bitmask = np.empty((len(rows), self.words), dtype=np.int32)  # (n, ceil(V / 32))
-        fill_next_token_bitmask_par(self._executor, [(requests[i].guide, j) for j, i in enumerate(rows)],
-                                    bitmask)
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
-        blocked = torch.from_numpy(allowed == 0).to(logits.device)  # (n, V)
+        if POOL_THREADS >= 2 and len(rows) >= POOL_MIN_ROWS:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(POOL_THREADS)
+            fill_next_token_bitmask_par(self._executor, [(requests[i].guide, j) for j, i in enumerate(rows)],
+                                        bitmask)
+        else:
+            for j, i in enumerate(rows):
+                fill_next_token_bitmask(requests[i].guide, bitmask, j)
+        vocab = logits.shape[1]
+        # Bytes of little-endian words in order: bit k of word w is token 32w + k.
+        bias = np.take(_BYTE_BIAS, bitmask.view(np.uint8), axis=0).reshape(len(rows), -1)[:, :vocab]
+        bias = torch.from_numpy(bias).to(logits.device, logits.dtype)  # (n, V): 0 or -inf
         if any(r.params.logprobs is not None for r in requests):
             logits = logits.clone()
         if len(rows) == len(requests):
-            return logits.masked_fill_(blocked, float("-inf"))
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(blocked, float("-inf"))
-        return logits
+            return logits.add_(bias)
+        return logits.index_add_(0, torch.tensor(rows, device=logits.device), bias)
 
     @staticmethod
     def advance(request: Request, token_id: int) -> bool:
