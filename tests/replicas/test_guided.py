@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 import torch
 
-from replicas.guided import CACHE_SIZE, Grammars
+from replicas import guided as guided_module
+from replicas.guided import CACHE_SIZE, POOL_MIN_ROWS, Grammars
 from replicas.models import load_model
 from replicas.protocol import GuidedDecoding, InvalidRequestError, SamplingParams
 from replicas.request import Request
@@ -107,6 +108,19 @@ def test_mask_leaves_free_rows_and_the_logprobs_logits_untouched(grammars) -> No
     assert in_place is logits and torch.isinf(logits[0]).sum() == grammars.vocab_size - len(allowed)
     free = torch.randn(2, grammars.vocab_size)
     assert grammars.mask(free, [rows[1], rows[1]]) is free
+
+
+def test_the_thread_pool_and_the_loop_fill_the_same_masks(tokenizer, grammars, monkeypatch) -> None:
+    guided = GuidedDecoding("json_schema", json.dumps(PERSON))
+    text = tokenizer.encode('{"name":"ab","age":42,"tags":["a","bc"]}', add_special_tokens=False)
+    rows = [guided_request(grammars, guided, f"r{i}") for i in range(POOL_MIN_ROWS + 2)]
+    for i, req in enumerate(rows):  # each row in another state of the grammar
+        assert req.guide.consume_tokens(text[:i])
+    masks = []
+    for threads in (1, 2):
+        monkeypatch.setattr(guided_module, "POOL_THREADS", threads)
+        masks.append(grammars.mask(torch.zeros(len(rows), grammars.vocab_size), rows))
+    assert torch.equal(*masks) and len({tuple(torch.isfinite(m).tolist()) for m in masks[0]}) > 3
 
 
 def test_grammar_complete_finishes_and_eos_waits_for_acceptance(tokenizer, grammars) -> None:
