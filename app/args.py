@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
+from autoscale.routing import DEFAULT_PREFIX_IMBALANCE
 from autoscale.scaling import ScalingConfig
 from autoscale.serve_options import RouterName
 from replicas.config import DEFAULT_MODEL, Dtype, EngineConfig, Policy, ReplicaConfig
@@ -77,6 +78,9 @@ class AppArgs(BaseModel):
                              "choose each pass's prefill budget from the SLO (false: the fixed budget)")
     budget_margin: float = Field(_ENGINE.budget_margin, gt=0, le=1, description="the SLO budget aims "
                                  "each pass at tbt_slo_ms x budget_margin")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="reads tool calls out of free text for tool_choice 'auto': hermes takes "
+        "<tool_call>{...}</tool_call> blocks (Hermes / Qwen templates); None: 'auto' is a 400")
     wedge_timeout_s: float = Field(_REPLICA.wedge_timeout_s, gt=0, description="one iteration longer than this "
                                    "fails the health check")
 
@@ -85,8 +89,11 @@ class AppArgs(BaseModel):
         "token_load", description="token_load: least predicted token load with KV headroom; "
         "ttft: least predicted time to first token (prompt backlog / the replica's prefill rate, "
         "KV headroom as a filter); prefix: the replica holding the longest cached prefix of the "
-        "prompt unless its token load is over the least loaded's by more than 2048 tokens, else "
-        "token_load; power_of_two: Serve's default, for comparison")
+        "prompt unless its token load is over the least loaded's by more than prefix_imbalance "
+        "of its KV capacity, else token_load; power_of_two: Serve's default, for comparison")
+    prefix_imbalance: float = Field(DEFAULT_PREFIX_IMBALANCE, ge=0, description="router: prefix "
+                                    "prefers a cached replica while its token load exceeds the least "
+                                    "loaded one's by at most this share of its KV capacity")
     autoscale_by: Literal["tbt_slo", "ongoing_requests"] = Field(
         "tbt_slo", description="with max_replicas: scale against tbt_slo_ms (needs it), or "
         "Serve's default request-count policy")

@@ -52,9 +52,10 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
     # (or 100 ms a token without one).
     tbt_s = (args.tbt_slo_ms or 100.0) / 1000
     max_len = args.max_model_len or 4096
+    router_kwargs = {"prefix_imbalance": args.prefix_imbalance} if args.router == "prefix" else {}
     options.update(deployment_options(
         args.router, scaling, graceful_shutdown_timeout_s=graceful_shutdown_timeout(max_len, tbt_s),
-        controller_name=args.controller_name, namespace=args.controller_namespace))
+        controller_name=args.controller_name, namespace=args.controller_namespace, **router_kwargs))
     return options
 
 

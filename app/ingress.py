@@ -159,12 +159,13 @@ class OpenAIIngress:
         """Chat completion through the tokenizer's chat template; SSE when `stream` is true."""
         arrived_at = arrival_time(request)
         self._check_model(body)
+        plan = body.tool_plan(self.args.tool_call_parser)  # InvalidRequestError -> 400
         ids = await self._tokenizing(self._render_chat, body)
         meta = self._meta("chatcmpl", body)
         gen, outputs = await self._start(meta.request_id, ids, body, body.requested_max_tokens, arrived_at)
         if body.stream:
-            return self._sse(gen, chat_events(meta, outputs))
-        return chat_response(meta, await self._collect(gen, outputs))
+            return self._sse(gen, chat_events(meta, outputs, plan))
+        return chat_response(meta, await self._collect(gen, outputs), plan)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -195,9 +196,9 @@ class OpenAIIngress:
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                               param="messages", code="no_chat_template")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+        messages = [m.for_template() for m in body.messages]
+        try:  # templates that know tools (Hermes, Qwen, Llama 3.1, ...) render them
+            text = self.tokenizer.apply_chat_template(messages, tools=body.template_tools(), tokenize=False,
                                                       add_generation_prompt=True)
         except (TemplateError, ValueError) as exc:  # the template refused these messages
             # (e.g. its raise_exception() on an unsupported role order): the client's to fix.

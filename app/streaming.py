@@ -10,8 +10,9 @@ from pydantic import BaseModel
 
 from app.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                          ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice,
-                         CompletionLogprobs, CompletionResponse, TokenLogprobContent, TopLogprob,
-                         Usage)
+                         CompletionLogprobs, CompletionResponse, DeltaToolCall, ResponseFunction,
+                         ResponseToolCall, TokenLogprobContent, TopLogprob, Usage)
+from app.tools import ToolCall, ToolCallReader, ToolPlan
 from replicas.protocol import RequestOutput, TokenLogprob
 
 DONE = "data: [DONE]\n\n"
@@ -121,9 +122,19 @@ def completion_response(meta: StreamMeta, result: Collected, echo: str | None = 
                               choices=[choice], usage=result.usage)
 
 
-def chat_response(meta: StreamMeta, result: Collected) -> ChatCompletionResponse:
-    choice = ChatChoice(message=AssistantMessage(content=result.text), logprobs=chat_logprobs(result.logprobs),
-                        finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+def chat_response(meta: StreamMeta, result: Collected, plan: ToolPlan | None = None) -> ChatCompletionResponse:
+    """The whole chat answer; with tools in play, its calls are read out of the text (`plan`)."""
+    text, calls, finish_reason = result.text, [], result.finish_reason
+    if plan is not None:
+        reader = ToolCallReader(plan)
+        head = reader.feed(text)
+        rest, calls = reader.finish()
+        text = head + rest
+    message = AssistantMessage(content=text or (None if calls else ""),
+                               tool_calls=[_tool_call(c) for c in calls] or None)
+    choice = ChatChoice(message=message, logprobs=chat_logprobs(result.logprobs),
+                        finish_reason="tool_calls" if calls else finish_reason,
+                        stop_reason=result.stop_reason)
     return ChatCompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
                                   choices=[choice], usage=result.usage)
 
@@ -155,8 +166,13 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
         yield sse(final)
 
 
-async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-    """SSE chunks of a chat completion: the role first, then content, then finish_reason."""
+async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
+                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
+    """SSE chunks of a chat completion: the role first, then content, then finish_reason.
+
+    With tools in play (`plan`), text that is (or may begin) a call is held back; the calls go
+    out whole, in one delta just before the finish_reason "tool_calls" chunk.
+    """
 
     def chunk(delta: ChatDelta, usage: Usage | None, finish_reason: str | None = None,
               logprobs: ChatLogprobs | None = None) -> str:
@@ -165,22 +181,37 @@ async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput]) -
                                        choices=[choice], usage=usage), exclude=meta.exclude)
 
     role = ChatDelta(role="assistant", content="")
+    reader = ToolCallReader(plan) if plan is not None else None
     last: RequestOutput | None = None
     async for out in outputs:
         if last is None:  # the role chunk first (its usage: the prompt, no completion tokens yet)
             yield chunk(role, _running_usage(meta, out, completion_tokens=0))
         last = out
         usage = _running_usage(meta, out)
-        if out.delta_text or out.logprobs:
-            yield chunk(ChatDelta(content=out.delta_text), usage, logprobs=chat_logprobs(out.logprobs))
+        text = reader.feed(out.delta_text) if reader is not None else out.delta_text
+        if text or out.logprobs:
+            yield chunk(ChatDelta(content=text), usage, logprobs=chat_logprobs(out.logprobs))
         if out.finished:
-            yield chunk(ChatDelta(), usage, out.finish_reason)
+            finish_reason = out.finish_reason
+            if reader is not None:
+                rest, calls = reader.finish()
+                if rest:
+                    yield chunk(ChatDelta(content=rest), usage)
+                if calls:
+                    yield chunk(ChatDelta(tool_calls=[DeltaToolCall(index=i, **_tool_call(c).model_dump())
+                                                      for i, c in enumerate(calls)]), usage)
+                    finish_reason = "tool_calls"
+            yield chunk(ChatDelta(), usage, finish_reason)
     if last is None:  # no output at all (the caller guarantees one; keep the role chunk regardless)
         yield chunk(role, None)
     if meta.include_usage and last is not None:
         final = ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
                                     choices=[], usage=usage_of(last))
         yield sse(final)
+
+
+def _tool_call(call: ToolCall) -> ResponseToolCall:
+    return ResponseToolCall(id=call.id, function=ResponseFunction(name=call.name, arguments=call.arguments))
 
 
 def usage_of(out: RequestOutput) -> Usage:

@@ -40,7 +40,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
 from autoscale.inflight import InFlightBook
 from replicas.protocol import ReplicaLoad
-from autoscale.routing import (DEFAULT_PREFIX_IMBALANCE_TOKENS, RequestCost, choose_by_prefix, choose_by_ttft,
+from autoscale.routing import (DEFAULT_PREFIX_IMBALANCE, RequestCost, choose_by_prefix, choose_by_ttft,
                                choose_replica, prompt_block_hashes, prompt_of, request_cost)
 
 RANKINGS = {"token_load": choose_replica, "ttft": choose_by_ttft, "prefix": choose_by_prefix}
@@ -57,15 +57,15 @@ class TokenLoadRouter(RequestRouter):
                          snapshot_timeout_s: float = 1.0, max_snapshot_age_s: float = 2.0,
                          reflect_grace_s: float = 0.05, default_max_tokens: int = 0,
                          seed: int | None = None, ranking: str = "token_load",
-                         prefix_imbalance_tokens: int = DEFAULT_PREFIX_IMBALANCE_TOKENS, **_: Any) -> None:
+                         prefix_imbalance: float = DEFAULT_PREFIX_IMBALANCE, **_: Any) -> None:
         """Serve passes `RequestRouterConfig.request_router_kwargs` here. `ranking`: token_load
         (`routing.choose_replica`), ttft (`routing.choose_by_ttft`) or prefix
-        (`routing.choose_by_prefix`, bounded by `prefix_imbalance_tokens`)."""
+        (`routing.choose_by_prefix`, bounded by `prefix_imbalance`, a share of KV capacity)."""
         if ranking not in RANKINGS:
             raise ValueError(f"ranking must be one of {sorted(RANKINGS)}, got {ranking!r}")
         self._rank = RANKINGS[ranking]
         self._by_prefix = ranking == "prefix"
-        self._prefix_imbalance_tokens = prefix_imbalance_tokens
+        self._prefix_imbalance = prefix_imbalance
         self._controller_name, self._namespace = controller_name, namespace
         self._refresh_interval_s = refresh_interval_s
         self._stale_after_s, self._stale_wait_s = stale_after_s, stale_wait_s
@@ -105,7 +105,7 @@ class TokenLoadRouter(RequestRouter):
         if self._by_prefix and pending_request is not None:
             prompt = prompt_of(pending_request.args, pending_request.kwargs)
             extra = {"prompt_hashes": prompt_block_hashes(prompt, loads),
-                     "max_imbalance_tokens": self._prefix_imbalance_tokens}
+                     "max_imbalance": self._prefix_imbalance}
         ranked = self._rank(cost.tokens, cost.kv_tokens, loads, in_flight, candidates=list(by_key),
                             in_flight_kv=in_flight_kv, rng=self._rng, **extra)
         if pending_request is not None and cost.tokens:

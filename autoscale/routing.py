@@ -27,7 +27,9 @@ from replicas.prefix_hash import block_hashes
 from replicas.protocol import ReplicaLoad
 
 CHARS_PER_TOKEN = 4  # a text prompt's token estimate when the caller did not tokenize
-DEFAULT_PREFIX_IMBALANCE_TOKENS = 2048
+# Prefix affinity yields to token load beyond this share of a replica's KV capacity (see
+# choose_by_prefix; the simulator's multi-turn experiment is where the value comes from).
+DEFAULT_PREFIX_IMBALANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -171,18 +173,20 @@ def cached_prefix_blocks(load: ReplicaLoad | None, prompt_hashes: Sequence[int])
 
 def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping[str, ReplicaLoad],
                      in_flight: Mapping[str, int], *, prompt_hashes: Sequence[int] = (),
-                     max_imbalance_tokens: int = DEFAULT_PREFIX_IMBALANCE_TOKENS,
+                     max_imbalance: float = DEFAULT_PREFIX_IMBALANCE,
                      candidates: Sequence[str] | None = None,
                      in_flight_kv: Mapping[str, int] | None = None,
                      rng: random.Random | None = None) -> list[str]:
     """Rank candidates, best first: the replica holding the longest cached prefix of the prompt
     (its reported `prefix_sketch`, asked with `prompt_hashes`), unless its predicted token load
-    is more than `max_imbalance_tokens` above the least loaded replica that fits; then the
-    token-load order of `choose_replica`.
+    is above the least loaded replica's (among those that fit) by more than `max_imbalance` of
+    that replica's KV capacity; then the token-load order of `choose_replica`.
 
     The bound is the trade-off made explicit: a cache hit saves the hit's prefill, while piling
-    every conversation onto one replica costs everyone's TBT there. With no hit anywhere (or
-    `max_imbalance_tokens` 0 and equal loads) this is exactly `choose_replica`.
+    every conversation onto one replica costs everyone's TBT there. A share of KV capacity
+    rather than a token count, so one setting fits a CPU replica of 8k KV tokens and a GPU one
+    of 500k. With no hit anywhere (or `max_imbalance` 0 and unequal loads) this is exactly
+    `choose_replica`.
     """
     ranked = choose_replica(request_tokens, request_kv_tokens, loads, in_flight, candidates=candidates,
                             in_flight_kv=in_flight_kv, rng=rng)
@@ -196,11 +200,14 @@ def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping
     def load_of(r: str) -> int:
         return predicted_load(loads.get(r), in_flight.get(r, 0))
 
-    floor = min((load_of(r) for r in ranked if fits(r)), default=None)
-    if floor is None:
+    fitting = [r for r in ranked if fits(r)]
+    if not fitting:
         return ranked
-    hits = {r: cached_prefix_blocks(loads.get(r), prompt_hashes) for r in ranked
-            if fits(r) and load_of(r) <= floor + max_imbalance_tokens}
+    least = fitting[0]  # ranked puts the least loaded replica that fits first
+    reported = loads.get(least)
+    capacity = reported.total_blocks * reported.block_size if reported is not None else 0
+    bound = load_of(least) + max_imbalance * capacity
+    hits = {r: cached_prefix_blocks(loads.get(r), prompt_hashes) for r in fitting if load_of(r) <= bound}
     best = max(hits.values(), default=0)
     if best == 0:
         return ranked

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from loadtests.bench_engine import build_workloads, kv_capacity, run_engine, summarize
 from loadtests.report import bench_parser, load_bench_model, report
+from loadtests.workloads import Workload
 from replicas import Engine, EngineConfig, SamplingParams
 
 SHARES = (0.0, 0.5, 1.0)
+T = TypeVar("T")
 
 
 def run(model_tok, workload, share: float, block_size: int = 16) -> float:
@@ -37,15 +41,23 @@ def run(model_tok, workload, share: float, block_size: int = 16) -> float:
     return summarize(run_engine(engine, workload, f"logprobs {share:.0%}"))["output_tok_s"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = bench_parser("loadtests.bench_logprobs", __doc__).parse_args(argv)
+def run_shares(args: Any, run: Callable[..., T]) -> tuple[Workload, dict[float, list[T]]]:
+    """`run(model_tok, workload, share)` for each of SHARES on the quick chat workload of
+    `args.model` (`report.bench_parser`'s flags), repeats interleaved (the order rotates each
+    repeat); the results by share."""
     model_tok = load_bench_model(args)
     vocab = model_tok[0].get_output_embeddings().weight.shape[0]
     workload = build_workloads(vocab, list(model_tok[1].all_special_ids), True, 0)[0]  # quick chat
-    runs: dict[float, list[float]] = {s: [] for s in SHARES}
+    runs: dict[float, list[T]] = {s: [] for s in SHARES}
     for rep in range(args.repeats):
         for share in SHARES[rep % 3:] + SHARES[:rep % 3]:
             runs[share].append(run(model_tok, workload, share))
+    return workload, runs
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = bench_parser("loadtests.bench_logprobs", __doc__).parse_args(argv)
+    workload, runs = run_shares(args, run)
     base = statistics.median(runs[0.0])
     rows = [{"share": s, "output_tok_s": statistics.median(v), "vs_none": statistics.median(v) / base,
              "repeats": v} for s, v in runs.items()]

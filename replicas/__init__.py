@@ -15,6 +15,7 @@ _EXPORTS = {
     "RequestOutput": "replicas.protocol",
     "ReplicaLoad": "replicas.protocol",
     "SamplingParams": "replicas.protocol",
+    "GuidedDecoding": "replicas.protocol",
     "RequestStatus": "replicas.request",
 }
 

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
+from replicas.guided import Grammars
 from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner, kv_shape
@@ -96,6 +97,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.logits_processors = LogitsProcessors(self.vocab_size, self.eos_token_ids)
         self._token_texts: dict[int, str] = {}  # each token decoded on its own (logprobs)
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -163,9 +165,10 @@ class Engine:
         max_tokens = self.limits.max_tokens(len(ids), params.max_tokens)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        guide = self.grammars.matcher(params.guided) if params.guided is not None else None
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(request_id, ids, params, priority,
-                       arrival_time if arrival_time is not None else time.perf_counter())
+                       arrival_time if arrival_time is not None else time.perf_counter(), guide=guide)
 
     def make_requests(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                       request_id: str | None = None, priority: int = 0,
@@ -229,8 +232,9 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.execute(batch)
         sampling = [s.request for s in batch.seqs if s.samples]
-        token_ids = sample(self.logits_processors(logits.sampled, sampling), sampling)
-        token_logprobs(logits.sampled, sampling, token_ids)  # raw: before the processors
+        processed = self.grammars.mask(self.logits_processors(logits.sampled, sampling), sampling)
+        token_ids = sample(processed, sampling)
+        token_logprobs(logits.sampled, sampling, token_ids)  # raw: before the processors and the mask
         prompt_logprobs(logits.prompt, logits.prompt_spans)
         now = time.perf_counter()
         stats = self._record(batch, start, now, shape, predicted)
@@ -280,6 +284,8 @@ class Engine:
                 return RequestStatus.FINISHED_STOPPED
             if may_stop and stop_token_hit(token, params, self.eos_token_ids):
                 req.stop_reason = token if token in params.stop_token_ids else None
+                return RequestStatus.FINISHED_STOPPED
+            if req.guide is not None and self.grammars.advance(req, token):  # its grammar is complete
                 return RequestStatus.FINISHED_STOPPED
         if len(out) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -8,6 +8,7 @@ transformers or Ray: the ingress process imports this module and stays light.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ MAX_STOP_STRING_CHARS = 256
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 PRIORITY_RANGE = (-1_000, 1_000)
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_GUIDED_SPEC_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused
 
 
 # ---- refusals ----------------------------------------------------------------------------
@@ -87,6 +90,50 @@ def _invalid(param: str, message: str) -> InvalidRequestError:
 
 
 @dataclass(frozen=True)
+class GuidedDecoding:
+    """Structured output: the generated text must match this grammar. Checked for shape here;
+    compiled on the replica, where the tokenizer is (`replicas.guided`), before the request is
+    acknowledged, so a grammar that does not compile is a 400 naming `param`.
+
+    kind `json_schema`: `spec` is the schema as JSON text; `json_object`: any JSON object (no
+    spec); `regex`: the whole output matches it (Rust `regex` syntax); `choice`: exactly one of
+    the strings in `spec`; `grammar`: a Lark or GBNF grammar. `param` is the request field the
+    constraint came from (`response_format`, `guided_json`, `tools`, ...).
+    """
+
+    kind: str
+    spec: str | tuple[str, ...] = ""
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        kind, spec, param = self.kind, self.spec, self.param
+        if kind not in GUIDED_KINDS:
+            raise _invalid(param, f"kind must be one of {', '.join(GUIDED_KINDS)}, got {kind!r}")
+        if kind == "choice":
+            object.__setattr__(self, "spec", spec := _as_tuple(spec, param, str))
+            if not spec or not all(spec):
+                raise _invalid(param, "must be a non-empty list of non-empty strings")
+            size = sum(len(c) for c in spec)
+        elif kind == "json_object":
+            if spec:
+                raise _invalid(param, "json_object takes no schema")
+            size = 0
+        else:
+            if not isinstance(spec, str) or not spec:
+                raise _invalid(param, f"must be a non-empty string for kind {kind}")
+            size = len(spec)
+        if size > MAX_GUIDED_SPEC_CHARS:
+            raise _invalid(param, f"is {size} characters, more than the {MAX_GUIDED_SPEC_CHARS} accepted")
+        if kind == "json_schema":
+            try:
+                schema = json.loads(spec)
+            except ValueError as exc:
+                raise _invalid(param, f"schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise _invalid(param, "schema must be a JSON object")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (OpenAI / vLLM semantics), checked when built.
 
@@ -128,6 +175,8 @@ class SamplingParams:
     # Samples of the prompt: its prefill runs once, the others fork from its cached blocks; with a
     # seed, sample j draws from seed + j.
     n: int = 1
+    # Structured output (a JSON schema, regex, choice or grammar); None: free text.
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -171,6 +220,8 @@ class SamplingParams:
                            f"got {self.min_tokens}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise _invalid("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise _invalid("guided", "must be a GuidedDecoding")
 
     @property
     def greedy(self) -> bool:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from replicas.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 class RequestStatus(enum.IntEnum):
     """Ordered: everything above PREEMPTED is finished."""
@@ -74,6 +78,8 @@ class Request:
     # prefill the others wait for so they find the prompt's blocks cached (a fork, no copy).
     index: int = 0
     parent: Request | None = None
+    # With params.guided: the grammar's state after the output so far (replicas.guided).
+    guide: LLMatcher | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from autoscale.inflight import InFlightBook
 from autoscale.load import ReplicaLoad
-from autoscale.routing import (DEFAULT_PREFIX_IMBALANCE_TOKENS, RequestCost, choose_by_prefix, choose_by_ttft,
+from autoscale.routing import (DEFAULT_PREFIX_IMBALANCE, RequestCost, choose_by_prefix, choose_by_ttft,
                                choose_replica, power_of_two, round_robin)
 from loadtests.sim.replica import SimReplica
 from replicas.kv_cache import BlockManager
@@ -119,9 +119,9 @@ class _LiveCache:
 class PrefixRouter(TokenLoadRouter):
     """Production's `prefix` ranking (`routing.choose_by_prefix`) on the same reports and book."""
 
-    def __init__(self, seed: int = 0, max_imbalance_tokens: int = DEFAULT_PREFIX_IMBALANCE_TOKENS) -> None:
+    def __init__(self, seed: int = 0, max_imbalance: float = DEFAULT_PREFIX_IMBALANCE) -> None:
         super().__init__(seed)
-        self.max_imbalance_tokens = max_imbalance_tokens
+        self.max_imbalance = max_imbalance
 
     def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
                prompt: Sequence[int] | None = None) -> SimReplica:
@@ -129,7 +129,7 @@ class PrefixRouter(TokenLoadRouter):
         by_id = {r.replica_id: r for r in replicas}
         hashes = block_hashes(prompt, replicas[0].blocks.block_size) if prompt is not None and replicas else []
         ranked = choose_by_prefix(cost.tokens, cost.kv_tokens, self.loads, in_flight, prompt_hashes=hashes,
-                                  max_imbalance_tokens=self.max_imbalance_tokens, candidates=list(by_id),
+                                  max_imbalance=self.max_imbalance, candidates=list(by_id),
                                   in_flight_kv=in_flight_kv, rng=self.rng)
         return by_id[ranked[0]]
 

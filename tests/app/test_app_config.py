@@ -41,6 +41,7 @@ def test_defaults_make_a_valid_engine_config() -> None:
     ({"min_replicas": 1}, "min_replicas needs max_replicas"),
     ({"device": "cuda"}, "num_gpus is 0"),
     ({"max_batch_prefil_tokens": 256}, "max_batch_prefil_tokens"),  # a typo is not ignored
+    ({"tool_call_parser": "mistral"}, "tool_call_parser"),  # only hermes is implemented
 ])
 def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as err:
@@ -65,6 +66,10 @@ def test_builder_options() -> None:
         AppArgs(min_replicas=1, max_replicas=4)  # scaling against the SLO needs the SLO
     p2 = llm_deployment_options(AppArgs(router="power_of_two"))
     assert p2["request_router_config"].request_router_class != fixed["request_router_config"].request_router_class
+    prefix = llm_deployment_options(AppArgs(router="prefix", prefix_imbalance=0.25))["request_router_config"]
+    assert prefix.request_router_kwargs["ranking"] == "prefix"
+    assert prefix.request_router_kwargs["prefix_imbalance"] == 0.25
+    assert "prefix_imbalance" not in fixed["request_router_config"].request_router_kwargs
     assert isinstance(build_app({}), Application)
     assert isinstance(build_app(AppArgs()), Application)
 

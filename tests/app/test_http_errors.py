@@ -12,6 +12,7 @@ import pytest
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def _case(id_: str, path: str, body: Any, status: int, param: str | None = None,
@@ -71,11 +72,46 @@ BAD_REQUESTS = [
     _case("stream-options-unknown-key", C,
           {"prompt": "hi", "stream": True, "stream_options": {"usage_every": True}}, 400,
           "stream_options.usage_every"),
-    _case("response-format-json", C, {"prompt": "hi", "response_format": {"type": "json_object"}}, 400,
-          "response_format", "not supported"),
-    _case("chat-response-format-schema", CHAT, {"messages": USER, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400,
-          "response_format", "not supported"),
+    # Structured output and tools: what cannot be honoured is refused, naming the field.
+    _case("response-format-unknown-type", C, {"prompt": "hi", "response_format": {"type": "structural_tag"}},
+          400, "response_format.type"),
+    _case("response-format-schema-missing", CHAT, {"messages": USER, "response_format": {"type": "json_schema"}},
+          400, "response_format", "json_schema"),
+    _case("response-format-bad-schema", C, {"prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, 400,
+          "response_format", "strin"),
+    _case("response-format-bad-schema-stream", CHAT, {"messages": USER, "stream": True, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+          400, "response_format", "uniqueItems"),
+    _case("guided-json-not-json", C, {"prompt": "hi", "guided_json": "{nope"}, 400, "guided_json", "not valid JSON"),
+    _case("guided-regex-bad", C, {"prompt": "hi", "guided_regex": "a(b", "stream": True}, 400, "guided_regex",
+          "unclosed group"),
+    _case("guided-choice-empty", C, {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    _case("guided-grammar-bad", C, {"prompt": "hi", "guided_grammar": "start: undefined_rule"}, 400,
+          "guided_grammar", "undefined_rule"),
+    _case("two-output-constraints", C, {"prompt": "hi", "response_format": {"type": "json_object"},
+                                        "guided_regex": "a+"}, 400, "guided_regex", "one output constraint"),
+    _case("guided-whitespace-pattern", C, {"prompt": "hi", "guided_json": {}, "guided_whitespace_pattern": " "},
+          400, "guided_whitespace_pattern", "not supported"),
+    _case("structured-outputs-unknown-key", C, {"prompt": "hi", "structured_outputs": {"structural_tag": "x"}},
+          400, "structured_outputs.structural_tag"),
+    _case("tools-auto-without-parser", CHAT, {"messages": USER, "tools": [TOOL]}, 400, "tool_choice",
+          "tool-call parser"),
+    _case("tool-choice-unknown-function", CHAT, {"messages": USER, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice", "'nope' is not in tools"),
+    _case("tool-choice-without-tools", CHAT, {"messages": USER, "tool_choice": "required"}, 400,
+          "tool_choice", "needs tools"),
+    _case("tool-not-a-function", CHAT, {"messages": USER, "tools": [{"type": "code_interpreter"}],
+                                        "tool_choice": "required"}, 400, "tools.0.type"),
+    _case("tool-name-pattern", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "two words"}}], "tool_choice": "required"}, 400, "tools.0.function.name"),
+    _case("tool-names-repeat", CHAT, {"messages": USER, "tools": [TOOL, TOOL], "tool_choice": "required"}, 400,
+          "tools", "distinct"),
+    _case("tool-bad-parameters", CHAT, {"messages": USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]}, 400, "tools", "strin"),
+    _case("tools-with-response-format", CHAT, {"messages": USER, "tools": [TOOL], "tool_choice": "required",
+                                               "response_format": {"type": "json_object"}}, 400,
+          "response_format", "cannot be combined with tools"),
     _case("chat-top-logprobs-without-logprobs", CHAT, {"messages": USER, "top_logprobs": 3}, 400,
           "top_logprobs", "requires logprobs"),
     _case("unknown-model", C, {"model": "gpt-9", "prompt": "hi"}, 404, "model", "gpt-9"),

@@ -169,14 +169,15 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached():
              "c": cached("c", [turn1[:64]], running=0)}
     hashes = prompt_block_hashes(turn2, loads)
     assert len(hashes) == len(turn2) // 16
-    # b holds all 20 blocks and is 1500 tokens above the least loaded: within the bound.
-    assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=hashes, max_imbalance_tokens=2048,
+    # b holds all 20 blocks and is 1500 tokens above the least loaded: within the bound of 10%
+    # of its 16000-token KV capacity.
+    assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=hashes, max_imbalance=0.1,
                             rng=random.Random(0)) == ["b", "c", "a"]
     # A tighter bound: b is too busy; c (4 blocks, load 0) is the best hit within it.
-    assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=hashes, max_imbalance_tokens=1000,
+    assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=hashes, max_imbalance=0.05,
                             rng=random.Random(0)) == ["c", "a", "b"]
-    # Tokens in flight count against the bound too: 600 unreported tokens put b over 2048.
-    assert choose_by_prefix(380, 400, loads, {"b": 600}, prompt_hashes=hashes, max_imbalance_tokens=2048,
+    # Tokens in flight count against the bound too: 600 unreported tokens put b over 1600.
+    assert choose_by_prefix(380, 400, loads, {"b": 600}, prompt_hashes=hashes, max_imbalance=0.1,
                             rng=random.Random(0))[0] == "c"
     # No hit anywhere: exactly the token-load order.
     other = prompt_block_hashes(list(range(900, 1300)), loads)
