@@ -32,10 +32,10 @@ from app.errors import OpenAIError, from_exception, install_handlers, replica_go
 from app.middleware import BodyLimitMiddleware, StatusCountMiddleware, arrival_time
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
-from app.streaming import (DONE, Collected, StreamMeta, chat_events, chat_response, collect,
+from app.streaming import (DONE, Gathered, StreamMeta, chat_events, chat_response, collect,
                            completion_events, completion_response, sse)
 from replicas.model_files import load_tokenizer
-from replicas.protocol import ReplicaUnhealthyError, RequestRejected
+from replicas.protocol import ReplicaUnhealthyError, RequestRejected, prompt_batch
 
 logger = logging.getLogger(__name__)
 
@@ -135,24 +135,26 @@ class OpenAIIngress:
 
     @api.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        """Text completion of one prompt (text or token ids); SSE when `stream` is true; with
-        `echo`, the prompt's text (and, with `logprobs`, its tokens' logprobs) first."""
+        """Text completion of one prompt or a batch of them (text or token ids), `n` choices
+        each; SSE when `stream` is true; with `echo`, each prompt's text (and, with `logprobs`,
+        its tokens' logprobs) first."""
         arrived_at = arrival_time(request)
         self._check_model(body)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            ids = await self._tokenizing(self.tokenizer.encode, prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)  # type: ignore[arg-type]
+        prompts = body.prompts
+        ids = [await self._tokenizing(self.tokenizer.encode, p, add_special_tokens=False)
+               if isinstance(p, str) else list(p) for p in prompts]
         meta = self._meta("cmpl", body)
-        gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens, arrived_at)
-        echo = None  # the prompt's text, in front of the completion's
+        # A batch goes to one replica in one call (vLLM's engine takes it whole too).
+        batch = ids[0] if len(ids) == 1 else ids
+        gen, outputs = await self._start(meta.request_id, batch, body, body.max_tokens, arrived_at)
+        echoes = None  # each prompt's text, in front of its completions
         if body.echo:  # token ids are decoded once the replica has accepted them (in its vocabulary)
-            echo = prompt if isinstance(prompt, str) else await self._tokenizing(
-                self.tokenizer.decode, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            echoes = [p if isinstance(p, str) else await self._tokenizing(
+                self.tokenizer.decode, i, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                for p, i in zip(prompts, ids)]
         if body.stream:
-            return self._sse(gen, completion_events(meta, outputs, echo))
-        return completion_response(meta, await self._collect(gen, outputs), echo)
+            return self._sse(gen, completion_events(meta, outputs, echoes))
+        return completion_response(meta, await self._collect(gen, outputs, meta.n), echoes)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -165,7 +167,7 @@ class OpenAIIngress:
         gen, outputs = await self._start(meta.request_id, ids, body, body.requested_max_tokens, arrived_at)
         if body.stream:
             return self._sse(gen, chat_events(meta, outputs, plan))
-        return chat_response(meta, await self._collect(gen, outputs), plan)
+        return chat_response(meta, await self._collect(gen, outputs, meta.n), plan)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -189,7 +191,7 @@ class OpenAIIngress:
 
     def _meta(self, prefix: str, body: GenerationRequest) -> StreamMeta:
         return StreamMeta(f"{prefix}-{uuid.uuid4().hex}", self.args.name, int(time.time()),
-                          body.include_usage, body.continuous_usage)
+                          body.include_usage, body.continuous_usage, body.n)
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         """Messages -> chat template text -> token ids (runs on the tokenizer thread)."""
@@ -207,9 +209,10 @@ class OpenAIIngress:
                               param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _start(self, request_id: str, ids: list[int], body: GenerationRequest,
+    async def _start(self, request_id: str, ids: list[int] | list[list[int]], body: GenerationRequest,
                      max_tokens: int | None, arrived_at: float) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
         """Admit at the door, send to a replica, and wait for its first output (or refusal).
+        `ids`: one prompt's token ids, or a batch of prompts (`protocol.prompt_batch`).
 
         Nothing is committed to the client (no 200, no SSE headers) until the request has its
         first token, so a refusal found late (the queue deadline) is still a plain 429, and a
@@ -217,8 +220,9 @@ class OpenAIIngress:
         """
         # max_tokens None (chat's default): the replica fills in what its context and KV leave.
         params = body.sampling_params(max_tokens)  # InvalidRequestError -> 400 naming the field
-        await self._admit(len(ids))
-        ticket = self.gate.admit(len(ids))
+        num_prompt_tokens = sum(len(p) for p in prompt_batch(ids))
+        await self._admit(num_prompt_tokens)
+        ticket = self.gate.admit(num_prompt_tokens)
         left_at = None  # when the first output left the replica's queue (its clock)
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
@@ -281,11 +285,12 @@ class OpenAIIngress:
             raise first
         return first
 
-    async def _collect(self, gen: DeploymentResponseGenerator, outputs: AsyncIterator[Any]) -> Collected:
+    async def _collect(self, gen: DeploymentResponseGenerator, outputs: AsyncIterator[Any],
+                       n: int) -> Gathered:
         """The whole generation (non-streaming); cancels the replica call if we stop early."""
         done = False
         try:
-            result = await collect(outputs)
+            result = await collect(outputs, n)
             done = True
             return result
         except Exception as exc:

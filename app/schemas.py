@@ -19,6 +19,7 @@ from app.tools import ToolPlan, call_schema
 from replicas.protocol import GuidedDecoding, InvalidRequestError, SamplingParams
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+MAX_BATCHED_PROMPTS = 256  # prompts in one completions request (lm-eval batches them)
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type `app.errors` maps to its field
 
 
@@ -133,13 +134,6 @@ class GenerationRequest(BaseModel):
                                       {"param": where})
         return data
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
     @field_validator("guided_whitespace_pattern")
     @classmethod
     def _compact_json_only(cls, value: str | None) -> str | None:
@@ -217,7 +211,7 @@ class GenerationRequest(BaseModel):
             raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo, which "
                                       "returns the scored prompt)", "max_tokens")
         params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
-                                  "logprobs": self.num_logprobs,
+                                  "logprobs": self.num_logprobs, "n": self.n,
                                   "prompt_logprobs": self.num_prompt_logprobs, "guided": self.guided_decoding()}
         for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens"):
@@ -257,12 +251,18 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            return prompt[0]
+    def _prompt_count(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and len(prompt) > MAX_BATCHED_PROMPTS and isinstance(prompt[0], (str, list)):
+            raise ValueError(f"a batch takes at most {MAX_BATCHED_PROMPTS} prompts, got {len(prompt)}")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (text or token ids), or a batch of them."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
     @field_validator("suffix")
     @classmethod
@@ -286,9 +286,10 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of must equal n when given: generating more samples than are "
+                             "returned and keeping the best is not supported (vLLM V1 dropped it too)")
         return value
 
 

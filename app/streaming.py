@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -29,32 +30,64 @@ def sse(payload: BaseModel | dict, *, exclude: set[str] | None = None) -> str:
 
 @dataclass
 class Collected:
-    """A whole generation, gathered from its deltas."""
+    """One choice of a whole generation, gathered from its deltas."""
 
     text: str
     finish_reason: str | None
     stop_reason: str | int | None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    index: int = 0
+
+
+class UsageTally:
+    """Usage over the choices of one response: each prompt's tokens once (its first sample,
+    choice `p * n`, carries them) and every choice's completion tokens."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+        self._latest: dict[int, RequestOutput] = {}
+
+    def add(self, out: RequestOutput, completion_tokens: int | None = None) -> None:
+        """The latest output of its choice; `completion_tokens` overrides its count."""
+        self._latest[out.index] = out if completion_tokens is None else \
+            dataclasses.replace(out, num_output_tokens=completion_tokens)
+
+    def usage(self) -> Usage:
+        firsts = [o for i, o in self._latest.items() if i % self.n == 0]
+        return Usage.of(sum(o.num_prompt_tokens for o in firsts),
+                        sum(o.num_output_tokens for o in self._latest.values()),
+                        sum(o.num_cached_tokens for o in firsts))
+
+
+@dataclass
+class Gathered:
+    """Every choice of a whole response, by index, and their usage."""
+
+    choices: list[Collected]
     usage: Usage
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
 
 
-async def collect(outputs: AsyncIterator[RequestOutput]) -> Collected:
-    """Join every delta of a stream (the non-streaming answer)."""
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-    last: RequestOutput | None = None
+async def collect(outputs: AsyncIterator[RequestOutput], n: int = 1) -> Gathered:
+    """Join every delta of a stream (the non-streaming answer); its choices come by `index`."""
+    parts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[TokenLogprob] | None] = {}
+    prompt_logprobs: dict[int, list[TokenLogprob] | None] = {}
+    last: dict[int, RequestOutput] = {}
+    tally = UsageTally(n)
     async for out in outputs:
-        parts.append(out.delta_text)
+        i = out.index
+        parts.setdefault(i, []).append(out.delta_text)
         if out.logprobs is not None:
-            logprobs = (logprobs or []) + out.logprobs
-        prompt_logprobs = prompt_logprobs or out.prompt_logprobs
-        last = out
-    if last is None or not last.finished:
+            logprobs[i] = (logprobs.get(i) or []) + out.logprobs
+        prompt_logprobs[i] = prompt_logprobs.get(i) or out.prompt_logprobs
+        last[i] = out
+        tally.add(out)
+    if not last or not all(out.finished for out in last.values()):
         raise RuntimeError("the replica's stream ended before the request finished")
-    return Collected("".join(parts), last.finish_reason, last.stop_reason,
-                     usage_of(last), logprobs, prompt_logprobs)
+    choices = [Collected("".join(parts[i]), out.finish_reason, out.stop_reason, logprobs.get(i),
+                         prompt_logprobs.get(i), i) for i, out in sorted(last.items())]
+    return Gathered(choices, tally.usage())
 
 
 def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
@@ -106,6 +139,7 @@ class StreamMeta:
     created: int
     include_usage: bool
     continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
+    n: int = 1  # samples per prompt: choice p * n + j is sample j of prompt p
 
     @property
     def exclude(self) -> set[str] | None:
@@ -113,115 +147,115 @@ class StreamMeta:
         return None if self.include_usage else {"usage"}
 
 
-def completion_response(meta: StreamMeta, result: Collected, echo: str | None = None) -> CompletionResponse:
-    """The whole completion; `echo`: the prompt's text, put in front (with its logprobs)."""
-    text, items = _echoed(echo, result.text, result)
-    choice = CompletionChoice(text=text, finish_reason=result.finish_reason,
-                              stop_reason=result.stop_reason, logprobs=completion_logprobs(items))
+def completion_response(meta: StreamMeta, result: Gathered,
+                        echoes: Sequence[str | None] | None = None) -> CompletionResponse:
+    """The whole completion; `echoes[p]`: prompt p's text, put in front of each of its choices
+    (with its logprobs)."""
+    choices = []
+    for c in result.choices:
+        text, items = _echoed(echoes[c.index // meta.n] if echoes else None, c.text, c)
+        choices.append(CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason, logprobs=completion_logprobs(items)))
     return CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                              choices=[choice], usage=result.usage)
+                              choices=choices, usage=result.usage)
 
 
-def chat_response(meta: StreamMeta, result: Collected, plan: ToolPlan | None = None) -> ChatCompletionResponse:
-    """The whole chat answer; with tools in play, its calls are read out of the text (`plan`)."""
-    text, calls, finish_reason = result.text, [], result.finish_reason
-    if plan is not None:
-        reader = ToolCallReader(plan)
-        head = reader.feed(text)
-        rest, calls = reader.finish()
-        text = head + rest
-    message = AssistantMessage(content=text or (None if calls else ""),
-                               tool_calls=[_tool_call(c) for c in calls] or None)
-    choice = ChatChoice(message=message, logprobs=chat_logprobs(result.logprobs),
-                        finish_reason="tool_calls" if calls else finish_reason,
-                        stop_reason=result.stop_reason)
+def chat_response(meta: StreamMeta, result: Gathered, plan: ToolPlan | None = None) -> ChatCompletionResponse:
+    """The whole chat answer; with tools in play, each choice's calls are read out of its text
+    (`plan`)."""
+    choices = []
+    for c in result.choices:
+        text, calls, finish_reason = c.text, [], c.finish_reason
+        if plan is not None:
+            reader = ToolCallReader(plan)
+            head = reader.feed(text)
+            rest, calls = reader.finish()
+            text = head + rest
+        message = AssistantMessage(content=text or (None if calls else ""),
+                                   tool_calls=[_tool_call(call) for call in calls] or None)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c.logprobs),
+                                  finish_reason="tool_calls" if calls else finish_reason,
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                  choices=[choice], usage=result.usage)
+                                  choices=choices, usage=result.usage)
 
 
 async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
-                            echo: str | None = None) -> AsyncIterator[str]:
-    """SSE chunks of a text completion; empty deltas are skipped unless they finish it. `echo`
-    (the prompt's text) goes with the first chunk, with the prompt's logprobs (as vLLM does)."""
-    last: RequestOutput | None = None
-    offset = 0  # characters of token text sent so far (text_offset of the next token)
+                            echoes: Sequence[str | None] | None = None) -> AsyncIterator[str]:
+    """SSE chunks of a text completion, each carrying one choice (its `index`); empty deltas are
+    skipped unless they finish it. `echoes[p]` (prompt p's text) goes with the first chunk of
+    each of its choices, with the prompt's logprobs (as vLLM does)."""
+    tally = UsageTally(meta.n)
+    offsets: dict[int, int] = {}  # characters of token text sent so far, by choice
+    started: set[int] = set()
     async for out in outputs:
-        last = out
+        i = out.index
+        tally.add(out)
+        echo = echoes[i // meta.n] if echoes and i not in started else None
         if echo is None and not out.delta_text and not out.finished and not out.logprobs:
             continue
+        started.add(i)
         text, items = _echoed(echo, out.delta_text, out)
-        echo = None
-        logprobs = completion_logprobs(items, offset)
+        logprobs = completion_logprobs(items, offsets.get(i, 0))
         if logprobs is not None and logprobs.tokens:
-            offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        choice = CompletionChoice(text=text, finish_reason=out.finish_reason,
+            offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        choice = CompletionChoice(index=i, text=text, finish_reason=out.finish_reason,
                                   stop_reason=out.stop_reason, logprobs=logprobs)
         chunk = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                   choices=[choice],
-                                   usage=_running_usage(meta, out))
+                                   choices=[choice], usage=tally.usage() if meta.continuous_usage else None)
         yield sse(chunk, exclude=meta.exclude)
-    if meta.include_usage and last is not None:
-        final = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                   choices=[], usage=usage_of(last))
-        yield sse(final)
+    if meta.include_usage and started:
+        yield sse(CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
+                                     choices=[], usage=tally.usage()))
 
 
 async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
                       plan: ToolPlan | None = None) -> AsyncIterator[str]:
-    """SSE chunks of a chat completion: the role first, then content, then finish_reason.
+    """SSE chunks of a chat completion, each carrying one choice: per choice the role first,
+    then content, then finish_reason.
 
     With tools in play (`plan`), text that is (or may begin) a call is held back; the calls go
     out whole, in one delta just before the finish_reason "tool_calls" chunk.
     """
 
-    def chunk(delta: ChatDelta, usage: Usage | None, finish_reason: str | None = None,
-              logprobs: ChatLogprobs | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None,
+              logprobs: ChatLogprobs | None = None, usage: bool = True) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        running = tally.usage() if usage and meta.continuous_usage else None
         return sse(ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
-                                       choices=[choice], usage=usage), exclude=meta.exclude)
+                                       choices=[choice], usage=running), exclude=meta.exclude)
 
     role = ChatDelta(role="assistant", content="")
-    reader = ToolCallReader(plan) if plan is not None else None
-    last: RequestOutput | None = None
+    tally = UsageTally(meta.n)
+    readers: dict[int, ToolCallReader | None] = {}
     async for out in outputs:
-        if last is None:  # the role chunk first (its usage: the prompt, no completion tokens yet)
-            yield chunk(role, _running_usage(meta, out, completion_tokens=0))
-        last = out
-        usage = _running_usage(meta, out)
+        i = out.index
+        if i not in readers:  # the choice's role chunk first (its usage: no completion tokens yet)
+            readers[i] = ToolCallReader(plan) if plan is not None else None
+            tally.add(out, completion_tokens=0)
+            yield chunk(i, role)
+        tally.add(out)
+        reader = readers[i]
         text = reader.feed(out.delta_text) if reader is not None else out.delta_text
         if text or out.logprobs:
-            yield chunk(ChatDelta(content=text), usage, logprobs=chat_logprobs(out.logprobs))
+            yield chunk(i, ChatDelta(content=text), logprobs=chat_logprobs(out.logprobs))
         if out.finished:
             finish_reason = out.finish_reason
             if reader is not None:
                 rest, calls = reader.finish()
                 if rest:
-                    yield chunk(ChatDelta(content=rest), usage)
+                    yield chunk(i, ChatDelta(content=rest))
                 if calls:
-                    yield chunk(ChatDelta(tool_calls=[DeltaToolCall(index=i, **_tool_call(c).model_dump())
-                                                      for i, c in enumerate(calls)]), usage)
+                    yield chunk(i, ChatDelta(tool_calls=[DeltaToolCall(index=k, **_tool_call(c).model_dump())
+                                                         for k, c in enumerate(calls)]))
                     finish_reason = "tool_calls"
-            yield chunk(ChatDelta(), usage, finish_reason)
-    if last is None:  # no output at all (the caller guarantees one; keep the role chunk regardless)
-        yield chunk(role, None)
-    if meta.include_usage and last is not None:
-        final = ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
-                                    choices=[], usage=usage_of(last))
-        yield sse(final)
+            yield chunk(i, ChatDelta(), finish_reason)
+    if not readers:  # no output at all (the caller guarantees one; keep the role chunk regardless)
+        yield chunk(0, role, usage=False)
+    if meta.include_usage and readers:
+        yield sse(ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
+                                      choices=[], usage=tally.usage()))
 
 
 def _tool_call(call: ToolCall) -> ResponseToolCall:
     return ResponseToolCall(id=call.id, function=ResponseFunction(name=call.name, arguments=call.arguments))
-
-
-def usage_of(out: RequestOutput) -> Usage:
-    """Usage as of this output: prompt (and its cached part) and completion tokens so far."""
-    return Usage.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-
-
-def _running_usage(meta: StreamMeta, out: RequestOutput, completion_tokens: int | None = None) -> Usage | None:
-    """Usage so far, on each chunk when continuous usage was asked for (else None: omitted)."""
-    if not meta.continuous_usage:
-        return None
-    done = out.num_output_tokens if completion_tokens is None else completion_tokens
-    return Usage.of(out.num_prompt_tokens, done, out.num_cached_tokens)

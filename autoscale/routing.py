@@ -50,7 +50,10 @@ def request_cost(args: Sequence[Any], kwargs: Mapping[str, Any], default_max_tok
     `model_info()`, costs zero tokens.
     """
     prompt = prompt_of(args, kwargs)
-    if isinstance(prompt, (list, tuple)):
+    num_prompts = 1
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple)):
+        tokens, num_prompts = sum(len(p) for p in prompt), len(prompt)  # a batch of prompts
+    elif isinstance(prompt, (list, tuple)):
         tokens = len(prompt)
     elif isinstance(prompt, str):
         tokens = math.ceil(len(prompt) / CHARS_PER_TOKEN)
@@ -66,8 +69,8 @@ def request_cost(args: Sequence[Any], kwargs: Mapping[str, Any], default_max_tok
     n = params.get("n", 1) if isinstance(params, Mapping) else getattr(params, "n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         n = 1
-    # n samples share the prompt's KV blocks (a fork through the prefix cache); each generates.
-    return RequestCost(tokens, tokens + n * max_tokens if tokens else 0)
+    # n samples share their prompt's KV blocks (a fork through the prefix cache); each generates.
+    return RequestCost(tokens, tokens + num_prompts * n * max_tokens if tokens else 0)
 
 
 def prompt_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -78,6 +81,8 @@ def prompt_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
 def prompt_block_hashes(prompt: Any, loads: Mapping[str, ReplicaLoad]) -> list[int]:
     """The prompt's block hashes as the replicas name their cached blocks (their block size),
     for `choose_by_prefix`; empty without token ids or a replica reporting a sketch."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple)):
+        prompt = prompt[0]  # a batch goes to one replica: its first prompt stands for it
     if not isinstance(prompt, (list, tuple)) or not prompt or not isinstance(prompt[0], int):
         return []
     sizes = {load.block_size for load in loads.values() if load.prefix_sketch is not None}

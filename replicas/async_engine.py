@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
 from replicas.engine import Engine
 from replicas.prefix_hash import PrefixSketch
-from replicas.protocol import ReplicaLoad, RequestOutput, SamplingParams
+from replicas.protocol import ReplicaLoad, RequestOutput, SamplingParams, prompt_batch
 from replicas.request import Request
 
 logger = logging.getLogger(__name__)
@@ -66,21 +66,26 @@ class AsyncEngine:
 
     # ---- caller side (any thread / event loop) ---------------------------------------
 
-    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                          request_id: str, priority: int = 0,
+    async def add_request(self, prompt_token_ids: Sequence[int] | Sequence[Sequence[int]],
+                          params: SamplingParams, request_id: str, priority: int = 0,
                           arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Check the request here (InvalidRequestError before anything is queued), queue it on
-        the loop without checking again, then stream its deltas.
+        the loop without checking again, then stream its deltas: one prompt or a batch of them
+        (`protocol.prompt_batch`), `params.n` samples each, every delta carrying its choice
+        `index` (sample j of prompt p is choice p * n + j).
 
         Token ids only: the tokenizer belongs to the loop thread (detokenization). The
         `arrival_time` (perf_counter clock; default now) is when the request arrived, which may
         be before it reached this replica: TTFT and the queue deadline count from it.
         """
-        if isinstance(prompt_token_ids, str):
+        batch = prompt_batch(prompt_token_ids)
+        if any(isinstance(p, str) for p in batch):
             raise TypeError("AsyncEngine.add_request takes prompt token ids, not text")
         now = time.perf_counter()
         arrival = now if arrival_time is None else min(arrival_time, now)
-        reqs = self.engine.make_requests(prompt_token_ids, params, request_id, priority, arrival)
+        n = params.n if isinstance(params, SamplingParams) else 1
+        reqs = [r for p, ids in enumerate(batch)
+                for r in self.engine.make_requests(ids, params, request_id, priority, arrival, first_index=p * n)]
         if not self.is_alive():
             raise EngineDeadError("engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -33,7 +33,7 @@ from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
-                               SamplingParams, Started, sample_id)
+                               SamplingParams, Started, prompt_batch, sample_id)
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +113,11 @@ class LLMServer:
 
     # ---- generation ------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                       request_id: str = "", arrived_at: float | None = None,
+    async def generate(self, prompt_token_ids: list[int] | list[list[int]], params: SamplingParams,
+                       priority: int = 0, request_id: str = "", arrived_at: float | None = None,
                        ) -> AsyncIterator[RequestOutput | RequestRejected]:
-        """Stream one request: first an empty acknowledgement, then a delta per iteration.
+        """Stream one request (one prompt, or a batch: a list of prompts): first an empty
+        acknowledgement, then a delta per iteration, each of one choice (`index`).
 
         A refusal (bad limits, full queue, the queue deadline) is yielded as an item instead of
         raised, so a 429 storm does not fill the replica's log with tracebacks. `arrived_at` is
@@ -134,11 +135,13 @@ class LLMServer:
         except RequestRejected as rejected:
             yield rejected
             return
-        self._queued[request_id] = len(prompt_token_ids)
+        batch = prompt_batch(prompt_token_ids)
+        num_prompt_tokens = sum(len(p) for p in batch)
+        self._queued[request_id] = num_prompt_tokens
         finished = started = False
-        unfinished = params.n  # samples still generating (their deltas share the stream)
+        unfinished = len(batch) * params.n  # choices still generating (their deltas share the stream)
         try:
-            yield Acknowledged(request_id, "", [], False, None, len(prompt_token_ids), 0,
+            yield Acknowledged(request_id, "", [], False, None, num_prompt_tokens, 0,
                                replica_id=self.replica_id, at=time.time())
             async for out in stream:
                 self._queued.pop(request_id, None)
@@ -147,7 +150,7 @@ class LLMServer:
                 unfinished -= out.finished
                 finished, started = unfinished == 0, True
                 if out.finish_reason == "queue_timeout":
-                    yield self._queue_timeout(len(prompt_token_ids))
+                    yield self._queue_timeout(num_prompt_tokens)
                     return
                 yield out
         except InvalidRequestError as rejected:  # the loop refused it at intake (a duplicate id)
@@ -161,8 +164,8 @@ class LLMServer:
             self._live.discard(request_id)
             self._queued.pop(request_id, None)
             if not finished:  # cancelled (client gone) or failed: free its KV blocks now
-                for j in range(params.n):
-                    self.engine.abort(sample_id(request_id, j))
+                for i in range(len(batch) * params.n):
+                    self.engine.abort(sample_id(request_id, i))
 
     async def _accept(self, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -177,7 +180,7 @@ class LLMServer:
             raise InvalidRequestError("params must be a SamplingParams", "params")
         if request_id in self._live:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
-        self._admit(len(prompt_token_ids))
+        self._admit(sum(len(p) for p in prompt_batch(prompt_token_ids)))
         self._live.add(request_id)
         try:
             return await self.engine.add_request(prompt_token_ids, params, request_id, priority, arrival)

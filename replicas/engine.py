@@ -172,17 +172,20 @@ class Engine:
 
     def make_requests(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                       request_id: str | None = None, priority: int = 0,
-                      arrival_time: float | None = None) -> list[Request]:
-        """`make_request`, then the prompt's other `params.n - 1` samples forked from it: ids
-        `protocol.sample_id`, seeds `seed + j`, each waiting for the first one's prefill (`Request.parent`)."""
-        first = self.make_request(prompt, params, request_id, priority, arrival_time)
+                      arrival_time: float | None = None, first_index: int = 0) -> list[Request]:
+        """The `params.n` samples of one prompt, choices `first_index` on of request `request_id`
+        (ids `protocol.sample_id`): `make_request` for the first, then the others forked from
+        it, seeds `seed + j`, each waiting for the first one's prefill (`Request.parent`)."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        first = self.make_request(prompt, params, sample_id(request_id, first_index), priority, arrival_time)
+        first.index = first_index
         reqs = [first]
         for j in range(1, first.params.n):
             sp = first.params
             if sp.seed is not None:
                 sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**63)
-            reqs.append(Request(sample_id(first.request_id, j), first.prompt_token_ids, sp, priority,
-                                first.arrival_time, index=j, parent=first))
+            reqs.append(Request(sample_id(request_id, first_index + j), first.prompt_token_ids, sp, priority,
+                                first.arrival_time, index=first_index + j, parent=first))
         return reqs
 
     def enqueue(self, req: Request) -> None:

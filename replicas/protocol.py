@@ -78,8 +78,18 @@ class ReplicaUnhealthyError(RequestRejected):
 
 
 def sample_id(request_id: str, index: int) -> str:
-    """The engine's id of sample `index` of a request with `SamplingParams.n` > 1."""
+    """The engine's id of choice `index` of a request (sample j of prompt p is choice
+    p * n + j; choice 0 keeps the request's id)."""
     return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def prompt_batch(prompt_token_ids: object) -> list[list[int]]:
+    """A request's prompts: one prompt (a list of token ids) or a batch of them (a list of such
+    lists, completions' batched `prompt`)."""
+    if isinstance(prompt_token_ids, (list, tuple)) and prompt_token_ids and \
+            isinstance(prompt_token_ids[0], (list, tuple)):
+        return [list(p) for p in prompt_token_ids]
+    return [prompt_token_ids]  # type: ignore[list-item]
 
 
 def _invalid(param: str, message: str) -> InvalidRequestError:

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import jsonschema
 import pytest
 
-from app.schemas import ChatCompletionRequest
-from app.streaming import Collected, StreamMeta, chat_events, chat_response
+from app.schemas import ChatCompletionRequest, Usage
+from app.streaming import Collected, Gathered, StreamMeta, chat_events, chat_response
 from app.tools import NO_PARAMETERS, ToolCallReader, ToolPlan, call_schema
 from replicas.protocol import InvalidRequestError, RequestOutput
 
@@ -128,11 +128,11 @@ async def test_a_streamed_call_is_one_delta_before_finish_reason_tool_calls() ->
 
 def test_a_whole_call_has_null_content_and_finish_reason_tool_calls() -> None:
     meta = StreamMeta("chatcmpl-1", "m", 0, include_usage=False)
-    usage = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
-    done = chat_response(meta, Collected('{"city":"Oslo"}', "stop", None, usage), NAMED).model_dump()
+    usage = Usage.of(3, 9)
+    done = chat_response(meta, Gathered([Collected('{"city":"Oslo"}', "stop", None)], usage), NAMED).model_dump()
     message = done["choices"][0]["message"]
     assert message["content"] is None and done["choices"][0]["finish_reason"] == "tool_calls"
     assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city":"Oslo"}'}
-    cut = chat_response(meta, Collected('{"city":"Os', "length", None, usage), NAMED).model_dump()
+    cut = chat_response(meta, Gathered([Collected('{"city":"Os', "length", None)], usage), NAMED).model_dump()
     assert cut["choices"][0]["message"] == {"role": "assistant", "content": '{"city":"Os'}
     assert cut["choices"][0]["finish_reason"] == "length"

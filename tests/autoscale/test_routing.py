@@ -88,6 +88,8 @@ def test_request_cost_from_call_shapes():
     assert request_cost([ids, {"max_tokens": "many"}], {}) == RequestCost(40, 40)
     # n samples: one prompt's blocks, n answers of KV.
     assert request_cost([ids, {"max_tokens": 20, "n": 3}], {}) == RequestCost(40, 100)
+    # A batch of prompts: their tokens, and n answers for each.
+    assert request_cost([[ids, ids[:10]], {"max_tokens": 20, "n": 2}], {}) == RequestCost(50, 130)
 
 
 def test_power_of_two_and_round_robin():
