@@ -145,11 +145,15 @@ class LLMServer:
                                replica_id=self.replica_id, at=time.time())
             async for out in stream:
                 self._queued.pop(request_id, None)
-                if not started:
+                first = not started
+                if first:
                     out = Started(**vars(out), left_at=time.time())
                 unfinished -= out.finished
                 finished, started = unfinished == 0, True
                 if out.finish_reason == "queue_timeout":
+                    if not first:  # never expected (once choice 0 is scheduled no choice expires,
+                        # Scheduler.expire): fail the stream in-band rather than pass for a choice
+                        raise self._queue_timeout(num_prompt_tokens)
                     yield self._queue_timeout(num_prompt_tokens)
                     return
                 yield out

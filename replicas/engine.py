@@ -184,8 +184,9 @@ class Engine:
             sp = first.params
             if sp.seed is not None:
                 sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**63)
+            guide = self.grammars.matcher(sp.guided) if sp.guided is not None else None  # its own state
             reqs.append(Request(sample_id(request_id, first_index + j), first.prompt_token_ids, sp, priority,
-                                first.arrival_time, index=first_index + j, parent=first))
+                                first.arrival_time, index=first_index + j, parent=first, guide=guide))
         return reqs
 
     def enqueue(self, req: Request) -> None:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from replicas.prefix_hash import PrefixSketch, block_hash
+from replicas.prefix_hash import PrefixSketch, SketchCounts, block_hash
 
 if TYPE_CHECKING:
     from replicas.request import Request
@@ -51,6 +51,7 @@ class BlockManager:
         self.hit_tokens = 0
         self.evictions = 0
         self.version = 0  # bumped whenever the set of cached hashes changes
+        self._counts = SketchCounts(num_blocks) if enable_caching else None
         self._sketch: tuple[int, PrefixSketch] | None = None
 
     # ---- sizes ---------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class BlockManager:
         block, _ = self._free.popitem(last=False)
         if (h := self._hash_of.pop(block, None)) is not None:  # reclaim a cached-free block
             del self._cached[h]
+            self._counts.remove(h)
             self.evictions += 1
             self.version += 1
         self._refs[block] = 1
@@ -201,6 +203,7 @@ class BlockManager:
             if h not in self._cached and table[i] not in self._hash_of:
                 self._cached[h] = table[i]
                 self._hash_of[table[i]] = h
+                self._counts.add(h)
                 self.version += 1
         self._registered[rid] = full
 
@@ -214,11 +217,11 @@ class BlockManager:
         return hashes[:num_blocks]
 
     def sketch(self) -> PrefixSketch | None:
-        """A Bloom filter of the cached hashes for the load report (rebuilt only on change)."""
-        if not self.enable_caching:
+        """A Bloom filter of the cached hashes for the load report (packed only on change)."""
+        if self._counts is None:
             return None
         if self._sketch is None or self._sketch[0] != self.version:
-            self._sketch = (self.version, PrefixSketch.of(self._cached, self.num_blocks))
+            self._sketch = (self.version, self._counts.sketch())
         return self._sketch[1]
 
     def check(self) -> None:

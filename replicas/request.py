@@ -78,6 +78,9 @@ class Request:
     # prefill the others wait for so they find the prompt's blocks cached (a fork, no copy).
     index: int = 0
     parent: Request | None = None
+    # Choice 0 of the same client request (n samples, batched prompts); None for choice 0 itself.
+    # Once it has been scheduled the client has a stream, so this one no longer expires.
+    leader: Request | None = None
     # With params.guided: the grammar's state after the output so far (replicas.guided).
     guide: LLMatcher | None = None
 

@@ -164,13 +164,15 @@ class Scheduler:
     def expire(self, now: float) -> list[Request]:
         """Finish the waiting requests never scheduled within `queue_timeout_s` of arrival.
 
-        A preempted request (scheduled before, its client already has tokens) never expires.
+        A preempted request (scheduled before, its client already has tokens) never expires, nor
+        does another choice of a request whose choice 0 was scheduled (its stream has started).
         """
         timeout = self.config.queue_timeout_s
         if timeout is None or not self.waiting:
             return []
         expired = [r for r in self.waiting
-                   if r.first_scheduled_time is None and now - r.arrival_time > timeout]
+                   if r.first_scheduled_time is None and now - r.arrival_time > timeout
+                   and (r.leader is None or r.leader.first_scheduled_time is None)]
         for req in expired:
             self.finish(req, RequestStatus.FINISHED_QUEUE_TIMEOUT)
         return expired
@@ -322,18 +324,21 @@ class Scheduler:
         return max(0, min(limit, req.num_tokens - computed, room))
 
     def _waits_for_parent(self, req: Request) -> bool:
-        """A forked sample waits while the first sample of its prompt prefills, then finds the
-        prompt's blocks cached (static batches do not wait: each member computes its own)."""
+        """A forked sample waits while the first sample of its prompt prefills (running), then
+        finds the prompt's blocks cached. It does not wait for a parent that is itself waiting
+        (preempted, it may queue behind its forks), nor when nothing would be shared (caching
+        off, prompt logprobs); static batches do not wait: each member computes its own."""
         parent = req.parent
-        return (parent is not None and self.blocks.enable_caching and not parent.is_finished
-                and not parent.output_token_ids)
+        return (parent is not None and self.blocks.enable_caching and parent.status == RequestStatus.RUNNING
+                and not parent.output_token_ids and req.params.prompt_logprobs is None)
 
     def _admit(self, req: Request, prefix: list[int]) -> None:
         """Waiting -> running, with the cached blocks of its prefix (they count as computed)."""
         self.waiting.remove(req)
         self.num_waiting_tokens -= req.num_tokens_to_compute
         hit = len(prefix) * self.blocks.block_size
-        self.blocks.count_lookup(req.num_tokens, hit)
+        if req.num_preemptions == 0:  # the client's prompt, once (a recompute is not a query)
+            self.blocks.count_lookup(req.num_prompt_tokens, hit)
         if prefix:
             ok = self.blocks.allocate(req.request_id, hit, prefix)
             assert ok, "a fitted prefix must allocate"

@@ -170,3 +170,18 @@ def test_logprobs_are_the_models_own_not_the_masked_distribution(model_tok) -> N
     first_lp, top = out.logprobs[0]
     assert out.text.startswith("{") and first_lp < -3.0
     assert top[0][1] >= first_lp and top[0][0] != out.token_ids[0]
+
+
+def test_every_sample_of_n_is_constrained(model_tok) -> None:
+    """n forked samples each get their own grammar state: all of them parse and validate, and
+    they differ (each is sampled on its own)."""
+    eng = engine(model_tok)
+    schema = SCHEMAS["nested_objects"]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, n=4,
+                        guided=GuidedDecoding("json_schema", json.dumps(schema)))
+    outs = eng.generate([PROMPTS[1]], sp)
+    assert len(outs) == 4
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    assert len({o.text for o in outs}) > 1

@@ -126,3 +126,15 @@ def test_sketch_reports_the_leading_cached_blocks():
     assert sketch.matched_blocks(hashes) == 10  # all of a's full blocks, not the new one
     assert sketch.matched_blocks(block_hashes([7] + tokens[1:], 4)) == 0
     assert bm.sketch() is sketch  # unchanged cache: the same object, not rebuilt
+
+
+def test_the_kept_sketch_equals_one_built_from_the_cached_hashes():
+    """The counts follow registration and reclaim exactly: the packed sketch is the Bloom filter
+    of what is cached now (evicted hashes gone), bit for bit."""
+    bm = BlockManager(8, 4, enable_caching=True)
+    for seed in range(6):  # 6 x 2 full blocks through an 8-block pool: reclaim happens
+        req = request(f"r{seed}", [seed * 100 + i for i in range(9)])
+        compute(bm, req)
+        bm.free(req.request_id)
+    assert bm.evictions > 0
+    assert bm.sketch() == PrefixSketch.of(bm._cached, bm.num_blocks)

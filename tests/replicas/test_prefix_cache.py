@@ -141,3 +141,52 @@ def test_seeded_samples_are_the_single_requests_with_seed_plus_index(llama):
     singles = [eng.generate([prompt], dataclasses.replace(params, seed=7 + j))[0] for j in range(3)]
     assert [o.token_ids for o in many] == [o.token_ids for o in singles]
     assert len({tuple(o.token_ids) for o in many}) > 1  # different seeds, different samples
+
+
+def test_a_preempted_first_sample_does_not_strand_its_forks():
+    """The first sample is preempted mid-prefill and queues behind its own fork (equal urgency):
+    the fork must not wait for a parent that is itself waiting. Every request finishes."""
+    cfg = EngineConfig(policy="stall_free", max_batch_prefill_tokens=8, max_batch_total_tokens=40,
+                       block_size=BS, priority_aging_s=1000.0, kv_watermark=0.0)
+    s = Scheduler(cfg, BlockManager(10, BS, enable_caching=True), lambda: 0.0)
+    a = Request("a", list(range(1, 7)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                arrival_time=0.0)  # more urgent than p: p is the one preempted
+    s.add(a)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2)
+    p = Request("p", list(range(100, 132)), params, arrival_time=1.0)
+    fork = Request("p#1", list(p.prompt_token_ids), params, arrival_time=1.0, index=1, parent=p)
+    stranded = False  # the first sample preempted while prefilling, queued behind its fork
+    for step in range(200):
+        if step == 1:  # a is decoding now
+            s.add(p)
+            s.add(fork)
+        out = s.schedule()
+        if p in out.preempted and not p.output_token_ids:
+            stranded = s.waiting.index(fork) < s.waiting.index(p)
+        for r in s.advance(out, [7] * sum(q.samples for q in out.seqs), now=0.0):
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+        s.blocks.check()
+        if all(r.is_finished for r in (a, p, fork)):
+            break
+    assert stranded, "the scenario needs the first sample preempted mid-prefill behind its fork"
+    assert all(r.is_finished for r in (a, p, fork)), [r.status for r in (a, p, fork)]
+    assert s.blocks.num_used == 0
+
+
+def test_other_choices_do_not_expire_once_choice_zero_is_scheduled():
+    clock = [0.0]
+    cfg = EngineConfig(policy="stall_free", max_batch_prefill_tokens=64, max_batch_total_tokens=24,
+                       block_size=BS, queue_timeout_s=1.0, kv_watermark=0.0)
+    s = Scheduler(cfg, BlockManager(6, BS, enable_caching=True), lambda: clock[0])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    lead = Request("r", list(range(1, 25)), params, arrival_time=0.0)  # all 6 blocks
+    other = Request("r#1", list(range(50, 74)), params, arrival_time=0.0, index=1, leader=lead)  # no room
+    stranger = Request("x", list(range(80, 104)), params, arrival_time=0.0)
+    for r in (lead, other, stranger):
+        s.add(r)
+    s.schedule()
+    assert lead.first_scheduled_time is not None and other.first_scheduled_time is None
+    clock[0] = 5.0
+    assert [r.request_id for r in s.expire(clock[0])] == ["x"]  # the stranger times out, the choice waits
+    assert other.status == RequestStatus.WAITING
