@@ -145,8 +145,13 @@ class Scheduler:
             if seq.completes:
                 got.append(req)
         self.num_running_tokens += num_sampled
-        for seq in batch.seqs:  # full blocks now computed join the prefix cache
-            self.blocks.cache_computed(seq.request)
+        if self.blocks.enable_caching:  # full blocks now computed join the prefix cache
+            bs = self.blocks.block_size
+            for seq in batch.decodes:  # a decode fills a block only when it reaches its end
+                if seq.request.num_computed_tokens % bs == 0:
+                    self.blocks.cache_computed(seq.request)
+            for seq in batch.prefills:
+                self.blocks.cache_computed(seq.request)
         return got
 
     def load(self) -> ReplicaLoad:
