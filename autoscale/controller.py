@@ -19,8 +19,8 @@ router and policy look replicas up by `replica_key(replica_id)`, the same string
 
 from __future__ import annotations
 
-import time
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,16 +92,20 @@ class LoadBook:
 
     def snapshot(self, replica_ids: Sequence[str] | None = None, window_s: float | None = None,
                  since: float | None = None, tbt_slo_s: float | None = None,
-                 with_tbt: bool = True) -> ClusterSnapshot:
+                 with_tbt: bool = True, with_sketches: bool = False) -> ClusterSnapshot:
         """A `ClusterSnapshot` over `replica_ids` (default: all live replicas).
 
         TBT aggregates cover the last `window_s` (default: the retention window) and samples no
-        older than `since`; `with_tbt=False` skips them (the router only needs loads).
+        older than `since`; `with_tbt=False` skips them (the router only needs loads). The loads'
+        prefix-cache sketches (`ReplicaLoad.prefix_sketch`, up to 16 bits a KV block each) go only
+        with `with_sketches` (the prefix router); everyone else gets the loads without them.
         """
         self.drop_stale()
         now = self._clock()
         ids = sorted(self._loads) if replica_ids is None else [r for r in replica_ids if r in self._loads]
         loads = {r: self._loads[r] for r in ids}
+        if not with_sketches:
+            loads = {r: _without_sketch(load) for r, load in loads.items()}
         samples: list[float] = []
         if with_tbt:
             start = now - min(window_s or self.window_s, self.window_s)
@@ -109,6 +113,10 @@ class LoadBook:
             for r in ids:
                 samples.extend(self._tbt[r].values(now, since))
         return ClusterSnapshot.build(loads, samples, tbt_slo_s, now)
+
+
+def _without_sketch(load: ReplicaLoad) -> ReplicaLoad:
+    return load if load.prefix_sketch is None else dataclasses.replace(load, prefix_sketch=None)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)

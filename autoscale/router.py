@@ -178,7 +178,7 @@ class TokenLoadRouter(RequestRouter):
             if self._controller is None:
                 self._controller = get_or_create_controller(self._controller_name, self._namespace)
             ids = [self._key(r) for r in self.curr_replicas]
-            ref = self._controller.snapshot.remote(ids, with_tbt=False)
+            ref = self._controller.snapshot.remote(ids, with_tbt=False, with_sketches=self._by_prefix)
             snap = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._snapshot_timeout_s)
             self._loads = dict(snap.replicas)
             self._loads_at = time.time()

@@ -151,3 +151,17 @@ def test_reporter_survives_a_dead_controller(controller, wait_until):
     for now in (20_000.0, 20_001.0):  # without a handle nothing is sent, so nothing more fails
         rep.maybe_report(ReplicaLoad(running_tokens=1), now=now)
     assert (rep.num_sent, rep.num_failed) == (sent, 1)
+
+
+def test_prefix_sketches_go_only_to_who_asks():
+    """A replica's Bloom sketch rides in its load; only the prefix router's snapshot carries it
+    (the door, the policy and the token-load router get the loads without it)."""
+    from replicas.prefix_hash import PrefixSketch
+
+    book = LoadBook(window_s=10.0, stale_after_s=2.0, clock=Clock())
+    sketch = PrefixSketch.of([12345], 20)
+    book.report("a", dataclasses.replace(report(100, 0, []), prefix_sketch=sketch))
+    assert book.snapshot(with_tbt=False).replicas["a"].prefix_sketch is None
+    with_sketch = book.snapshot(with_tbt=False, with_sketches=True).replicas["a"]
+    assert with_sketch.prefix_sketch == sketch and 12345 in with_sketch.prefix_sketch
+    assert book.snapshot(with_tbt=False).replicas["a"].running_tokens == 100
