@@ -21,7 +21,7 @@ import statistics
 import time
 
 from loadtests.bench_engine import kv_capacity, run_engine, summarize
-from loadtests.bench_logprobs import SHARES, run_shares
+from loadtests.bench_logprobs import SHARES, run_shares  # noqa: F401 - SHARES re-exported (its test reads it here)
 from loadtests.report import report
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.protocol import GuidedDecoding

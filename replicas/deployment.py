@@ -130,13 +130,14 @@ class LLMServer:
             # Capped: across hosts the clocks may disagree, and skew must not expire requests.
             credit = min(max(0.0, time.time() - arrived_at), self._max_transit_credit_s)
             arrival = time.perf_counter() - credit
+        batch = prompt_batch(prompt_token_ids)
+        num_prompt_tokens = sum(len(p) for p in batch)
         try:
-            stream = await self._accept(prompt_token_ids, params, priority, request_id, arrival)
+            stream = await self._accept(prompt_token_ids, params, priority, request_id, arrival,
+                                        num_prompt_tokens)
         except RequestRejected as rejected:
             yield rejected
             return
-        batch = prompt_batch(prompt_token_ids)
-        num_prompt_tokens = sum(len(p) for p in batch)
         self._queued[request_id] = num_prompt_tokens
         finished = started = False
         unfinished = len(batch) * params.n  # choices still generating (their deltas share the stream)
@@ -171,8 +172,8 @@ class LLMServer:
                 for i in range(len(batch) * params.n):
                     self.engine.abort(sample_id(request_id, i))
 
-    async def _accept(self, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                      request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def _accept(self, prompt_token_ids: list[int] | list[list[int]], params: SamplingParams, priority: int,
+                      request_id: str, arrival: float | None, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
         """Check health, queue room and limits (once, here); queue the request in the engine.
 
         `params` was checked when it was built (at the ingress); this checks what only the
@@ -184,7 +185,7 @@ class LLMServer:
             raise InvalidRequestError("params must be a SamplingParams", "params")
         if request_id in self._live:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
-        self._admit(sum(len(p) for p in prompt_batch(prompt_token_ids)))
+        self._admit(num_prompt_tokens)
         self._live.add(request_id)
         try:
             return await self.engine.add_request(prompt_token_ids, params, request_id, priority, arrival)

@@ -8,8 +8,8 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -165,10 +165,10 @@ class Engine:
         max_tokens = self.limits.max_tokens(len(ids), params.max_tokens)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
-        guide = self.grammars.matcher(params.guided) if params.guided is not None else None
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(request_id, ids, params, priority,
-                       arrival_time if arrival_time is not None else time.perf_counter(), guide=guide)
+                       arrival_time if arrival_time is not None else time.perf_counter(),
+                       guide=self._guide(params))
 
     def make_requests(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                       request_id: str | None = None, priority: int = 0,
@@ -184,10 +184,13 @@ class Engine:
             sp = first.params
             if sp.seed is not None:
                 sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**63)
-            guide = self.grammars.matcher(sp.guided) if sp.guided is not None else None  # its own state
             reqs.append(Request(sample_id(request_id, first_index + j), first.prompt_token_ids, sp, priority,
-                                first.arrival_time, index=first_index + j, parent=first, guide=guide))
+                                first.arrival_time, index=first_index + j, parent=first, guide=self._guide(sp)))
         return reqs
+
+    def _guide(self, params: SamplingParams) -> Any:
+        """A fresh grammar state for a request under structured output (each sample its own)."""
+        return self.grammars.matcher(params.guided) if params.guided is not None else None
 
     def enqueue(self, req: Request) -> None:
         """Queue a request built by `make_request` (no checks again but the id's uniqueness)."""
@@ -321,16 +324,19 @@ class Engine:
 
     def _logprobs(self, req: Request, start: int) -> list[TokenLogprob]:
         """The output tokens from `start` on, with their logprobs and each token's text."""
-        text = self._token_text
-        return [TokenLogprob(tok, text(tok), lp, tuple((i, text(i), v) for i, v in top))
+        return [self._token_logprob(tok, lp, top)
                 for tok, (lp, top) in zip(req.output_token_ids[start:], req.output_logprobs[start:])]
 
     def _prompt_logprobs(self, req: Request) -> list[TokenLogprob]:
         """Every prompt token with its logprob (the first one: None) and top alternatives."""
-        text, ids = self._token_text, req.prompt_token_ids
-        first = TokenLogprob(ids[0], text(ids[0]), None)
-        return [first] + [TokenLogprob(tok, text(tok), lp, tuple((i, text(i), v) for i, v in top))
-                          for tok, (lp, top) in zip(ids[1:], req.prompt_logprobs)]
+        ids = req.prompt_token_ids
+        return [self._token_logprob(ids[0], None, ())] + [
+            self._token_logprob(tok, lp, top) for tok, (lp, top) in zip(ids[1:], req.prompt_logprobs)]
+
+    def _token_logprob(self, token_id: int, logprob: float | None,
+                       top: tuple[tuple[int, float], ...]) -> TokenLogprob:
+        text = self._token_text
+        return TokenLogprob(token_id, text(token_id), logprob, tuple((i, text(i), v) for i, v in top))
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from replicas.prefix_hash import PrefixSketch, SketchCounts, block_hash
+from replicas.prefix_hash import PrefixSketch, SketchCounts, block_hashes
 
 if TYPE_CHECKING:
     from replicas.request import Request
@@ -165,23 +165,22 @@ class BlockManager:
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
         usable = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for h in self._hashes(request, usable):
-            block = self._cached.get(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self._leading(self._hashes(request, usable)[:usable])
 
     def num_cached_leading(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are cached now (the exact view a sketch
         approximates; the simulator's prefix router reads it)."""
-        n = 0
+        return len(self._leading(hashes))
+
+    def _leading(self, hashes: Sequence[int]) -> list[int]:
+        """The cached blocks of the leading `hashes`, up to the first one not cached."""
+        blocks: list[int] = []
         for h in hashes:
-            if h not in self._cached:
+            block = self._cached.get(h)
+            if block is None:
                 break
-            n += 1
-        return n
+            blocks.append(block)
+        return blocks
 
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """A request was admitted: `num_tokens` looked up, `num_hit_tokens` of them cached."""
@@ -198,8 +197,9 @@ class BlockManager:
         done = self._registered.get(rid, 0)
         if full <= done:
             return
-        table = self._tables[rid]
-        for i, h in enumerate(self._hashes(request, full)[done:], start=done):
+        table, hashes = self._tables[rid], self._hashes(request, full)
+        for i in range(done, full):
+            h = hashes[i]
             if h not in self._cached and table[i] not in self._hash_of:
                 self._cached[h] = table[i]
                 self._hash_of[table[i]] = h
@@ -208,13 +208,12 @@ class BlockManager:
         self._registered[rid] = full
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The request's first `num_blocks` block hashes, computed once and kept on it."""
+        """The request's block hashes, at least its first `num_blocks`, computed once and kept on it."""
         hashes, bs = request.block_hashes, self.block_size
-        while len(hashes) < num_blocks:
-            b = len(hashes)
-            tokens = [request.token_at(p) for p in range(b * bs, (b + 1) * bs)]
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens, self.extra_key))
-        return hashes[:num_blocks]
+        if len(hashes) < num_blocks:
+            hashes += block_hashes(request.token_slice(len(hashes) * bs, num_blocks * bs), bs,
+                                   parent=hashes[-1] if hashes else None, extra_key=self.extra_key)
+        return hashes
 
     def sketch(self) -> PrefixSketch | None:
         """A Bloom filter of the cached hashes for the load report (packed only on change)."""

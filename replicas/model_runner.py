@@ -269,7 +269,7 @@ class ModelRunner:
                 if rows:
                     prompt_rows.extend(range(row + rows.start - start, row + rows.stop - start))
                     prompt_spans.append((req, len(rows)))
-            ids.extend(_token_slice(req, start, start + n))
+            ids.extend(req.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(self.blocks.slots(req.request_id, start, start + n))
             if start == 0:
@@ -307,13 +307,3 @@ def _prompt_rows(req: Request, start: int, n: int) -> range:
         raise RuntimeError(f"{req.request_id}: prompt position {done} was never run through the "
                            f"model (a chunk starts at {start}); prompt logprobs need every position")
     return range(done, max(done, min(start + n, end)))
-
-
-def _token_slice(req: Request, start: int, end: int) -> list[int]:
-    """Token ids at positions [start, end) of prompt + output, without concatenating them."""
-    prompt, n = req.prompt_token_ids, len(req.prompt_token_ids)
-    if end <= n:
-        return prompt[start:end]
-    if start >= n:
-        return req.output_token_ids[start - n:end - n]
-    return prompt[start:] + req.output_token_ids[:end - n]

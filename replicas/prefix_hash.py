@@ -37,12 +37,12 @@ def block_hash(parent: int | None, tokens: Sequence[int], extra_key: bytes = b""
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, *, start: int = 0,
-                 parent: int | None = None, extra_key: bytes = b"") -> list[int]:
-    """Hashes of the full blocks of `token_ids` from block index `start` on (`parent`: the hash
-    of block `start - 1`, None at the start)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, *, parent: int | None = None,
+                 extra_key: bytes = b"") -> list[int]:
+    """Hashes of the full blocks of `token_ids` (`parent`: the hash of the block before the
+    first, None at a sequence's start)."""
     out: list[int] = []
-    for b in range(start, len(token_ids) // block_size):
+    for b in range(len(token_ids) // block_size):
         parent = block_hash(parent, token_ids[b * block_size:(b + 1) * block_size], extra_key)
         out.append(parent)
     return out

@@ -110,6 +110,15 @@ class Request:
         """KV tokens this request may ever need: prompt + every token it may generate."""
         return self.num_prompt_tokens + self.params.max_tokens
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output, without concatenating them."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return [*prompt[start:], *self.output_token_ids[:end - n]]  # the prompt may be a range
+
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
