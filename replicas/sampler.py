@@ -98,18 +98,29 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # Keep the smallest prefix whose mass reaches top_p (the first candidate always stays).
         drop = (cum - probs) >= torch.tensor(ps, dtype=probs.dtype).unsqueeze(1)
         probs = probs.masked_fill(drop, 0.0)
-    choice = _race(probs, requests)
+    choice = _race(probs, requests, index, vocab)
     return index.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
-def _race(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """One draw per row from (unnormalised) `probs`: argmax(p / E), E ~ Exp(1)."""
+def _race(probs: torch.Tensor, requests: list[Request], index: torch.Tensor | None = None,
+          vocab: int = 0) -> torch.Tensor:
+    """One draw per row from (unnormalised) `probs`: argmax(p / E), E ~ Exp(1). `index`: the
+    token id of each column when `probs` covers only candidates (top-k, sorted).
+
+    A seeded request draws one E per vocabulary entry, in token order, every step, so its tokens
+    depend on its seed alone, not on what else is in the batch (the candidate count follows the
+    batch's largest top_k, and a top_p anywhere in the batch sorts every row).
+    """
     noise = torch.empty_like(probs)
     seeded = [j for j, r in enumerate(requests) if r.generator is not None]
     if len(seeded) < len(requests):
         noise.exponential_()
     for j in seeded:
-        noise[j].exponential_(generator=requests[j].generator)
+        if index is None:
+            noise[j].exponential_(generator=requests[j].generator)
+        else:
+            full = torch.empty(vocab, dtype=probs.dtype, device=probs.device)
+            noise[j] = full.exponential_(generator=requests[j].generator)[index[j]]
     return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
 
 

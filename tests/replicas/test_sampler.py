@@ -44,13 +44,19 @@ def test_draws_follow_the_filtered_distribution() -> None:
 
 def test_a_seeded_request_draws_the_same_whatever_its_batch() -> None:
     torch.manual_seed(0)
-    logits = torch.randn(6, 50)
+    steps = torch.randn(4, 6, 50)  # the logits of 4 consecutive passes
 
-    def seeded_tokens(batch_rows: list[int]) -> list[int]:
-        rows = [req(temperature=0.9, top_p=0.9, top_k=20, seed=7) if i == 2 else req(temperature=1.0)
-                for i in batch_rows]
-        return [t for i, t in zip(batch_rows, sample(logits[batch_rows], rows)) if i == 2]
+    def seeded_tokens(own: dict, batch_rows: list[int], neighbour: dict) -> list[int]:
+        rows = [req(**own, seed=7) if i == 2 else req(**neighbour) for i in batch_rows]
+        at = batch_rows.index(2)
+        # The same Request objects every pass: the seeded one's generator moves on step by step.
+        return [sample(logits[batch_rows], rows)[at] for logits in steps]
 
-    alone = [seeded_tokens([2]) for _ in range(3)]
-    crowded = seeded_tokens([0, 1, 2, 3, 4, 5])
-    assert alone[0] == alone[1] == alone[2] == crowded
+    for own in ({"temperature": 0.9, "top_p": 0.9, "top_k": 20}, {"temperature": 0.9, "top_k": 5},
+                {"temperature": 0.9, "top_p": 0.7}, {"temperature": 1.3}):
+        alone = seeded_tokens(own, [2], {})
+        assert seeded_tokens(own, [2], {}) == alone
+        # Neighbours that widen the candidates (top_k), sort every row (top_p) or take the argmax.
+        for neighbour in ({"temperature": 1.0}, {"temperature": 1.0, "top_k": 40},
+                          {"temperature": 1.0, "top_p": 0.5}, {"temperature": 0.0}):
+            assert seeded_tokens(own, [0, 1, 2, 3, 4, 5], neighbour) == alone, (own, neighbour)
