@@ -32,8 +32,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""  # all output text decoded so far (cut at a stop string)
-        self.emitted = 0  # characters of `text` already handed out
+        self.pending = ""  # decoded text not handed out yet (cut at a stop string)
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -44,27 +43,30 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int, find_stop: bool = True) -> str | None:
         """Append one token; returns the stop string if the text now contains one (looked for
         in the text this token completes, and only when `find_stop`: not before min_tokens)."""
-        self.ids.append(token_id)
+        ids = self.ids
+        ids.append(token_id)
         if self._stream is not None:
             chunk = self._stream.step(self._backend, token_id)
             if chunk is None:
                 return None
             self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
-            self.read_offset = len(self.ids)
+            self.read_offset = len(ids)
         else:
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            new = self._decode(self.ids[self.prefix_offset:])
+            prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+            new = self._decode(ids[self.prefix_offset:])
             if len(new) <= len(prefix) or new.endswith("\ufffd"):
                 return None
             chunk = new[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         if chunk:
-            before = len(self.text)
-            self.text += chunk
-            if self.stop and find_stop:
-                hit = find_stop_string(self.text, self.stop, before)
+            # A stop string ending in `chunk` starts at most `hold` characters before it, and
+            # `take_delta` never hands out the last `hold`: all of it is in `pending`.
+            before = len(self.pending)
+            self.pending += chunk
+            if find_stop and self.stop:
+                hit = find_stop_string(self.pending, self.stop, before)
                 if hit is not None:
-                    self.text = self.text[:hit[0]]
+                    self.pending = self.pending[:hit[0]]
                     return hit[1]
         return None
 
@@ -73,15 +75,17 @@ class IncrementalDetokenizer:
         if self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             new = self._decode(self.ids[self.prefix_offset:])
-            self.text += new[len(prefix):]
+            self.pending += new[len(prefix):]
             self.read_offset = len(self.ids)
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out, holding back what could still become a stop string."""
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
-        delta = self.text[self.emitted:end]
-        self.emitted = end
-        return delta
+        pending = self.pending
+        end = len(pending) if finished else len(pending) - self.hold
+        if end <= 0:
+            return ""
+        self.pending = pending[end:]
+        return pending[:end]
 
 
 def _backend_decode(tokenizer: PreTrainedTokenizerBase):  # noqa: ANN202 - a bound Rust method

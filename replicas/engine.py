@@ -69,9 +69,22 @@ class IterationStats:
     budget_fallback: bool = False  # the pass-time model was untrusted: the fixed budget applied
 
 
+@dataclass
+class PassSamples:
+    """The latency samples of one pass, gathered by postprocess for the observers (not kept):
+    first-token times and queue times of requests that got their first token, the gaps of
+    those that got a later one, and the requests that finished."""
+
+    ttft: list[float] = dataclasses.field(default_factory=list)
+    queue: list[float] = dataclasses.field(default_factory=list)
+    gaps: list[float] = dataclasses.field(default_factory=list)
+    finished: list[Request] = dataclasses.field(default_factory=list)
+
+
 class EngineObserver(Protocol):
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
-        """After postprocess: batch.seqs' requests carry their new tokens and finish state."""
+        """After postprocess: batch.seqs' requests carry their new tokens and finish state, and
+        `engine.last_pass` holds the pass's latency samples."""
 
     def on_abort(self, request: Request) -> None:
         """A request left between iterations without finishing its generation: aborted
@@ -103,6 +116,7 @@ class Engine:
         self._ids = itertools.count()
         self.iterations: deque[IterationStats] = deque(maxlen=100_000)
         self.recent_tbt: deque[float] = deque(maxlen=config.tbt_sample_window)
+        self.last_pass = PassSamples()
         self.num_tbt_samples = 0
         self.last_load: ReplicaLoad = self.scheduler.load()  # refreshed after every change
         # Called after every iteration with (stats, batch, engine): metrics, load reports.
@@ -265,26 +279,36 @@ class Engine:
         return outputs
 
     def _postprocess(self, batch: SchedulerOutput, token_ids: list[int], now: float) -> list[RequestOutput]:
+        """Advance the pass's requests by their tokens, check stops, emit the deltas; the
+        pass's latency samples go to `last_pass` (observers) and `recent_tbt` (load reports)."""
         outputs = []
-        tbt, n_tbt = self.recent_tbt, 0
+        samples = self.last_pass = PassSamples()
+        gaps = samples.gaps
+        finish, emit, check_stop = self.scheduler.finish, self._emit, self._check_stop
         for req in self.scheduler.advance(batch, token_ids, now):
-            times = req.token_times
+            times = req.token_times  # its last entry is `now` (none: a prompt only scored)
             if len(times) > 1:
-                tbt.append(now - times[-2])
-                n_tbt += 1
-            status = self._check_stop(req)
+                gaps.append(now - times[-2])
+            elif times:
+                samples.ttft.append(now - req.arrival_time)
+                if req.first_scheduled_time is not None:
+                    samples.queue.append(req.first_scheduled_time - req.arrival_time)
+            status = check_stop(req)
             if status is not None:
-                self.scheduler.finish(req, status)
-            outputs.append(self._emit(req))
-        self.num_tbt_samples += n_tbt
+                finish(req, status)
+                samples.finished.append(req)
+            outputs.append(emit(req))
+        self.recent_tbt.extend(gaps)
+        self.num_tbt_samples += len(gaps)
         return outputs
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         params, out = req.params, req.output_token_ids
-        if out:  # none: a prompt only scored (max_tokens 0)
+        n_out = len(out)
+        if n_out:  # none: a prompt only scored (max_tokens 0)
             token = out[-1]
             # As vLLM: nothing stops the first min_tokens tokens (EOS and stop ids are masked too).
-            may_stop = len(out) > params.min_tokens
+            may_stop = n_out > params.min_tokens
             stop = self._detok[req.request_id].add_token(token, find_stop=may_stop)
             if stop is not None:
                 req.stop_reason = stop
@@ -294,7 +318,7 @@ class Engine:
                 return RequestStatus.FINISHED_STOPPED
             if req.guide is not None and self.grammars.advance(req, token):  # its grammar is complete
                 return RequestStatus.FINISHED_STOPPED
-        if len(out) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= params.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

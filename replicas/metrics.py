@@ -176,26 +176,15 @@ class EngineMetrics:
         slo = self.tbt_slo_s
         if slo is not None and stats.duration > slo:
             self.stalls.record(1, {**tags, "cause": "slow_iteration"})
-        ttft: list[float] = []
-        queue: list[float] = []
-        gaps: list[float] = []
+        samples = engine.last_pass  # gathered once, by the engine's postprocess
+        gaps = samples.gaps
         e2e: list[float] = []
-        for seq in batch.seqs:  # the pass's numbers first, then one call per metric
-            if not seq.completes:
-                continue
-            req = seq.request
-            times = req.token_times  # none for a prompt only scored (max_tokens 0)
-            if seq.samples and len(times) == 1:
-                ttft.append(times[0] - req.arrival_time)
-                if req.first_scheduled_time is not None:
-                    queue.append(req.first_scheduled_time - req.arrival_time)
-            elif seq.samples:
-                gaps.append(times[-1] - times[-2])
-            if req.is_finished:
-                if times:
-                    e2e.append(times[-1] - req.arrival_time)
-                self.finished.record(1, {**tags, "finished_reason": req.finish_reason or "unknown"})
-        for metric, values in ((self.ttft, ttft), (self.queue, queue), (self.itl, gaps), (self.e2e, e2e)):
+        for req in samples.finished:
+            if req.token_times:  # none for a prompt only scored (max_tokens 0)
+                e2e.append(req.token_times[-1] - req.arrival_time)
+            self.finished.record(1, {**tags, "finished_reason": req.finish_reason or "unknown"})
+        for metric, values in ((self.ttft, samples.ttft), (self.queue, samples.queue), (self.itl, gaps),
+                               (self.e2e, e2e)):
             if values:
                 metric.record_many(values, tags)
         if gaps and slo is not None:
@@ -204,8 +193,8 @@ class EngineMetrics:
                 self.slo_tokens.record(within, {**tags, "within_slo": "true"})
             if within < len(gaps):
                 self.slo_tokens.record(len(gaps) - within, {**tags, "within_slo": "false"})
-        if ttft or gaps:
-            self.gen_tokens.record(len(ttft) + len(gaps), tags)
+        if samples.ttft or gaps:
+            self.gen_tokens.record(len(samples.ttft) + len(gaps), tags)
         self.record_load(engine.last_load)
 
     def _record_prefix_cache(self, blocks: Any) -> None:

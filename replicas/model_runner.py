@@ -243,21 +243,31 @@ class ModelRunner:
         Decodes are packed by context length (for the grouped attention), prefill chunks after
         them; the logits come back in the batch's own order.
         """
-        decodes = sorted(batch.decodes, key=lambda s: s.start)
+        order = sorted(range(len(batch.decodes)), key=lambda i: batch.decodes[i].start)
+        decodes = [batch.decodes[i] for i in order]
         bs = self.blocks.block_size
         ids: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
-        row_of: dict[int, int] = {}  # id(seq) -> its sampling row in the packed batch
         table_rows: list[int] = []
+        table_of, rows, live = self.blocks.block_table, self._rows, self._live
         for seq in decodes:
             req, start = seq.request, seq.start
-            ids.append(req.token_at(start))
+            ids.append(req.output_token_ids[-1])  # a decode runs its last sampled token
             positions.append(start)
-            table = self.blocks.block_table(req.request_id)
+            table = table_of(req.request_id)
             slots.append(table[start // bs] * bs + start % bs)
-            table_rows.append(self._row(req, table))
-            row_of[id(seq)] = len(ids) - 1
+            key = (req.request_id, req.num_preemptions)
+            entry = rows.get(key)
+            if entry is not None and entry[1] == len(table):  # most passes: nothing new to write
+                live[key] = entry
+                table_rows.append(entry[0])
+            else:
+                table_rows.append(self._row(req, table))
+        # Every decode samples; its row in the packed batch is its place in `order`.
+        sampled = [0] * len(order)
+        for row, i in enumerate(order):
+            sampled[i] = row
         prefills: list[PrefillMeta] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int]] = []
@@ -281,14 +291,13 @@ class ModelRunner:
                 table_row = self._row(req, self.blocks.block_table(req.request_id))
                 prefills.append(PrefillMeta(row, n, self._blocks_of([table_row], ctx)[0], ctx, mask))
             if seq.samples:
-                row_of[id(seq)] = len(ids) - 1
+                sampled.append(len(ids) - 1)
         groups = self._decode_groups(decodes, table_rows)
         self._end_pass()
         meta = AttnMeta(self.k_cache, self.v_cache, bs, torch.tensor(slots, device=self.device),
                         groups, prefills, self._fused_decode)
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)
         position_ids = torch.tensor([positions], device=self.device)  # (1, T)
-        sampled = [row_of[id(s)] for s in batch.seqs if s.samples]
         keep = torch.tensor(sampled + prompt_rows, dtype=torch.long, device=self.device)
         kwargs = {"logits_to_keep": keep} if self._keep_logits else {}
         logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,

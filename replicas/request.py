@@ -27,12 +27,14 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self in FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASON.get(self)
 
+
+FINISHED = frozenset(s for s in RequestStatus if s > RequestStatus.PREEMPTED)  # a set: cheap per pass
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -98,12 +100,13 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_prefilling(self) -> bool:
         """True while a (re)computed prompt has more than the last token left to run."""
-        return not self.output_token_ids or self.num_tokens_to_compute > 1
+        out = self.output_token_ids  # read per running request per pass: kept to plain lookups
+        return not out or len(self.prompt_token_ids) + len(out) - self.num_computed_tokens > 1
 
     @property
     def max_total_tokens(self) -> int:
@@ -125,7 +128,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in FINISHED
 
     @property
     def finish_reason(self) -> str | None:
