@@ -315,7 +315,7 @@ def check_priority(priority: object) -> int:
 # ---- responses ---------------------------------------------------------------------------
 
 
-@dataclass(slots=True)  # one per request per pass: slots make it cheaper to build
+@dataclass
 class RequestOutput:
     """What one iteration produced for one request (a streaming delta)."""
 
