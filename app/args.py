@@ -76,6 +76,9 @@ class AppArgs(BaseModel):
                                      "budget is chosen from it (max_batch_prefill_tokens is the ceiling)")
     slo_budget: bool = Field(_ENGINE.slo_budget, description="with tbt_slo_ms under stall_free: "
                              "choose each pass's prefill budget from the SLO (false: the fixed budget)")
+    slo_admission: bool = Field(_ENGINE.slo_admission, description="with the SLO budget: a waiting "
+                                "request starts only while the running streams' decodes and it are "
+                                "predicted within the SLO (else it waits, and past queue_timeout_s 429)")
     budget_margin: float = Field(_ENGINE.budget_margin, gt=0, le=1, description="the SLO budget aims "
                                  "each pass at tbt_slo_ms x budget_margin")
     tool_call_parser: Literal["hermes"] | None = Field(
@@ -178,7 +181,7 @@ class AppArgs(BaseModel):
             seed=self.seed, queue_timeout_s=self.queue_timeout_s,
             compile_decode_attention=self.compile_decode_attention, tbt_slo_ms=self.tbt_slo_ms,
             enable_prefix_caching=self.enable_prefix_caching,
-            slo_budget=self.slo_budget, budget_margin=self.budget_margin)
+            slo_budget=self.slo_budget, slo_admission=self.slo_admission, budget_margin=self.budget_margin)
 
     def scaling_config(self) -> ScalingConfig:
         """The TBT-SLO autoscaling decision's parameters (autoscale.scaling)."""

@@ -57,6 +57,9 @@ class EngineConfig:
     # slo_budget_floor the least a pass prefills. None: the fixed budget, as before.
     tbt_slo_ms: float | None = None
     slo_budget: bool = True  # False: keep the fixed budget (the SLO then serves metrics and scaling)
+    # With the SLO budget: a waiting request starts only while the running requests' decodes and
+    # it, beside a slo_budget_floor chunk, are predicted within the target (pass_time.SloAdmission).
+    slo_admission: bool = True
     budget_margin: float = 0.8
     slo_budget_floor: int = 16
     # Decode attention as one torch.compile'd kernel that reads each context's KV blocks in place

@@ -21,7 +21,7 @@ from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner, kv_shape
 from replicas.models import load_model, model_max_length
-from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
+from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)
 from replicas.request import Request, RequestStatus
@@ -124,13 +124,17 @@ class Engine:
         # With a TBT SLO: the online pass-time model (and, under stall_free, the SLO budget).
         self.pass_time: PassTimeModel | None = None
         self.slo_budget: SloBudget | None = None
+        self.slo_admission: SloAdmission | None = None
         if config.tbt_slo_ms is not None:
             target = config.tbt_slo_ms / 1000 * config.budget_margin
             self.pass_time = PassTimeModel(error_floor_s=target)
             if config.policy == "stall_free" and config.slo_budget:
                 self.slo_budget = SloBudget(self.pass_time, target, config.slo_budget_floor, log)
                 self.scheduler.prefill_budget = self.slo_budget
+                if config.slo_admission:
+                    self.slo_admission = SloAdmission(self.pass_time, target, config.slo_budget_floor)
             self._profile_passes()
+            self.scheduler.may_admit = self.slo_admission  # after the profile: it runs unhindered
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:

@@ -153,6 +153,10 @@ class EngineMetrics:
         self.cached_blocks = g(p + "prefix_cache_blocks", "KV blocks registered in the prefix cache "
                                "(referenced or reclaimable).", t)
         self._prefix_seen = (0, 0)  # the block manager's (queries, hits) counters last recorded
+        self.admission_held = c(p + "slo_admission_held_total", "Passes in which the next waiting request was held "
+                                "back: its decodes beside the running ones were predicted over the "
+                                "TBT SLO (stall_free with the SLO budget).", t)
+        self._held_seen = 0
 
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
         tags = self.tags
@@ -165,6 +169,10 @@ class EngineMetrics:
         if stats.num_preempted:
             self.preemptions.record(stats.num_preempted, tags)
         self._record_prefix_cache(engine.blocks)
+        held = engine.slo_admission.held if engine.slo_admission is not None else 0
+        if held != self._held_seen:
+            self.admission_held.record(held - self._held_seen, tags)
+            self._held_seen = held
         if stats.num_stalled:
             self.stalls.record(1, {**tags, "cause": "skipped"})
         if stats.predicted_s is not None and stats.duration > 0:

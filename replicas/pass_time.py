@@ -223,3 +223,33 @@ def seed_shapes(ceiling: int) -> Iterable[tuple[int, int]]:
     ceiling, then their decodes (a handful of passes in all)."""
     sizes = sorted({max(1, ceiling // d) for d in (1, 2, 4, 8)})
     return [(n, 1) for n in sizes] + [(max(1, ceiling // 16), 8)]
+
+
+class SloAdmission:
+    """The stall_free scheduler's `may_admit` hook under a TBT SLO: a waiting request starts only
+    while a pass that decodes every running request and it, beside the least prefill chunk the
+    budget allows (`floor`), is predicted within `target_s`.
+
+    The SLO budget protects the gap of the streams running by shrinking the prefill chunk; this
+    protects it from the number of streams itself: past the point where their decodes alone fill
+    the target, admitting more would stretch every stream's gap, so the request waits (and past
+    the queue deadline is refused) instead. Running requests are never preempted for it. With an
+    untrusted model, or nothing running, it admits (the fixed rules apply).
+    `held` counts the passes in which it held the next request back (the queue is strict FCFS).
+    """
+
+    def __init__(self, model: PassTimeModel, target_s: float, floor: int) -> None:
+        self.model, self.target_s, self.floor = model, target_s, floor
+        self.held = 0
+
+    def __call__(self, num_running: int, running_tokens: int, request: Any) -> bool:
+        """`num_running` requests hold `running_tokens` tokens; `request` would join them."""
+        if not num_running or not self.model.trusted:
+            return True
+        n = num_running + 1
+        shape = PassShape(self.floor, n, n + 1, running_tokens + request.num_tokens + self.floor)
+        predicted = self.model.predict(shape)
+        if predicted is None or predicted <= self.target_s:
+            return True
+        self.held += 1
+        return False

@@ -99,6 +99,9 @@ class Scheduler:
         # stall_free: the prefill tokens of a pass, given its decodes, the request whose chunk
         # comes next and the fixed budget's ceiling (the engine's SLO budget). None: the ceiling.
         self.prefill_budget: Callable[[list[ScheduledSeq], Request, int], int] | None = None
+        # Under stall_free, (running requests, their tokens, a waiting request) -> whether it may
+        # start now (the engine's SLO admission). None: whenever KV and max_num_seqs allow.
+        self.may_admit: Callable[[int, int, Request], bool] | None = None
 
     # ---- queue management -------------------------------------------------------------
 
@@ -227,6 +230,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._waits_for_parent(req):
+                return
+            # A preempted request, or another choice of a started one, has a stream running.
+            started = req.num_preemptions > 0 or req.leader is not None
+            if not started and self.may_admit is not None and not self.may_admit(
+                    len(self.running), self.num_running_tokens, req):
                 return
             reserve = self.watermark_blocks if self.running else 0
             prefix = self.blocks.cached_prefix(req)

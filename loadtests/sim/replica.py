@@ -21,7 +21,7 @@ from loadtests.sim.costmodel import CostModel, batch_features
 from loadtests.sim.metrics import Recorder
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
-from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes
+from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes
 from replicas.protocol import InvalidRequestError, Limits
 from replicas.request import Request, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerOutput
@@ -110,6 +110,8 @@ class SimReplica:
             self.pass_time.freeze_seed()
             self.slo_budget = SloBudget(self.pass_time, target, cfg.slo_budget_floor)
             self.scheduler.prefill_budget = self.slo_budget
+            if cfg.slo_admission:
+                self.scheduler.may_admit = SloAdmission(self.pass_time, target, cfg.slo_budget_floor)
         self.rec = recorder
         self.on_finish = on_finish
         self.batch: SchedulerOutput | None = None  # the pass in flight
