@@ -84,6 +84,10 @@ class AppArgs(BaseModel):
     tool_call_parser: Literal["hermes"] | None = Field(
         None, description="reads tool calls out of free text for tool_choice 'auto': hermes takes "
         "<tool_call>{...}</tool_call> blocks (Hermes / Qwen templates); None: 'auto' is a 400")
+    stream_interval_ms: float = Field(1000 * _REPLICA.stream_interval_s, ge=0, le=10_000, description=
+                                      "a stream's tokens go out at most this often (the first and "
+                                      "the last at once), those between merged into one chunk: fewer, "
+                                      "larger items through Serve and SSE with many streams; 0: every pass")
     wedge_timeout_s: float = Field(_REPLICA.wedge_timeout_s, gt=0, description="one iteration longer than this "
                                    "fails the health check")
 
@@ -196,4 +200,5 @@ class AppArgs(BaseModel):
 
     def replica_config(self) -> ReplicaConfig:
         return ReplicaConfig(self.model, self.engine_config(), self.max_queued_tokens,
-                             self.wedge_timeout_s, self.kv_cache_memory_fraction)
+                             self.wedge_timeout_s, self.kv_cache_memory_fraction,
+                             stream_interval_s=self.stream_interval_ms / 1000)

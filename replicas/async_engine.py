@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
 from replicas.engine import Engine
@@ -38,16 +41,46 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+        _call_in(self.loop, self.queue.put_nowait, item)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, fn: Any, arg: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:  # the caller's event loop is closed: nobody is listening
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On the caller's loop: one pass's deltas into their streams' queues."""
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def _merged(first: RequestOutput | BaseException, q: asyncio.Queue) -> list[RequestOutput | BaseException]:
+    """`first` and everything queued behind it, each sample's deltas merged into one (in order;
+    an exception ends the list). A caller slower than the loop (or one holding deltas back for
+    a stream interval) then hands every hop downstream (Serve's stream, SSE) fewer, larger items."""
+    merged: dict[str, RequestOutput] = {}
+    item = first
+    while True:
+        if isinstance(item, BaseException):
+            return [*merged.values(), item]
+        before = merged.get(item.request_id)
+        merged[item.request_id] = item if before is None else before.followed_by(item)
+        if q.empty():
+            return list(merged.values())
+        item = q.get_nowait()
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S) -> None:
+    def __init__(self, engine: Engine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
+                 stream_interval_s: float = 0.0) -> None:
+        """`stream_interval_s`: a stream hands its caller a delta at most this often (the first
+        and the last at once), the tokens in between merged into it; 0: every pass's."""
         self.engine = engine
         self.wedge_timeout_s = wedge_timeout_s
+        self.stream_interval_s = stream_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -98,26 +131,25 @@ class AsyncEngine:
     async def _iterate(self, request_ids: list[str], stream: _Stream) -> AsyncIterator[RequestOutput]:
         """The deltas of the request's samples (one stream for all n), until each finished."""
         unfinished = set(request_ids)
-        held: RequestOutput | None = None  # a delta of another sample, read while merging
+        ready: deque[RequestOutput | BaseException] = deque()  # merged, to hand out in order
+        interval = self.stream_interval_s
+        last: dict[str, float] = {}  # when each sample's latest delta was handed out
         try:
             while unfinished:
-                item = held if held is not None else await stream.queue.get()
-                held = None
-                # A caller slower than the loop gets the deltas that queued up as one: under
-                # load every hop downstream (Serve's stream, SSE) then carries fewer, larger items.
-                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
-                    later = stream.queue.get_nowait()
-                    if not isinstance(later, RequestOutput):
-                        stream.queue.put_nowait(later)  # an exception: raise it after this delta
-                        break
-                    if later.request_id != item.request_id:
-                        held = later  # another sample's: it comes next
-                        break
-                    item = item.followed_by(later)
+                if not ready:
+                    item = await stream.queue.get()
+                    if interval and isinstance(item, RequestOutput) and not item.finished:
+                        wait = last.get(item.request_id, -math.inf) + interval - time.monotonic()
+                        if wait > 0:  # the tokens of the next `wait` seconds go with this one
+                            await asyncio.sleep(wait)
+                    ready.extend(_merged(item, stream.queue))
+                item = ready.popleft()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
                     unfinished.discard(item.request_id)
+                if interval:
+                    last[item.request_id] = time.monotonic()
                 yield item
         finally:
             for request_id in unfinished:  # the caller went away: free its KV blocks next iteration
@@ -165,8 +197,7 @@ class AsyncEngine:
                 # Publish the load before delivering, so no caller holds a token that the
                 # snapshot still shows as waiting.
                 self._publish()
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver_all(outputs)
         except BaseException as exc:  # pragma: no cover - last resort, reported by health
             self.error = exc
             logger.exception("engine loop died")
@@ -221,6 +252,20 @@ class AsyncEngine:
             self.sketch_snapshot, self._sketch_at = engine.blocks.sketch(), now
         if self.tbt_snapshot[0] != engine.num_tbt_samples:
             self.tbt_snapshot = (engine.num_tbt_samples, tuple(engine.recent_tbt))
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A pass's deltas, with one wake-up of each caller's event loop (not one per stream)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            if out.finished:
+                del streams[out.request_id]
+        for loop, items in by_loop.items():
+            _call_in(loop, _put_all, items)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

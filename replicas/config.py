@@ -117,9 +117,15 @@ class ReplicaConfig:
     # KV cache = this fraction of the memory free once the weights are loaded (device memory
     # on a GPU, available RAM on CPU); replaces engine.kv_cache_memory_bytes when set.
     kv_cache_memory_fraction: float | None = None
+    # A stream's deltas go to its caller at most this often (first and last at once), the tokens
+    # between merged: fewer, larger items on every hop (Serve's streams, SSE) for many streams.
+    # 0: one delta per pass (vLLM's and SGLang's stream_interval count tokens instead).
+    stream_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("max_queued_tokens", self.max_queued_tokens)
+        if not 0 <= self.stream_interval_s <= 10:
+            raise ValueError(f"stream_interval_s must be in [0, 10], got {self.stream_interval_s!r}")
         if not self.wedge_timeout_s > 0:
             raise ValueError(f"wedge_timeout_s must be > 0, got {self.wedge_timeout_s}")
         fraction = self.kv_cache_memory_fraction

@@ -93,7 +93,8 @@ class LLMServer:
         if backend is not None:
             slo = config.engine.tbt_slo_ms / 1000 if config.engine.tbt_slo_ms else None
             engine.observers.append(EngineMetrics(backend, config.model, slo))
-        self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s)
+        self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s,
+                                  stream_interval_s=config.stream_interval_s)
         # Load reports to the controller at iteration granularity (only inside Serve).
         self.reporter = reporter_factory() if reporter_factory is not None else None
         if in_serve and self.reporter is not None:

@@ -257,6 +257,28 @@ async def test_async_stream_of_n_samples_carries_each_and_aborts_all(llama):
         ae.shutdown()
 
 
+async def test_a_stream_interval_merges_the_tokens_between_deltas(llama):
+    """With stream_interval_s each stream's first delta goes at once and later ones at most once
+    an interval, carrying every token since: the same tokens and text, in a handful of deltas."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=2)
+    runs = {}
+    for interval in (0.0, 2.0):
+        ae = AsyncEngine(engine_for(llama, "stall_free", max_batch_total_tokens=512), stream_interval_s=interval)
+        try:
+            runs[interval] = [o async for o in await ae.add_request([5, 6, 7, 8], params, "s")]
+        finally:
+            ae.shutdown()
+    for j in range(2):
+        every, merged = ([o for o in runs[i] if o.index == j] for i in (0.0, 2.0))
+        assert [t for o in merged for t in o.delta_token_ids] == [t for o in every for t in o.delta_token_ids]
+        assert "".join(o.delta_text for o in merged) == "".join(o.delta_text for o in every)
+        assert sum(len(o.delta_token_ids) for o in merged) == 40
+        if j == 0:  # the stream's first token goes at once (the other sample's joins the next)
+            assert len(merged[0].delta_token_ids) == 1
+        # 40 tokens take well under 2 s here: a handful of deltas (generous for a slow machine).
+        assert len(merged) <= 10 and merged[-1].finished and sum(o.finished for o in merged) == 1
+
+
 @pytest.mark.parametrize("policy, stalls", [("dynamic", True), ("stall_free", False)])
 def test_generation_stalls_are_counted_only_where_they_happen(llama, policy, stalls):
     """A long prompt arriving while others decode stalls them under dynamic, never under stall_free."""
