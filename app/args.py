@@ -144,6 +144,9 @@ class AppArgs(BaseModel):
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         if self.max_replicas is not None and self.autoscale_by == "tbt_slo":
             self.scaling_config()  # ScalingConfig's ValueError names the field
+        if self.tbt_slo_ms is not None and self.stream_interval_ms >= self.tbt_slo_ms:
+            raise ValueError(f"stream_interval_ms ({self.stream_interval_ms:g}) must be below tbt_slo_ms "
+                             f"({self.tbt_slo_ms:g}): clients would see every gap over the SLO")
         if self.resolved_device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError("device is cuda but num_gpus is 0: give each replica a GPU")
         return self

@@ -31,8 +31,8 @@ def test_defaults_make_a_valid_engine_config() -> None:
     assert AppArgs(num_gpus=1).engine_config().device == "cuda"
     assert args.replica_config().stream_interval_s == 0  # every pass's delta, as vLLM and TGI
     assert AppArgs(stream_interval_ms=50).replica_config().stream_interval_s == 0.05
-    slo = AppArgs(tbt_slo_ms=200, slo_admission=False).engine_config()
-    assert slo.tbt_slo_ms == 200 and slo.slo_budget and not slo.slo_admission
+    slo = AppArgs(tbt_slo_ms=200, slo_admission=True).engine_config()
+    assert slo.tbt_slo_ms == 200 and slo.slo_budget and slo.slo_admission and not args.slo_admission
 
 
 @pytest.mark.parametrize("bad,fragment", [
@@ -47,6 +47,7 @@ def test_defaults_make_a_valid_engine_config() -> None:
     ({"max_batch_prefil_tokens": 256}, "max_batch_prefil_tokens"),  # a typo is not ignored
     ({"tool_call_parser": "mistral"}, "tool_call_parser"),  # only hermes is implemented
     ({"stream_interval_ms": -1}, "stream_interval_ms"),
+    ({"stream_interval_ms": 100, "tbt_slo_ms": 80}, "stream_interval_ms (100) must be below tbt_slo_ms (80)"),
 ])
 def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as err:

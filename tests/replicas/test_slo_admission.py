@@ -98,7 +98,7 @@ def test_the_engine_runs_exactly_as_many_as_the_model_allows_outputs_unchanged(l
     prompts = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in [12, 30, 7, 25, 18, 9]]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     cfg = EngineConfig(policy="stall_free", max_batch_prefill_tokens=256, max_batch_total_tokens=4096,
-                       block_size=8, max_num_seqs=8, tbt_slo_ms=1.0)
+                       block_size=8, max_num_seqs=8, tbt_slo_ms=1.0, slo_admission=True)
     free = Engine(*llama, cfg.replace(tbt_slo_ms=None)).generate(prompts, params)
     eng = Engine(*llama, cfg)
     assert eng.scheduler.may_admit is eng.slo_admission
@@ -120,6 +120,7 @@ def test_the_engine_runs_exactly_as_many_as_the_model_allows_outputs_unchanged(l
     assert [o.token_ids for o in outs] == [o.token_ids for o in free]
     assert max(running) == 3 and eng.slo_admission.held > 0
     assert eng.blocks.num_free == eng.blocks.num_blocks
-    # slo_admission off: the same SLO budget, every request admitted at once.
+    # slo_admission off (the default): the same SLO budget, every request admitted at once.
     off = Engine(*llama, cfg.replace(slo_admission=False))
+    assert not EngineConfig().slo_admission
     assert off.scheduler.may_admit is None and off.slo_budget is not None
