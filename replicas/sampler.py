@@ -115,12 +115,10 @@ def _race(probs: torch.Tensor, requests: list[Request], index: torch.Tensor | No
     seeded = [j for j, r in enumerate(requests) if r.generator is not None]
     if len(seeded) < len(requests):
         noise.exponential_()
-    for j in seeded:
-        if index is None:
-            noise[j].exponential_(generator=requests[j].generator)
-        else:
-            full = torch.empty(vocab, dtype=probs.dtype, device=probs.device)
-            noise[j] = full.exponential_(generator=requests[j].generator)[index[j]]
+    for j in seeded:  # drawn where the request's generator lives (the CPU), then moved
+        full = torch.empty(vocab or probs.shape[1], dtype=probs.dtype)
+        full = full.exponential_(generator=requests[j].generator).to(probs.device)
+        noise[j] = full if index is None else full[index[j]]
     return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
 
 
