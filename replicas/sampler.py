@@ -1,9 +1,12 @@
 """Token sampling (greedy / temperature / top-k / top-p / per-request seed) and stop checks.
 
-All rows that sample are handled together: one temperature division, one top-k, one top-p
-over the candidates, and one draw by the exponential race (argmax of p / E with E ~ Exp(1) picks
-token i with probability p_i). A request with a seed draws its noise from its own generator, so
-its tokens are reproducible whatever else is in the batch.
+All rows that sample are handled together. Rows that keep the whole distribution (no top-k, no
+top-p) draw by its CDF: one cumulative sum and one uniform per row, no noise over the vocabulary.
+The others: one temperature division, one partial top-k over the batch (at least the
+TOP_P_CANDIDATES most likely tokens for top-p rows; a row whose nucleus is wider sorts its own
+vocabulary), one top-p cut, and one draw by the exponential race (argmax of p / E with E ~ Exp(1)
+picks token i with probability p_i). A seeded request draws from its own generator, indexed by
+token id, so its tokens are reproducible whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -73,6 +76,12 @@ def _argmax(logits: torch.Tensor) -> np.ndarray:
     return logits.argmax(dim=-1).cpu().numpy()
 
 
+# Rows without top_k first look for their top-p nucleus among this many most likely tokens (one
+# partial top-k over the batch); only a row whose candidates hold less than its top_p of the
+# probability sorts its whole vocabulary.
+TOP_P_CANDIDATES = 256
+
+
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits (n, V) of non-greedy requests -> (n,) token ids."""
     n, vocab = logits.shape
@@ -81,45 +90,95 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     logits = logits / temps
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     ps = [p.top_p for p in params]
-    kmax = max(ks)
-    if kmax < vocab:  # every row keeps at most kmax candidates: work on those only
-        values, index = torch.topk(logits, kmax, dim=-1)  # sorted, descending
-        keep = torch.arange(kmax).unsqueeze(0) < torch.tensor(ks).unsqueeze(1)
-        values = values.masked_fill(~keep, float("-inf"))
-    elif any(k < vocab for k in ks) or any(p < 1.0 for p in ps):
-        values, index = torch.sort(logits, dim=-1, descending=True)
-        keep = torch.arange(vocab).unsqueeze(0) < torch.tensor(ks).unsqueeze(1)
-        values = values.masked_fill(~keep, float("-inf"))
-    else:  # plain temperature sampling over the whole vocabulary
-        return _race(torch.softmax(logits, dim=-1), requests)
-    probs = torch.softmax(values, dim=-1)  # (n, candidates), descending
-    if any(p < 1.0 for p in ps):
+    plain = [k == vocab and p >= 1.0 for k, p in zip(ks, ps)]  # the whole distribution
+    noise = _seeded_noise(requests, plain, vocab, logits.dtype, logits.device)
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    rows = [i for i in range(n) if plain[i]]
+    if rows:  # by its CDF: one uniform a row, no noise over the vocabulary
+        out[rows] = _by_cdf(torch.softmax(_take(logits, rows), dim=-1), [requests[i] for i in rows],
+                            [noise[i] for i in rows])
+    rows = [i for i in range(n) if not plain[i]]
+    if not rows:
+        return out
+    sub, ks_t = _take(logits, rows), torch.tensor([ks[i] for i in rows], device=logits.device)
+    has_k = ks_t < vocab
+    top_ks = [ks[i] for i in rows if ks[i] < vocab]
+    cand = max(top_ks) if len(top_ks) == len(rows) else min(vocab, max(top_ks + [TOP_P_CANDIDATES]))
+    values, index = torch.topk(sub, cand, dim=-1)  # sorted, descending
+    values = values.masked_fill(torch.arange(cand, device=logits.device)[None, :] >= ks_t[:, None],
+                                float("-inf"))
+    # A top-k row's distribution is renormalised over its k; a top-p-only row's is the vocabulary's.
+    norm = torch.logsumexp(values, -1, keepdim=True)
+    if not bool(has_k.all()):
+        norm = torch.where(has_k[:, None], norm, torch.logsumexp(sub, -1, keepdim=True))
+    probs = torch.exp(values - norm)  # (rows, cand)
+    p_t = torch.tensor([ps[i] for i in rows], dtype=probs.dtype, device=probs.device)
+    cum = probs.cumsum(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first candidate always stays).
+    probs = probs.masked_fill((cum - probs) >= p_t[:, None], 0.0)
+    reqs, rnoise = [requests[i] for i in rows], [noise[i] for i in rows]
+    picked = index.gather(1, _race(probs, reqs, rnoise, index).unsqueeze(1)).squeeze(1)
+    # The candidates hold a top-k row's answer, and a top-p row's once they reach its top_p;
+    # a row whose nucleus is wider sorts its whole vocabulary.
+    wide = [j for j, ok in enumerate((has_k | (cum[:, -1] >= p_t) | (cand == vocab)).tolist()) if not ok]
+    if wide:
+        sorted_v, sorted_i = torch.sort(sub[wide], dim=-1, descending=True)
+        probs = torch.softmax(sorted_v, dim=-1)
         cum = probs.cumsum(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first candidate always stays).
-        drop = (cum - probs) >= torch.tensor(ps, dtype=probs.dtype).unsqueeze(1)
-        probs = probs.masked_fill(drop, 0.0)
-    choice = _race(probs, requests, index, vocab)
-    return index.gather(1, choice.unsqueeze(1)).squeeze(1)
+        probs = probs.masked_fill((cum - probs) >= p_t[wide][:, None], 0.0)
+        choice = _race(probs, [reqs[j] for j in wide], [rnoise[j] for j in wide], sorted_i)
+        picked[wide] = sorted_i.gather(1, choice.unsqueeze(1)).squeeze(1)
+    out[rows] = picked
+    return out
 
 
-def _race(probs: torch.Tensor, requests: list[Request], index: torch.Tensor | None = None,
-          vocab: int = 0) -> torch.Tensor:
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without copying when the rows are all of them."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _seeded_noise(requests: list[Request], plain: list[bool], vocab: int, dtype: torch.dtype,
+                  device: torch.device) -> list[torch.Tensor | None]:
+    """This step's randomness of each seeded request, from its own generator (on the CPU, where
+    it lives): one uniform for a row sampled by its CDF (`plain`), else one E ~ Exp(1) per
+    vocabulary entry in token order (the race, indexed by token id whichever candidates a path
+    keeps); None for unseeded rows. A seeded request's tokens then depend on its seed alone,
+    not on what else is in the batch."""
+    out: list[torch.Tensor | None] = []
+    for r, whole in zip(requests, plain):
+        if r.generator is None:
+            out.append(None)
+        elif whole:
+            out.append(torch.rand(1, dtype=dtype, generator=r.generator).to(device))
+        else:
+            out.append(torch.empty(vocab, dtype=dtype).exponential_(generator=r.generator).to(device))
+    return out
+
+
+def _by_cdf(probs: torch.Tensor, requests: list[Request], noise: list[torch.Tensor | None]) -> torch.Tensor:
+    """One draw per row of `probs` (n, V): the first token whose cumulative probability passes a
+    uniform u (seeded rows: their own u from `noise`)."""
+    u = torch.rand(len(requests), dtype=probs.dtype, device=probs.device)
+    for j, own in enumerate(noise):
+        if own is not None:
+            u[j] = own[0]
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _race(probs: torch.Tensor, requests: list[Request], noise: list[torch.Tensor | None],
+          index: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row from (unnormalised) `probs`: argmax(p / E), E ~ Exp(1). `index`: the
-    token id of each column when `probs` covers only candidates (top-k, sorted).
-
-    A seeded request draws one E per vocabulary entry, in token order, every step, so its tokens
-    depend on its seed alone, not on what else is in the batch (the candidate count follows the
-    batch's largest top_k, and a top_p anywhere in the batch sorts every row).
-    """
-    noise = torch.empty_like(probs)
-    seeded = [j for j, r in enumerate(requests) if r.generator is not None]
-    if len(seeded) < len(requests):
-        noise.exponential_()
-    for j in seeded:  # drawn where the request's generator lives (the CPU), then moved
-        full = torch.empty(vocab or probs.shape[1], dtype=probs.dtype)
-        full = full.exponential_(generator=requests[j].generator).to(probs.device)
-        noise[j] = full if index is None else full[index[j]]
-    return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+    token id of each column when `probs` covers only candidates (top-k, sorted); `noise`: a
+    seeded row's E per token id (`_seeded_noise`), fresh draws for the rest."""
+    e = torch.empty_like(probs)
+    if any(x is None for x in noise):
+        e.exponential_()
+    for j, full in enumerate(noise):
+        if full is not None:
+            e[j] = full if index is None else full[index[j]]
+    return (probs / e.clamp_min_(1e-30)).argmax(dim=-1)
 
 
 def stop_token_hit(token_id: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> bool:

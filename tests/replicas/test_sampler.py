@@ -60,3 +60,39 @@ def test_a_seeded_request_draws_the_same_whatever_its_batch() -> None:
         for neighbour in ({"temperature": 1.0}, {"temperature": 1.0, "top_k": 40},
                           {"temperature": 1.0, "top_p": 0.5}, {"temperature": 0.0}):
             assert seeded_tokens(own, [0, 1, 2, 3, 4, 5], neighbour) == alone, (own, neighbour)
+
+
+def test_top_p_over_a_large_vocabulary_is_exact_whether_or_not_the_candidates_hold_it() -> None:
+    # 1000 tokens: a peaked row (its nucleus is among the first 256 candidates) and a flat one
+    # (it is not: that row sorts its whole vocabulary). Both follow the exact nucleus.
+    vocab, n = 1000, 3000
+    peaked = torch.full((vocab,), -20.0)
+    peaked[[7, 500, 999]] = torch.log(torch.tensor([0.5, 0.3, 0.2]))  # top_p 0.7: tokens 7 and 500
+    flat = torch.zeros(vocab)
+    flat[:600] = 1.0  # 600 tokens of p = e / (600 e + 400) each: top_p 0.5 keeps ceil(0.5 / p) = 374
+    for logits, top_p, allowed in ((peaked, 0.7, {7, 500}), (flat, 0.5, set(range(600)))):
+        rows = [req(temperature=1.0, top_p=top_p, seed=i) for i in range(n)]
+        tokens = sample(logits.expand(n, -1).clone(), rows)
+        assert set(tokens) <= allowed
+        if logits is peaked:
+            assert abs(tokens.count(7) / n - 0.5 / 0.8) < 0.03
+        else:  # 374 tokens equally likely, ~8 draws each: nearly all seen, none beyond them
+            counts = torch.bincount(torch.tensor(tokens), minlength=vocab)
+            kept = int((counts > 0).sum())
+            assert 360 <= kept <= 374 and counts[600:].sum() == 0
+
+
+def test_a_seeded_request_over_a_large_vocabulary_ignores_its_batch() -> None:
+    torch.manual_seed(1)
+    steps = torch.randn(3, 4, 1000) * 3  # a few hundred tokens hold most of the mass
+
+    def tokens(own: dict, neighbour: dict, batch: bool) -> list[int]:
+        rows = [req(**own, seed=11)] + ([req(**neighbour) for _ in range(3)] if batch else [])
+        return [sample(logits[:len(rows)], rows)[0] for logits in steps]
+
+    for own in ({"temperature": 1.0, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0.3},
+                {"temperature": 1.0}, {"temperature": 1.0, "top_k": 300}):
+        alone = tokens(own, {}, batch=False)
+        for neighbour in ({"temperature": 1.0, "top_k": 700}, {"temperature": 1.0, "top_p": 0.5},
+                          {"temperature": 1.0}, {"temperature": 0.0}):
+            assert tokens(own, neighbour, batch=True) == alone, (own, neighbour)
