@@ -22,7 +22,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from loadtests.bench_engine import _greedy, build_workloads, kv_capacity, run_engine, summarize
+from loadtests.bench_engine import _greedy, build_workloads, kv_capacity, median_row, run_engine, summarize
 from loadtests.report import report
 from replicas import Engine, EngineConfig
 from replicas.models import load_model
@@ -38,22 +38,14 @@ def run(model_tok, workload, slo_ms: float | None, admission: bool, args: argpar
     engine = Engine(*model_tok, config)  # with an SLO this profiles a handful of passes first
     engine.generate([[5, 6, 7, 8] * 4] * 2, _greedy(4))  # warm-up
     engine.iterations.clear()
-    running: list[int] = []
-    step = engine.step
-
-    def counted_step():  # noqa: ANN202 - how many requests each pass decoded
-        out = step()
-        running.append(engine.iterations[-1].num_decode_tokens if engine.iterations else 0)
-        return out
-
-    engine.step = counted_step
     traces = run_engine(engine, workload, f"slo {slo_ms} admission {admission}")
+    decodes = [it.num_decode_tokens for it in engine.iterations]  # requests each pass decoded
     gaps = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])]
     slo_s = args.slo_ms / 1000
     row = summarize(traces) | {
         "gaps_within_slo": sum(1 for g in gaps if g <= slo_s) / len(gaps),
-        "decodes_per_pass_max": max(running), "decodes_per_pass_p50": statistics.median(running),
-        "admission_held": engine.slo_admission.held if engine.slo_admission is not None else 0}
+        "decodes_per_pass_max": float(max(decodes)), "decodes_per_pass_p50": float(statistics.median(decodes)),
+        "admission_held": float(engine.slo_admission.held if engine.slo_admission is not None else 0)}
     return row
 
 
@@ -83,14 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, slo, admission in tqdm(order, desc=f"runs (repeat {rep + 1}/{args.repeats})"):
             runs.setdefault(name, []).append(
                 run(model_tok, workload, args.slo_ms if slo else None, admission, args))
-    rows = []
-    for name, _, _ in SYSTEMS:
-        reps = runs[name]
-        row = {"system": name, **reps[0]}
-        for k, v in reps[0].items():
-            if isinstance(v, (int, float)) and all(isinstance(r.get(k), (int, float)) for r in reps):
-                row[k] = statistics.median(r[k] for r in reps)
-        rows.append(row)
+    rows = [{"system": name, **median_row(runs[name])} for name, _, _ in SYSTEMS]
     s = workload.summary()
     lines = [f"SLO admission: {args.model}, stall_free, {torch.get_num_threads()} torch threads, "
              f"{'quick' if args.quick else 'full'} chat ({s['num_requests']} requests at t=0), TBT SLO "

@@ -375,11 +375,10 @@ class Engine:
 
     def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape,
                 predicted: float | None) -> IterationStats:
-        decoding = sum(1 for r in self.scheduler.running if not r.is_prefilling)
         stats = IterationStats(
             start, end - start, shape.prefill_tokens, shape.decode_tokens, shape.sequences,
             shape.context_tokens, len(batch.preempted),
-            num_stalled=decoding - len(batch.decodes), predicted_s=predicted)
+            num_stalled=batch.num_stalled, predicted_s=predicted)
         if self.slo_budget is not None:
             stats.prefill_budget, stats.budget_fallback = self.slo_budget.last, self.slo_budget.fallback
         self.iterations.append(stats)

@@ -250,20 +250,14 @@ class ModelRunner:
         slots: list[int] = []
         positions: list[int] = []
         table_rows: list[int] = []
-        table_of, rows, live = self.blocks.block_table, self._rows, self._live
+        table_of = self.blocks.block_table
         for seq in decodes:
             req, start = seq.request, seq.start
             ids.append(req.output_token_ids[-1])  # a decode runs its last sampled token
             positions.append(start)
             table = table_of(req.request_id)
             slots.append(table[start // bs] * bs + start % bs)
-            key = (req.request_id, req.num_preemptions)
-            entry = rows.get(key)
-            if entry is not None and entry[1] == len(table):  # most passes: nothing new to write
-                live[key] = entry
-                table_rows.append(entry[0])
-            else:
-                table_rows.append(self._row(req, table))
+            table_rows.append(self._row(req, table))
         # Every decode samples; its row in the packed batch is its place in `order`.
         sampled = [0] * len(order)
         for row, i in enumerate(order):

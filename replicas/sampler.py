@@ -113,23 +113,25 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         norm = torch.where(has_k[:, None], norm, torch.logsumexp(sub, -1, keepdim=True))
     probs = torch.exp(values - norm)  # (rows, cand)
     p_t = torch.tensor([ps[i] for i in rows], dtype=probs.dtype, device=probs.device)
-    cum = probs.cumsum(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first candidate always stays).
-    probs = probs.masked_fill((cum - probs) >= p_t[:, None], 0.0)
+    probs, cum = _top_p(probs, p_t)
     reqs, rnoise = [requests[i] for i in rows], [noise[i] for i in rows]
-    picked = index.gather(1, _race(probs, reqs, rnoise, index).unsqueeze(1)).squeeze(1)
+    picked = _race(probs, reqs, rnoise, index)
     # The candidates hold a top-k row's answer, and a top-p row's once they reach its top_p;
     # a row whose nucleus is wider sorts its whole vocabulary.
     wide = [j for j, ok in enumerate((has_k | (cum[:, -1] >= p_t) | (cand == vocab)).tolist()) if not ok]
     if wide:
         sorted_v, sorted_i = torch.sort(sub[wide], dim=-1, descending=True)
-        probs = torch.softmax(sorted_v, dim=-1)
-        cum = probs.cumsum(dim=-1)
-        probs = probs.masked_fill((cum - probs) >= p_t[wide][:, None], 0.0)
-        choice = _race(probs, [reqs[j] for j in wide], [rnoise[j] for j in wide], sorted_i)
-        picked[wide] = sorted_i.gather(1, choice.unsqueeze(1)).squeeze(1)
+        probs, _ = _top_p(torch.softmax(sorted_v, dim=-1), p_t[wide])
+        picked[wide] = _race(probs, [reqs[j] for j in wide], [rnoise[j] for j in wide], sorted_i)
     out[rows] = picked
     return out
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`probs` (n, c), sorted descending, keeping each row's smallest prefix whose mass reaches
+    its top_p (the first candidate always stays); and the cumulative mass before the cut."""
+    cum = probs.cumsum(dim=-1)
+    return probs.masked_fill((cum - probs) >= top_p[:, None], 0.0), cum
 
 
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -168,17 +170,18 @@ def _by_cdf(probs: torch.Tensor, requests: list[Request], noise: list[torch.Tens
 
 
 def _race(probs: torch.Tensor, requests: list[Request], noise: list[torch.Tensor | None],
-          index: torch.Tensor | None = None) -> torch.Tensor:
-    """One draw per row from (unnormalised) `probs`: argmax(p / E), E ~ Exp(1). `index`: the
-    token id of each column when `probs` covers only candidates (top-k, sorted); `noise`: a
-    seeded row's E per token id (`_seeded_noise`), fresh draws for the rest."""
+          index: torch.Tensor) -> torch.Tensor:
+    """One token per row from (unnormalised) `probs` (n, c): the one at the argmax of p / E,
+    E ~ Exp(1). `index`: the token id of each column (candidates, sorted); `noise`: a seeded
+    row's E per token id (`_seeded_noise`), fresh draws for the rest."""
     e = torch.empty_like(probs)
     if any(x is None for x in noise):
         e.exponential_()
     for j, full in enumerate(noise):
         if full is not None:
-            e[j] = full if index is None else full[index[j]]
-    return (probs / e.clamp_min_(1e-30)).argmax(dim=-1)
+            e[j] = full[index[j]]
+    choice = (probs / e.clamp_min_(1e-30)).argmax(dim=-1, keepdim=True)
+    return index.gather(1, choice).squeeze(1)
 
 
 def stop_token_hit(token_id: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> bool:

@@ -58,6 +58,9 @@ class SchedulerOutput:
     decodes: list[ScheduledSeq] = field(default_factory=list)
     prefills: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Running requests that were decoding but get no token this pass (dynamic and static run a
+    # prefill pass without the decodes; stall_free never skips one).
+    num_stalled: int = 0
 
     @property
     def seqs(self) -> list[ScheduledSeq]:
@@ -259,7 +262,9 @@ class Scheduler:
                 break
             self._admit(req, prefix)
             budget -= self._schedule_chunk(out, req, n, reserve=0)
-        if not out.prefills:
+        if out.prefills:  # the decodes wait for a pass of their own
+            out.num_stalled = sum(1 for r in self.running if not r.is_prefilling)
+        else:
             self._schedule_decodes(out)
 
     def _schedule_static(self, out: SchedulerOutput) -> None:
@@ -275,7 +280,8 @@ class Scheduler:
                 self._admit(req, prefix)
                 self.blocks.allocate(req.request_id, total)
         prefilling = [r for r in self.running if r.is_prefilling]
-        if prefilling:
+        if prefilling:  # members already decoding wait for the batch's prompts
+            out.num_stalled = len(self.running) - len(prefilling)
             budget = self.config.max_batch_prefill_tokens
             for req in prefilling:
                 if budget <= 0:
