@@ -6,6 +6,7 @@
     python -m loadtests.overload --set max_queued_tokens=4096 --queue-deadline-s 5
     python -m loadtests.overload --url http://127.0.0.1:8000 --server-pid 1234   # a running server
     python -m loadtests.overload --soak --soak-minutes 30 --soak-fraction 0.7
+    python -m loadtests.overload --bursts 6 --burst-size 128    # bursts at once on a quiet server
 
 Without `--url` it starts its own server (`loadtests/serve_local.py`, the `args:` of
 `serve_config.yaml` plus every `--set key=value`) and stops it at the end. Phases:
@@ -820,6 +821,27 @@ async def run_step(ctx: Ctx, rate: float, seed: int, grace_s: float) -> dict[str
     return summarize(run.recs, ctx.args.step_s)
 
 
+async def bursts(ctx: Ctx, count: int, size: int, pause_s: float) -> dict[str, Any]:
+    """`count` bursts of `size` streaming requests sent at once to an idle server, each after
+    the last has ended and `pause_s` of quiet: what a batch job or a retry storm does. The
+    server has the capacity (the burst fits `max_num_seqs` and the queue); it should take them."""
+    per_burst: list[dict[str, Any]] = []
+    for k in range(count):
+        await asyncio.sleep(pause_s)
+        specs = uniform_specs(np.random.default_rng(ctx.args.seed + 500 + k), size, ctx.model,
+                              ctx.words, ctx.args.max_tokens)
+        with tqdm(total=size, desc=f"burst {k + 1}/{count}", unit="req", leave=False) as bar:
+            run = await open_loop(ctx.client, specs, [0.0] * size, ctx.args.timeout_s, bar)
+            await drain(run, None)
+        s = summarize(run.recs, 0.0)
+        per_burst.append({"counts": s["counts"], "ttft_p99_s": s["ttft_p99_s"],
+                          "e2e_max_s": max((r.end_s or 0.0) for r in run.recs)})
+        tqdm.write(f"burst {k + 1}: {size} at once: " + ", ".join(f"{c} {n}" for c, n in s["counts"].items() if n)
+                   + f"; TTFT p99 {_ms(s['ttft_p99_s'])}")
+    total = {c: sum(b["counts"][c] for b in per_burst) for c in CATEGORIES}
+    return {"count": count, "size": size, "pause_s": pause_s, "bursts": per_burst, "counts": total}
+
+
 async def search(ctx: Ctx, warm: dict[str, Any]) -> dict[str, Any]:
     """The sustainable rate (see the module doc); `--rate` measures that one rate instead."""
     a = ctx.args
@@ -1027,6 +1049,13 @@ async def run_all(args: argparse.Namespace, base: str, root_pid: int | None,
         tqdm.write(f"model {model}: prompts of {ctx.words} words (~{warm['prompt_tokens_est']} tokens), "
                    f"max_tokens {args.max_tokens}; unloaded TTFT {_ms(warm['ttft_p50_s'])}, "
                    f"TBT p50 {_ms(warm['tbt_p50_s'])}")
+        if args.bursts:
+            result["bursts"] = b = await bursts(ctx, args.bursts, args.burst_size, args.burst_pause_s)
+            result["targets"] = [target(f"0 of {b['count']} x {b['size']} burst requests refused",
+                                        f"{b['counts']['429']} x 429, {b['counts']['ok']} ok",
+                                        b["counts"]["ok"] == b["count"] * b["size"])]
+            result["report"] = format_targets(result["targets"])
+            return
         result["search"] = found = await search(ctx, warm)
         rate = found["sustainable_req_s"]
         tqdm.write(f"sustainable: {rate:g} req/s" + ("" if found["found"] else
@@ -1137,6 +1166,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--reject-p99-s", type=f, default=0.5, help="target: 429 p99 latency under this")
     add("--tbt-factor", type=f, default=1.5, help="target: accepted p99 TBT <= this x sustainable's")
     add("--queue-deadline-s", type=f, default=10.0, help="target: accepted p99 TTFT under this")
+    add("--bursts", type=i, default=0, help="instead of the rate search and overload: this many "
+        "bursts of --burst-size streams at once, each on a quiet server")
+    add("--burst-size", type=i, default=128, help="requests per burst")
+    add("--burst-pause-s", type=f, default=1.0, help="quiet before each burst")
     add("--soak", action="store_true", help="soak instead of overload")
     by_mode("--soak-minutes", f, "soak length")
     add("--soak-fraction", type=f, default=0.7, help="soak rate = this x sustainable")

@@ -25,6 +25,7 @@ from typing import Protocol
 
 MAX_RETRY_AFTER_S = 60
 DRAIN_WINDOW_S = 2.0  # passes this recent measure the drain rate
+MIN_BACKLOG_S = 0.5  # a backlog younger than this is judged by capacity, not by what it achieved
 QUEUE_FILL = 0.8  # admit up to 80% of what drains within the deadline: arrivals keep coming
 
 
@@ -37,27 +38,39 @@ class PassRecord(Protocol):
     num_decode_tokens: int
 
 
-def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog: bool, now: float,
-               window_s: float = DRAIN_WINDOW_S) -> float | None:
+def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: float | None,
+               now: float, window_s: float = DRAIN_WINDOW_S,
+               min_backlog_s: float = MIN_BACKLOG_S) -> float | None:
     """Prompt tokens per second this replica prefills; None when there is nothing to go by.
 
-    With a backlog, the achieved prefill rate over the last `window_s` of wall time is the
-    drain rate (it includes passes the queue spent blocked on KV or sequence slots, and is 0.0
-    when nothing was prefilled or nothing ran at all: a stalled queue). Without one the
-    achieved rate only shows the arrivals, so the capacity of the recent passes counts too:
-    per pass, the token budget left after its decodes; with no recent pass, None (unmeasured).
+    `backlog_since`: when the waiting queue last became non-empty (None: it is empty). A
+    backlog older than `min_backlog_s` is measured by what it achieved: the prompt tokens
+    prefilled since it formed (at most `window_s` back), per second of wall time (passes the
+    queue spent blocked on KV or sequence slots count; 0.0 when nothing was prefilled or nothing
+    ran: a stalled queue). Idle time before the backlog does not count against it: a burst
+    arriving at an idle replica is not judged by the quiet second before it. Without a backlog,
+    or with a younger one, the achieved rate only shows the arrivals, so the capacity of the
+    recent passes counts too: per pass, the token budget left after its decodes; with no recent
+    pass, None (unmeasured).
     """
+    start = now - window_s
+    if backlog_since is not None and now - backlog_since >= min_backlog_s:
+        start = max(start, backlog_since)
+        achieved = 0
+        for p in reversed(passes):  # newest last: stop at the first that ended before `start`
+            if p.start + p.duration <= start:
+                break
+            achieved += p.num_prefill_tokens
+        return achieved / max(now - start, 1e-6)
     recent = []
     for p in reversed(passes):  # newest last; stop at the window's edge
-        if p.start < now - window_s:
+        if p.start < start:
             break
         recent.append(p)
     if not recent:
-        return 0.0 if backlog else None
+        return None
     span = max(now - recent[-1].start, sum(p.duration for p in recent), 1e-6)
     achieved = sum(p.num_prefill_tokens for p in recent) / span
-    if backlog:
-        return achieved
     busy = sum(p.duration for p in recent)
     capacity = sum(max(0, budget_tokens - p.num_decode_tokens) for p in recent) / max(busy, 1e-6)
     return max(achieved, capacity)

@@ -110,6 +110,7 @@ class LLMServer:
         self._max_transit_credit_s = timeout / 2 if timeout is not None else MAX_TRANSIT_CREDIT_S
         self._drain_tps: float | None = None
         self._drain_at = float("-inf")
+        self._backlog_since: float | None = None  # when the waiting queue last became non-empty
         logger.info("replica ready: %s", self.model_info())
 
     # ---- generation ------------------------------------------------------------------
@@ -224,9 +225,12 @@ class LLMServer:
         if now - self._drain_at >= DRAIN_REFRESH_S:
             engine = self.engine.engine
             passes = _newest(engine.iterations, RECENT_PASSES)
-            backlog = self.engine.load_snapshot.num_waiting > 0 or bool(self._queued)
+            if self.engine.load_snapshot.num_waiting > 0 or self._queued:
+                self._backlog_since = self._backlog_since if self._backlog_since is not None else now
+            else:
+                self._backlog_since = None
             self._drain_tps = admission.drain_rate(passes, engine.config.max_batch_prefill_tokens,
-                                                   backlog, now)
+                                                   self._backlog_since, now)
             self._drain_at = now
         return self._drain_tps
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replicas.admission import (MAX_RETRY_AFTER_S, QUEUE_FILL, STALLED_RETRY_AFTER_S, QueueView, admits,
-                                door_decision, drain_rate, queue_bound, retry_after_s)
+from replicas.admission import (MAX_RETRY_AFTER_S, MIN_BACKLOG_S, QUEUE_FILL, STALLED_RETRY_AFTER_S,
+                                QueueView, admits, door_decision, drain_rate, queue_bound,
+                                retry_after_s)
 
 
 @dataclass
@@ -27,20 +28,37 @@ def test_admits_empty_queue_always_and_otherwise_within_the_bound() -> None:
 def test_drain_rate_with_a_backlog_is_the_achieved_prefill_rate() -> None:
     # 10 passes of 0.1 s, back to back, 50 prefill tokens each: 500 tokens/s.
     passes = [Pass(t / 10, 0.1, 50, 4) for t in range(10)]
-    assert abs(drain_rate(passes, 256, backlog=True, now=1.0) - 500.0) < 1e-6
+    assert abs(drain_rate(passes, 256, backlog_since=0.0, now=1.0) - 500.0) < 1e-6
 
 
 def test_drain_rate_without_a_backlog_counts_the_budget_left_after_decodes() -> None:
     passes = [Pass(t / 10, 0.1, 0, 56) for t in range(10)]  # decodes only: 200 left per pass
-    assert abs(drain_rate(passes, 256, backlog=False, now=1.0) - 2000.0) < 1e-6
-    assert drain_rate(passes, 256, backlog=True, now=1.0) == 0.0  # a blocked queue drains nothing
+    assert abs(drain_rate(passes, 256, backlog_since=None, now=1.0) - 2000.0) < 1e-6
+    assert drain_rate(passes, 256, backlog_since=0.0, now=1.0) == 0.0  # a blocked queue drains nothing
 
 
 def test_drain_rate_only_reads_the_recent_window() -> None:
     passes = [Pass(0.0, 0.1, 1000, 0), Pass(9.5, 0.1, 100, 0)]
-    assert abs(drain_rate(passes, 256, backlog=True, now=10.0, window_s=2.0) - 200.0) < 1e-6
-    assert drain_rate(passes, 256, backlog=True, now=20.0) == 0.0  # nothing ran, queue waits: stalled
-    assert drain_rate(passes, 256, backlog=False, now=20.0) is None  # idle: nothing to go by
+    assert abs(drain_rate(passes, 256, backlog_since=0.0, now=10.0, window_s=2.0) - 50.0) < 1e-6
+    assert drain_rate(passes, 256, backlog_since=0.0, now=20.0) == 0.0  # nothing ran, queue waits: stalled
+    assert drain_rate(passes, 256, backlog_since=None, now=20.0) is None  # idle: nothing to go by
+
+
+def test_drain_rate_of_a_backlog_counts_only_the_time_since_it_formed() -> None:
+    # A quiet replica decoding (8 decodes a pass, 20 passes over 2 s), then a burst queues at
+    # t = 2.0: the quiet passes before it are not held against the burst.
+    quiet = [Pass(t / 10, 0.05, 0, 8) for t in range(20)]
+    burst = [Pass(2.0 + t / 10, 0.05, 256, 8) for t in range(8)]  # 256 prompt tokens a 0.1 s
+    now = 2.8
+    assert abs(drain_rate(quiet + burst, 256, backlog_since=2.0, now=now) - 8 * 256 / 0.8) < 1e-6
+    # Young (under MIN_BACKLOG_S): judged by the recent passes' capacity, not by what it achieved
+    # so far (nothing yet: the burst's first pass has not run).
+    young = drain_rate(quiet, 256, backlog_since=1.95, now=2.0)
+    assert young is not None and abs(young - (256 - 8) / 0.05) < 1e-6
+    # The same backlog once old enough, still with nothing prefilled: stalled.
+    assert drain_rate(quiet, 256, backlog_since=2.0 - MIN_BACKLOG_S, now=2.0) == 0.0
+    # A young backlog on an idle replica: nothing measured.
+    assert drain_rate([], 256, backlog_since=1.9, now=2.0) is None
 
 
 def test_queue_bound_is_what_drains_within_the_deadline_clamped() -> None:
