@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from app.stream_limit import DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.routing import DEFAULT_PREFIX_IMBALANCE
 from autoscale.scaling import ScalingConfig
@@ -128,6 +129,11 @@ class AppArgs(BaseModel):
     ingress_num_cpus: float = Field(0.5, ge=0, description="reserved per ingress replica: HTTP, "
                                     "JSON and tokenization must not starve under overload")
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    ingress_lag_target_ms: float | None = Field(DEFAULT_TARGET_MS, gt=0, description="the ingress's "
+        "in-flight limit adapts (AIMD) to keep its event-loop lag under this; null: no limit but "
+        "ingress_max_ongoing_requests (app/stream_limit.py)")
+    ingress_min_requests: int = Field(DEFAULT_MIN_LIMIT, ge=1, description="the adaptive limit "
+                                      "never goes below this many requests in flight per ingress")
     ingress_max_queued_requests: int = Field(512, ge=1, description="requests the HTTP proxy "
                                              "holds for a busy ingress; beyond it Serve answers "
                                              "429 + Retry-After itself (plain text)")

@@ -22,6 +22,10 @@ from replicas.deployment import LLMServer
 
 LLM_DEPLOYMENT = "LLMServer"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+# The ingress's handlers run on the replica's own event loop, not on a second one in a thread:
+# one loop relays every token, so its lag (what the in-flight limit, app/stream_limit.py, reads)
+# is the lag of all the ingress's work, and no item crosses threads.
+INGRESS_RUNTIME_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
 
 
 def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
@@ -69,7 +73,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         # The last backstop, in the proxy: Serve's own answer (plain text, not OpenAI's shape).
         max_queued_requests=app_args.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
-        ray_actor_options={"num_cpus": app_args.ingress_num_cpus})
+        ray_actor_options={"num_cpus": app_args.ingress_num_cpus, "runtime_env": INGRESS_RUNTIME_ENV})
     # The replica reports its load to the controller through this (replicas/ imports nothing above it).
     reporter = functools.partial(LoadReporter, controller_name=app_args.controller_name,
                                  namespace=app_args.controller_namespace)

@@ -1,4 +1,5 @@
-"""ASGI middleware that refuses oversized or stalled request bodies before anything parses them."""
+"""ASGI middleware that refuses oversized or stalled request bodies, and requests over the ingress's
+in-flight limit, before anything parses them; and counts responses."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
+from app.stream_limit import watch_loop
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -116,8 +118,48 @@ async def _refuse(send: Send, err: OpenAIError) -> None:
                           (b"content-length", str(len(body)).encode())]
     if err.status_code == 408:
         headers.append((b"connection", b"close"))
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class StreamLimitMiddleware:
+    """Refuse a generation request with 429 before its body is read when this ingress already
+    has `app.state.stream_limit.limit` requests in flight (`app.stream_limit`); count the
+    admitted ones until their response has ended (a stream's last byte, or its client gone).
+    Starts the event-loop watcher that drives the limit on the first request it sees.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._watch: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = getattr(scope.get("app"), "state", None)
+        limit = getattr(state, "stream_limit", None)
+        if limit is None or scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(watch_loop(limit, time.perf_counter))
+        if not limit.admits():
+            limit.num_refused += 1
+            retry = limit.retry_after_s()
+            await _refuse(send, OpenAIError(
+                429, f"the server is at capacity: {limit.in_flight} requests are in flight at this "
+                f"ingress, its limit is {limit.limit} (it adapts to what the ingress relays without "
+                f"falling behind: its event loop lags {1000 * limit.state.lag_s:.0f} ms, target "
+                f"{1000 * limit.target_s:.0f} ms); retry after {retry} s", code="rate_limit_exceeded",
+                headers={"Retry-After": str(retry)}))
+            return
+        limit.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            limit.leave()
 
 
 class StatusCountMiddleware:

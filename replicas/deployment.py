@@ -31,6 +31,7 @@ from replicas.config import ReplicaConfig
 from replicas.engine import Engine
 from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
+from replicas.serve_logs import use_serve_log
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, Started, prompt_batch, sample_id)
@@ -85,6 +86,7 @@ class LLMServer:
     def __init__(self, config: ReplicaConfig, engine_factory: EngineFactory | None = None,
                  metrics_backend: Backend | None = None,
                  reporter_factory: Callable[[], LoadSink] | None = None) -> None:
+        use_serve_log()
         self.config = config
         factory = engine_factory or functools.partial(build_engine, config)
         engine = factory()
