@@ -12,8 +12,11 @@ concurrency-limits). Its signal is this ingress's event-loop lag, how late a sho
 the cause (its own CPU share, the GIL, a saturated host). Every `interval_s`, the mean lag of the
 interval against `target_s`:
 
-- over: limit <- max(min_limit, min(limit, in_flight) x DECREASE), at most once a `cooldown_s`
-  (what was admitted needs a moment to show its cost, as TCP cuts once per round trip);
+- over in each of the last `persist` intervals (2 s; CoDel's rule: a standing queue, not a
+  burst passing through, which a server should absorb):
+  limit <- max(min_limit, min(limit, in_flight) x DECREASE), at most once a `cooldown_s` (what
+  was admitted needs a moment to show its cost, as TCP cuts once per round trip);
+- over, but not through all of them: the limit holds;
 - under: the limit grows, + max(1, limit x GROW_BINDING); once the lag has stayed under the
   target for `settle_s`, x GROW_IDLE + 1 (so a quiet ingress is soon open to a burst again, but
   a lull inside an overload does not throw the door open: it would let a flood in);
@@ -37,6 +40,7 @@ DEFAULT_MIN_LIMIT = 8  # AppArgs.ingress_min_requests
 DECREASE = 0.8
 GROW_BINDING = 0.05
 GROW_IDLE = 1.5
+PERSIST = 4  # control intervals (0.5 s each) the lag must stay over the target before a cut
 TICK_S = 0.02  # the watcher's timer
 RATE_WINDOW_S = 10.0  # requests ended this recently give the Retry-After's drain rate
 MAX_RETRY_AFTER_S = 60
@@ -57,6 +61,7 @@ class StreamLimit:
 
     def __init__(self, max_limit: int, *, target_s: float, min_limit: int = DEFAULT_MIN_LIMIT,
                  interval_s: float = 0.5, cooldown_s: float = 1.0, settle_s: float = 5.0,
+                 persist: int = PERSIST,
                  clock: Callable[[], float]) -> None:
         if not 1 <= min_limit <= max_limit:
             raise ValueError(f"need 1 <= min_limit ({min_limit}) <= max_limit ({max_limit})")
@@ -71,6 +76,9 @@ class StreamLimit:
         self._interval_start = clock()
         self._decreased_at = float("-inf")
         self._over_at = float("-inf")  # the last interval whose lag was over the target
+        # The last `persist` intervals' mean lags: only a lag that stays over the target through
+        # all of them cuts (CoDel's rule: a standing queue, not a burst passing through).
+        self._recent: deque[float] = deque(maxlen=persist)
         self.state = LimitState(max_limit, 0, 0.0)
         self.num_refused = 0
         self.on_step: Callable[[LimitState], None] | None = None  # metrics
@@ -115,12 +123,15 @@ class StreamLimit:
             self._lag_sum, self._lag_n, self._interval_start = 0.0, 0, now
 
     def _step(self, now: float, lag_s: float) -> None:
+        self._recent.append(lag_s)
         if lag_s > self.target_s:
             self._over_at = now
-            if now - self._decreased_at >= self.cooldown_s:
+            standing = len(self._recent) == self._recent.maxlen and min(self._recent) > self.target_s
+            if standing and now - self._decreased_at >= self.cooldown_s:
                 base = min(self._limit, float(self.in_flight))
                 self._limit = max(float(self.min_limit), base * DECREASE)
                 self._decreased_at = now
+            # over but not (yet) standing: hold the limit where it is
         elif now - self._over_at >= self.settle_s:
             self._limit = min(float(self.max_limit), self._limit * GROW_IDLE + 1.0)
         else:

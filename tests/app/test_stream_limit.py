@@ -11,7 +11,7 @@ import json
 from starlette.types import Message
 
 from app.middleware import StreamLimitMiddleware
-from app.stream_limit import DECREASE, GROW_IDLE, StreamLimit, watch_loop
+from app.stream_limit import DECREASE, GROW_IDLE, PERSIST, StreamLimit, watch_loop
 
 
 class Clock:
@@ -45,19 +45,31 @@ def test_admits_until_the_limit_and_counts_what_leaves() -> None:
     assert limit.admits() and limit.in_flight == 2
 
 
-def test_lag_over_the_target_cuts_from_what_is_in_flight_once_a_cooldown() -> None:
+def test_a_standing_lag_cuts_from_what_is_in_flight_once_a_cooldown() -> None:
     limit, clock = limit_of(max_limit=100)
     for _ in range(40):
         limit.enter()
-    interval(limit, clock, lag_s=0.2)  # over: min(100, 40) x 0.8
+    for _ in range(PERSIST - 1):  # over, but not yet through PERSIST intervals: hold
+        interval(limit, clock, lag_s=0.2)
+        assert limit.limit == 100
+    interval(limit, clock, lag_s=0.2)  # standing: min(100, 40) x 0.8
     assert limit.limit == int(40 * DECREASE) == 32 and limit.state.lag_s == 0.2
     interval(limit, clock, lag_s=0.2)  # 0.5 s later: inside the cooldown, no second cut
     assert limit.limit == 32
     interval(limit, clock, lag_s=0.2)  # 1.0 s after the cut: cut again, from the limit now
     assert limit.limit == int(32 * DECREASE) == 25
-    for _ in range(20):
+    for _ in range(40):
         interval(limit, clock, lag_s=0.2)
     assert limit.limit == 4  # never below min_limit
+
+
+def test_a_burst_passing_through_does_not_cut() -> None:
+    limit, clock = limit_of(max_limit=100)
+    for _ in range(90):
+        limit.enter()
+    for lag in [0.2, 0.3, 0.01, 0.2, 0.2, 0.2, 0.02, 0.1] * 3:  # high, but dips under the target
+        interval(limit, clock, lag_s=lag)
+    assert limit.limit == 100
 
 
 def test_the_mean_lag_of_an_interval_decides_not_one_spike() -> None:
