@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
 START_ATTEMPTS = 3  # a request no replica has started is sent again when its replica died
 RETRY_BACKOFF_S = 0.2
-ACK_SLACK_S = 1.0
-LIMIT_LOG_EVERY_S = 5.0  # beyond the queue deadline, time allowed to reach a replica
+ACK_SLACK_S = 1.0  # beyond the queue deadline, time allowed to reach a replica
+LIMIT_LOG_EVERY_S = 5.0  # the in-flight limit's log line, at most this often
 
 api = FastAPI(title="stallfree-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 install_handlers(api)

@@ -146,8 +146,7 @@ class StreamLimitMiddleware:
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(watch_loop(limit, time.perf_counter))
         if not limit.admits():
-            limit.num_refused += 1
-            retry = limit.retry_after_s()
+            retry = limit.refuse()
             await _refuse(send, OpenAIError(
                 429, f"the server is at capacity: {limit.in_flight} requests are in flight at this "
                 f"ingress, its limit is {limit.limit} (it adapts to what the ingress relays without "

@@ -99,17 +99,24 @@ class StreamLimit:
         self.in_flight = max(0, self.in_flight - 1)
         now = self._clock()
         self._ended.append(now)
-        while self._ended and now - self._ended[0] > RATE_WINDOW_S:
-            self._ended.popleft()
+        self._forget_ended(now)
+
+    def refuse(self) -> int:
+        """Count a refusal; its Retry-After (`retry_after_s`)."""
+        self.num_refused += 1
+        return self.retry_after_s()
 
     def retry_after_s(self) -> int:
         """Whole seconds until the requests over the limit have ended at the recent rate."""
-        now = self._clock()
-        ended = sum(1 for t in self._ended if now - t <= RATE_WINDOW_S)
-        if not ended:
+        self._forget_ended(self._clock())
+        if not self._ended:
             return STALLED_RETRY_AFTER_S
         excess = self.in_flight - self.limit + 1
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(excess / (ended / RATE_WINDOW_S))))
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(excess / (len(self._ended) / RATE_WINDOW_S))))
+
+    def _forget_ended(self, now: float) -> None:
+        while self._ended and now - self._ended[0] > RATE_WINDOW_S:
+            self._ended.popleft()
 
     # ---- control ------------------------------------------------------------------------
 

@@ -31,10 +31,10 @@ from replicas.config import ReplicaConfig
 from replicas.engine import Engine
 from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
-from replicas.serve_logs import use_serve_log
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, Started, prompt_batch, sample_id)
+from replicas.serve_logs import use_serve_log
 
 logger = logging.getLogger(__name__)
 
@@ -227,10 +227,10 @@ class LLMServer:
         if now - self._drain_at >= DRAIN_REFRESH_S:
             engine = self.engine.engine
             passes = _newest(engine.iterations, RECENT_PASSES)
-            if self.engine.load_snapshot.num_waiting > 0 or self._queued:
-                self._backlog_since = self._backlog_since if self._backlog_since is not None else now
-            else:
+            if not (self.engine.load_snapshot.num_waiting > 0 or self._queued):
                 self._backlog_since = None
+            elif self._backlog_since is None:
+                self._backlog_since = now
             self._drain_tps = admission.drain_rate(passes, engine.config.max_batch_prefill_tokens,
                                                    self._backlog_since, now)
             self._drain_at = now
