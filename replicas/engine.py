@@ -19,13 +19,13 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.guided import Grammars
 from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
-from replicas.model_runner import ModelRunner, kv_shape
+from replicas.model_runner import ModelRunner, PassLogits, kv_shape
 from replicas.models import load_model, model_max_length
 from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)
-from replicas.request import Request, RequestStatus
-from replicas.sampler import prompt_logprobs, sample, stop_token_hit, token_logprobs
+from replicas.request import FINISHED, Request, RequestStatus
+from replicas.sampler import argmax, prompt_logprobs, sample, stop_token_hit, token_logprobs
 from replicas.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -256,10 +256,7 @@ class Engine:
         predicted = self.pass_time.predict(shape) if self.pass_time is not None else None
         start = time.perf_counter()
         logits = self.runner.execute(batch)
-        sampling = [s.request for s in batch.seqs if s.samples]
-        processed = self.grammars.mask(self.logits_processors(logits.sampled, sampling), sampling)
-        token_ids = sample(processed, sampling)
-        token_logprobs(logits.sampled, sampling, token_ids)  # raw: before the processors and the mask
+        token_ids = self._sample(logits, [s.request for s in batch.seqs if s.samples])
         prompt_logprobs(logits.prompt, logits.prompt_spans)
         now = time.perf_counter()
         stats = self._record(batch, start, now, shape, predicted)
@@ -268,6 +265,16 @@ class Engine:
         for observer in self.observers:
             observer.on_iteration(stats, batch, self)
         return expired + outputs
+
+    def _sample(self, logits: PassLogits, sampling: list[Request]) -> list[int]:
+        """The token of each request that samples this pass (in batch order)."""
+        if all(r.argmax_only for r in sampling):  # the common greedy pass: nothing else to do
+            self.logits_processors.release_finished()
+            return argmax(logits.sampled)
+        processed = self.grammars.mask(self.logits_processors(logits.sampled, sampling), sampling)
+        token_ids = sample(processed, sampling)
+        token_logprobs(logits.sampled, sampling, token_ids)  # raw: before the processors and the mask
+        return token_ids
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past the queue deadline leave before the pass is scheduled."""
@@ -288,8 +295,9 @@ class Engine:
         outputs = []
         samples = self.last_pass = PassSamples()
         gaps = samples.gaps
-        finish, emit, check_stop = self.scheduler.finish, self._emit, self._check_stop
+        finish, emit, check_stop, detoks = self.scheduler.finish, self._emit, self._check_stop, self._detok
         for req in self.scheduler.advance(batch, token_ids, now):
+            detok = detoks[req.request_id]
             times = req.token_times  # its last entry is `now` (none: a prompt only scored)
             if len(times) > 1:
                 gaps.append(now - times[-2])
@@ -297,23 +305,23 @@ class Engine:
                 samples.ttft.append(now - req.arrival_time)
                 if req.first_scheduled_time is not None:
                     samples.queue.append(req.first_scheduled_time - req.arrival_time)
-            status = check_stop(req)
+            status = check_stop(req, detok)
             if status is not None:
                 finish(req, status)
                 samples.finished.append(req)
-            outputs.append(emit(req))
+            outputs.append(emit(req, detok))
         self.recent_tbt.extend(gaps)
         self.num_tbt_samples += len(gaps)
         return outputs
 
-    def _check_stop(self, req: Request) -> RequestStatus | None:
+    def _check_stop(self, req: Request, detok: IncrementalDetokenizer) -> RequestStatus | None:
         params, out = req.params, req.output_token_ids
         n_out = len(out)
         if n_out:  # none: a prompt only scored (max_tokens 0)
             token = out[-1]
             # As vLLM: nothing stops the first min_tokens tokens (EOS and stop ids are masked too).
             may_stop = n_out > params.min_tokens
-            stop = self._detok[req.request_id].add_token(token, find_stop=may_stop)
+            stop = detok.add_token(token, find_stop=may_stop)
             if stop is not None:
                 req.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
@@ -326,9 +334,9 @@ class Engine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _emit(self, req: Request) -> RequestOutput:
-        detok = self._detok[req.request_id]
-        finished = req.is_finished
+    def _emit(self, req: Request, detok: IncrementalDetokenizer | None = None) -> RequestOutput:
+        detok = detok if detok is not None else self._detok[req.request_id]
+        finished = req.status in FINISHED
         if finished and not isinstance(req.stop_reason, str):
             detok.flush()  # a stop string already cut the text; anything else keeps it all
         out_ids = req.output_token_ids

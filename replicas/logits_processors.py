@@ -55,8 +55,7 @@ class LogitsProcessors:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits (N, V) of `requests` -> the logits to sample from: `logits` itself when no
         request changes them, else a float32 copy with every row that asks processed."""
-        if self._states:
-            self._release_finished()
+        self.release_finished()
         asking = [i for i, r in enumerate(requests) if r.params.processes_logits]
         if not asking:
             return logits
@@ -152,7 +151,10 @@ class LogitsProcessors:
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         return self._free_rows.pop()
 
-    def _release_finished(self) -> None:
+    def release_finished(self) -> None:
+        """Forget the requests that finished (their count rows are free again)."""
+        if not self._states:
+            return
         for req in [r for r in self._states if r.is_finished]:
             st = self._states.pop(req)
             if st.row is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
@@ -175,63 +176,89 @@ class ModelRunner:
         self._fused_decode = (torch.compile(decode_in_place, dynamic=True)
                               if compile_decode_attention else None)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # Persistent block table: one row per request in recent passes (see _row).
+        # Persistent block table, on the host: one row per request in recent passes (see _row).
+        # Each pass's metadata is sliced from it with numpy (microseconds, where a small torch op
+        # costs ~10 us on CPU) and handed to the device once.
         width = -(-max_model_len // blocks.block_size)
-        self._table = torch.zeros((64, width), dtype=torch.int32, device=self.device)
+        self._table = np.zeros((64, width), dtype=np.int64)
         self._free_rows: list[int] = list(range(63, -1, -1))
-        self._rows: dict[tuple[str, int], list[int]] = {}  # key -> [row, blocks written]
-        self._live: dict[tuple[str, int], list[int]] = {}
+        # request -> [row, blocks written, preemptions when written]
+        self._rows: dict[Request, list[int]] = {}
+        self._live: dict[Request, list[int]] = {}
 
     def _row(self, req: Request, table: list[int]) -> int:
         """The request's row of the persistent block table (`table`: its block table now), its
         new blocks written in.
 
-        Keyed by (id, preemptions): a preempted request comes back with new blocks. A request
-        absent from a pass gives its row back (rows are cheap to fill again).
+        A preempted request comes back with new blocks (its entry remembers the preemption
+        count it was written for). A request absent from a pass gives its row back (rows are
+        cheap to fill again).
         """
-        key = (req.request_id, req.num_preemptions)
-        entry = self._rows.get(key)
-        if entry is None:
-            entry = [self._free_rows.pop() if self._free_rows else self._grow_rows(), 0]
-        row, have = entry
+        entry = self._rows.get(req)
+        if entry is None or entry[2] != req.num_preemptions:
+            row = entry[0] if entry is not None else self._take_row()
+            entry = [row, 0, req.num_preemptions]
+        row, have = entry[0], entry[1]
         if have < len(table):
-            self._table[row, have:len(table)] = torch.tensor(table[have:], dtype=self._table.dtype)
+            self._table[row, have:len(table)] = table[have:]
             entry[1] = len(table)
-        self._live[key] = entry
+        self._live[req] = entry
         return row
 
-    def _grow_rows(self) -> int:
-        n = self._table.shape[0]
-        self._table = torch.cat((self._table, torch.zeros_like(self._table)))
-        self._free_rows.extend(range(2 * n - 1, n, -1))
-        return n
+    def _decode_rows(self, decodes: list[ScheduledSeq]) -> list[int]:
+        """`_row` of every decode; a decode whose row already holds the block of its position
+        (all but one pass in block_size) is a dict lookup."""
+        rows_get, live, bs = self._rows.get, self._live, self.blocks.block_size
+        table_of, slow = self.blocks.block_table, self._row
+        out = []
+        for seq in decodes:
+            req = seq.request
+            entry = rows_get(req)
+            if entry is None or entry[1] * bs <= seq.start or entry[2] != req.num_preemptions:
+                out.append(slow(req, table_of(req.request_id)))
+            else:
+                live[req] = entry
+                out.append(entry[0])
+        return out
+
+    def _take_row(self) -> int:
+        if not self._free_rows:  # double the table
+            n = self._table.shape[0]
+            self._table = np.concatenate((self._table, np.zeros_like(self._table)))
+            self._free_rows.extend(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
 
     def _end_pass(self) -> None:
         """Rows of requests that were not in this pass go back to the free list."""
-        for key, (row, _) in self._rows.items():
-            if key not in self._live:
-                self._free_rows.append(row)
+        live = self._live
+        for req, entry in self._rows.items():
+            if req not in live:
+                self._free_rows.append(entry[0])
         self._rows, self._live = self._live, {}
 
-    def _blocks_of(self, rows: list[int], length: int) -> torch.Tensor:
-        """(len(rows), nblk) KV blocks holding positions [0, length) of each row's request."""
-        return self._table[rows, :-(-length // self.blocks.block_size)].to(torch.long)
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device)
 
     def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[DecodeGroup]:
         """Decodes (sorted by context length) in groups whose padding stays small."""
-        groups, i = [], 0
+        groups, i, n = [], 0, len(seqs)
         lens = [s.start + 1 for s in seqs]
-        while i < len(seqs):
-            j = i + 1  # grow while padding to the group's longest stays under PAD_SLACK x real
+        bs = self.blocks.block_size
+        table = self._table
+        while i < n:
             total = lens[i]
-            while j < len(seqs) and (j - i + 1) * lens[j] <= PAD_SLACK * (total + lens[j]) + PAD_MIN:
-                total += lens[j]
-                j += 1
-            blocks = self._blocks_of(rows[i:j], lens[j - 1])  # (B, nblk), padded with real blocks
-            lens_t = torch.tensor(lens[i:j], device=self.device)
-            arange = torch.arange(blocks.shape[1] * self.blocks.block_size, device=self.device)
-            mask = (arange[None, :] < lens_t[:, None])[:, None, None, :]  # (B, 1, 1, Lmax)
-            groups.append(DecodeGroup(i, blocks, mask, lens_t))
+            if i == 0 and n * lens[-1] <= PAD_SLACK * sum(lens) + PAD_MIN:
+                j = n  # the usual case: all of them in one group
+            else:
+                j = i + 1  # grow while padding to the group's longest stays under PAD_SLACK x real
+                while j < n and (j - i + 1) * lens[j] <= PAD_SLACK * (total + lens[j]) + PAD_MIN:
+                    total += lens[j]
+                    j += 1
+            nblk = -(-lens[j - 1] // bs)
+            blocks = table[rows[i:j], :nblk]  # (B, nblk), padded with real blocks
+            lens_a = np.array(lens[i:j])
+            mask = (np.arange(nblk * bs)[None, :] < lens_a[:, None])[:, None, None, :]  # (B, 1, 1, Lmax)
+            groups.append(DecodeGroup(i, self._tensor(blocks), self._tensor(mask), self._tensor(lens_a)))
             i = j
         return groups
 
@@ -246,18 +273,15 @@ class ModelRunner:
         order = sorted(range(len(batch.decodes)), key=lambda i: batch.decodes[i].start)
         decodes = [batch.decodes[i] for i in order]
         bs = self.blocks.block_size
-        ids: list[int] = []
-        slots: list[int] = []
-        positions: list[int] = []
-        table_rows: list[int] = []
-        table_of = self.blocks.block_table
-        for seq in decodes:
-            req, start = seq.request, seq.start
-            ids.append(req.output_token_ids[-1])  # a decode runs its last sampled token
-            positions.append(start)
-            table = table_of(req.request_id)
-            slots.append(table[start // bs] * bs + start % bs)
-            table_rows.append(self._row(req, table))
+        # A decode runs its last sampled token at position `start`; its slot comes from the
+        # persistent block table, all decodes at once.
+        ids = [seq.request.output_token_ids[-1] for seq in decodes]
+        positions = [seq.start for seq in decodes]
+        table_rows = self._decode_rows(decodes)
+        slot_parts: list[np.ndarray] = []
+        if decodes:
+            pos = np.array(positions)
+            slot_parts.append(self._table[table_rows, pos // bs] * bs + pos % bs)
         # Every decode samples; its row in the packed batch is its place in `order`.
         sampled = [0] * len(order)
         for row, i in enumerate(order):
@@ -275,7 +299,7 @@ class ModelRunner:
                     prompt_spans.append((req, len(rows)))
             ids.extend(req.token_slice(start, start + n))
             positions.extend(range(start, start + n))
-            slots.extend(self.blocks.slots(req.request_id, start, start + n))
+            slot_parts.append(np.array(self.blocks.slots(req.request_id, start, start + n), dtype=np.int64))
             if start == 0:
                 prefills.append(PrefillMeta(row, n, None, n, None))
             else:
@@ -283,13 +307,14 @@ class ModelRunner:
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # (n, ctx)
                 table_row = self._row(req, self.blocks.block_table(req.request_id))
-                prefills.append(PrefillMeta(row, n, self._blocks_of([table_row], ctx)[0], ctx, mask))
+                ctx_blocks = self._tensor(self._table[table_row, :-(-ctx // bs)])
+                prefills.append(PrefillMeta(row, n, ctx_blocks, ctx, mask))
             if seq.samples:
                 sampled.append(len(ids) - 1)
         groups = self._decode_groups(decodes, table_rows)
         self._end_pass()
-        meta = AttnMeta(self.k_cache, self.v_cache, bs, torch.tensor(slots, device=self.device),
-                        groups, prefills, self._fused_decode)
+        slots = self._tensor(slot_parts[0] if len(slot_parts) == 1 else np.concatenate(slot_parts))
+        meta = AttnMeta(self.k_cache, self.v_cache, bs, slots, groups, prefills, self._fused_decode)
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)
         position_ids = torch.tensor([positions], device=self.device)  # (1, T)
         keep = torch.tensor(sampled + prompt_rows, dtype=torch.long, device=self.device)

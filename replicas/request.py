@@ -87,8 +87,13 @@ class Request:
     guide: LLMatcher | None = None
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        params = self.params
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        # Its token is the logits' argmax and nothing else reads them: no sampling, no logprobs,
+        # no logits processing, no grammar (a pass of only such rows skips those steps).
+        self.argmax_only = (params.greedy and params.logprobs is None and not params.processes_logits
+                            and params.guided is None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,11 @@ import torch
 from replicas.request import Request, SamplingParams
 
 
+def argmax(logits: torch.Tensor) -> list[int]:
+    """The most likely token of each row of `logits` (N, V): greedy rows' pick."""
+    return _argmax(logits).tolist()
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Pick one token per row of `logits` (N, V) for the matching request."""
     out = _argmax(logits)
