@@ -6,6 +6,8 @@ STAMP   := $(VENV)/.installed
 
 export RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false
+# The HTTP proxy of a Ray node that `make serve` starts runs our door (app/proxy_door.py).
+export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH ?= app.proxy_door:middlewares
 
 .PHONY: install test serve loadtest bench clean
 

@@ -32,7 +32,7 @@ from app.errors import OpenAIError, from_exception, install_handlers, replica_go
 from app.middleware import BodyLimitMiddleware, StatusCountMiddleware, StreamLimitMiddleware, arrival_time
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
-from app.stream_limit import LimitState, StreamLimit
+from app.stream_limit import StreamLimit, limit_observer
 from app.streaming import (DONE, Gathered, StreamMeta, chat_events, chat_response, collect,
                            completion_events, completion_response, sse)
 from replicas.model_files import load_tokenizer
@@ -45,7 +45,6 @@ HEALTH_TIMEOUT_S = 10.0
 START_ATTEMPTS = 3  # a request no replica has started is sent again when its replica died
 RETRY_BACKOFF_S = 0.2
 ACK_SLACK_S = 1.0  # beyond the queue deadline, time allowed to reach a replica
-LIMIT_LOG_EVERY_S = 5.0  # the in-flight limit's log line, at most this often
 
 api = FastAPI(title="stallfree-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 install_handlers(api)
@@ -91,36 +90,6 @@ async def _guarded(gen: DeploymentResponseGenerator, events: AsyncIterator[str])
             _cancel(gen)
 
 
-def _limit_observer(limit: StreamLimit) -> Callable[[LimitState], None]:
-    """Each control step of the in-flight limit: gauges (when Ray is here), and a log line at
-    most every LIMIT_LOG_EVERY_S while it holds requests back or refuses."""
-    gauges: dict[str, Any] = {}
-    try:
-        from replicas.metrics import PREFIX, RayBackend
-        backend = RayBackend()
-        gauges = {name: backend.gauge(PREFIX + name, doc, ()) for name, doc in (
-            ("ingress_requests_in_flight", "Generation requests in flight at this ingress."),
-            ("ingress_request_limit", "The ingress's adaptive in-flight limit (app/stream_limit.py)."),
-            ("ingress_loop_lag_seconds", "Mean event-loop lag of the ingress over the last interval."))}
-    except Exception:  # noqa: BLE001 - no Ray (unit tests): no gauges
-        pass
-    logged = [float("-inf"), 0]  # when, refusals counted then
-
-    def record(state: LimitState) -> None:
-        for name, value in (("ingress_requests_in_flight", state.in_flight),
-                            ("ingress_request_limit", state.limit), ("ingress_loop_lag_seconds", state.lag_s)):
-            if name in gauges:
-                gauges[name].record(value, {})
-        now = time.monotonic()
-        if (state.limit < limit.max_limit or limit.num_refused > logged[1]) and now - logged[0] >= LIMIT_LOG_EVERY_S:
-            logger.info("in-flight limit %d (%d in flight), event-loop lag %.0f ms (target %.0f ms); "
-                        "%d refused since the last line", state.limit, state.in_flight, 1000 * state.lag_s,
-                        1000 * limit.target_s, limit.num_refused - logged[1])
-            logged[:] = [now, limit.num_refused]
-
-    return record
-
-
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(api)
 class OpenAIIngress:
@@ -143,7 +112,7 @@ class OpenAIIngress:
             limit = StreamLimit(args.ingress_max_ongoing_requests, target_s=args.ingress_lag_target_ms / 1000,
                                 min_limit=min(args.ingress_min_requests, args.ingress_max_ongoing_requests),
                                 clock=time.perf_counter)
-            limit.on_step = _limit_observer(limit)
+            limit.on_step = limit_observer(limit, "ingress", logger)
             api.state.stream_limit = limit
         self.gate = AdmissionGate(controller_fetch(args.controller_name, args.controller_namespace,
                                                    getattr(llm, "app_name", None),

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
-from app.stream_limit import watch_loop
+from app.stream_limit import StreamLimit, watch_loop
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -51,7 +51,7 @@ class BodyLimitMiddleware:
         limit = self._limit(scope)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await _refuse(send, _too_large(limit))
+            await refuse(send, _too_large(limit))
             return
         timeout_s = self._timeout_s(scope)
         chunks: list[bytes] = []
@@ -60,7 +60,7 @@ class BodyLimitMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
-                await _refuse(send, OpenAIError(408, f"the request body stalled: nothing arrived for "
+                await refuse(send, OpenAIError(408, f"the request body stalled: nothing arrived for "
                                                 f"{timeout_s:g} s (body_timeout_s)", code="request_timeout"))
                 return
             if message["type"] != "http.request":  # the client left before sending it all
@@ -68,7 +68,7 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > limit:
-                await _refuse(send, _too_large(limit))
+                await refuse(send, _too_large(limit))
                 return
             if not message.get("more_body", False):
                 break
@@ -112,7 +112,8 @@ def _too_large(limit: int) -> OpenAIError:
                        code="request_too_large")
 
 
-async def _refuse(send: Send, err: OpenAIError) -> None:
+async def refuse(send: Send, err: OpenAIError) -> None:
+    """Answer with `err` directly (nothing downstream sees the request)."""
     body = json.dumps(err.body()).encode()
     headers: list[Any] = [(b"content-type", b"application/json"),
                           (b"content-length", str(len(body)).encode())]
@@ -123,34 +124,40 @@ async def _refuse(send: Send, err: OpenAIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class StreamLimitMiddleware:
-    """Refuse a generation request with 429 before its body is read when this ingress already
-    has `app.state.stream_limit.limit` requests in flight (`app.stream_limit`); count the
-    admitted ones until their response has ended (a stream's last byte, or its client gone).
-    Starts the event-loop watcher that drives the limit on the first request it sees.
+    """Refuse a generation request with 429 before its body is read when `limit`
+    (`app.stream_limit`) already has its limit of requests in flight; count the admitted ones
+    until their response has ended (a stream's last byte, or its client gone). Starts the
+    event-loop watcher that drives the limit on the first request it sees.
+
+    `limit` None: the ingress's, `app.state.stream_limit` (None there: no limit). `where` names
+    the process in the refusal ("ingress", "proxy"). Generation routes are matched by their
+    ending, so they are found under any route prefix (the proxy sees the whole path).
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, limit: StreamLimit | None = None, where: str = "ingress") -> None:
         self.app = app
+        self.limit, self.where = limit, where
         self._watch: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = getattr(scope.get("app"), "state", None)
-        limit = getattr(state, "stream_limit", None)
-        if limit is None or scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+        limit = self.limit
+        if limit is None:
+            limit = getattr(getattr(scope.get("app"), "state", None), "stream_limit", None)
+        if limit is None or scope["type"] != "http" or not scope.get("path", "").endswith(GENERATION_PATHS):
             await self.app(scope, receive, send)
             return
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(watch_loop(limit, time.perf_counter))
         if not limit.admits():
             retry = limit.refuse()
-            await _refuse(send, OpenAIError(
+            await refuse(send, OpenAIError(
                 429, f"the server is at capacity: {limit.in_flight} requests are in flight at this "
-                f"ingress, its limit is {limit.limit} (it adapts to what the ingress relays without "
-                f"falling behind: its event loop lags {1000 * limit.state.lag_s:.0f} ms, target "
+                f"{self.where}, its limit is {limit.limit} (it adapts to what the {self.where} relays "
+                f"without falling behind: its event loop lags {1000 * limit.state.lag_s:.0f} ms, target "
                 f"{1000 * limit.target_s:.0f} ms); retry after {retry} s", code="rate_limit_exceeded",
                 headers={"Retry-After": str(retry)}))
             return

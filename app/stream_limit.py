@@ -30,10 +30,13 @@ Pure, with an injected clock; the watcher is plain asyncio, so all of it is test
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_TARGET_MS = 50.0  # AppArgs.ingress_lag_target_ms
 DEFAULT_MIN_LIMIT = 8  # AppArgs.ingress_min_requests
@@ -45,6 +48,7 @@ TICK_S = 0.02  # the watcher's timer
 RATE_WINDOW_S = 10.0  # requests ended this recently give the Retry-After's drain rate
 MAX_RETRY_AFTER_S = 60
 STALLED_RETRY_AFTER_S = 5
+LOG_EVERY_S = 5.0  # the limit's log line, at most this often
 
 
 @dataclass(frozen=True)
@@ -154,3 +158,34 @@ async def watch_loop(limit: StreamLimit, clock: Callable[[], float], tick_s: flo
         start = clock()
         await asyncio.sleep(tick_s)
         limit.observe(clock() - start - tick_s)
+
+
+def limit_observer(limit: StreamLimit, role: str, logger: logging.Logger) -> Callable[[LimitState], None]:
+    """Each control step of `limit` at a `role` ("ingress", "proxy"): gauges `<role>_requests_in_flight`,
+    `<role>_request_limit`, `<role>_loop_lag_seconds` (when Ray is here), and a log line at most
+    every LOG_EVERY_S while it holds requests back or refuses."""
+    gauges: dict[str, Any] = {}
+    try:
+        from replicas.metrics import PREFIX, RayBackend
+        backend = RayBackend()
+        gauges = {name: backend.gauge(PREFIX + name, doc, ()) for name, doc in (
+            (f"{role}_requests_in_flight", f"Generation requests in flight at this {role}."),
+            (f"{role}_request_limit", f"The {role}'s adaptive in-flight limit (app/stream_limit.py)."),
+            (f"{role}_loop_lag_seconds", f"Mean event-loop lag of the {role} over the last interval."))}
+    except Exception:  # noqa: BLE001 - no Ray (unit tests): no gauges
+        pass
+    logged = [float("-inf"), 0]  # when, refusals counted then
+
+    def record(state: LimitState) -> None:
+        for name, value in ((f"{role}_requests_in_flight", state.in_flight),
+                            (f"{role}_request_limit", state.limit), (f"{role}_loop_lag_seconds", state.lag_s)):
+            if name in gauges:
+                gauges[name].record(value, {})
+        now = time.monotonic()
+        if (state.limit < limit.max_limit or limit.num_refused > logged[1]) and now - logged[0] >= LOG_EVERY_S:
+            logger.info("%s in-flight limit %d (%d in flight), event-loop lag %.0f ms (target %.0f ms); "
+                        "%d refused since the last line", role, state.limit, state.in_flight,
+                        1000 * state.lag_s, 1000 * limit.target_s, limit.num_refused - logged[1])
+            logged[:] = [now, limit.num_refused]
+
+    return record

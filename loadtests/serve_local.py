@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from app.proxy_door import proxy_env
+
 READY = "SERVE_LOCAL_READY"
 
 
@@ -61,6 +63,8 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
     stop = threading.Event()
     metrics: dict[str, Any] = {} if metrics_port is None else {
         "_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
+    # The node's HTTP proxy reads its door's settings from the environment it inherits.
+    os.environ.update(proxy_env(os.environ))
     ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False,
              configure_logging=False, log_to_driver=False, **metrics)
     # After ray.init: Ray installs a SIGTERM handler of its own that exits without cleanup.
@@ -82,13 +86,16 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
 
 
 def launch(port: int, app_args: dict[str, Any], *, ray_cpus: int = 4,
-           log_path: str | None = None, metrics_port: int | None = None) -> subprocess.Popen:
-    """Start this module in a subprocess (its own process group); returns the Popen."""
+           log_path: str | None = None, metrics_port: int | None = None,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start this module in a subprocess (its own process group); returns the Popen. Its Ray
+    node's HTTP proxy runs the proxy door (`app.proxy_door`); `env` adds to the environment
+    (e.g. the door's STALLFREE_PROXY_* settings)."""
     cmd = [sys.executable, "-m", "loadtests.serve_local", "--port", str(port), "--ray-cpus",
            str(ray_cpus)] + [a for k, v in app_args.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     env.pop("RAY_ADDRESS", None)  # never attach to someone else's cluster
     out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -1,0 +1,212 @@
+"""The door in Serve's HTTP proxy: a generation request over the proxy's in-flight limit is
+refused there (429 in OpenAI's shape, Retry-After), before it crosses to an ingress replica.
+
+Why in the proxy: every HTTP request goes client -> proxy -> ingress -> engine replica, and each
+Ray hop costs milliseconds of Python per request and per streamed item. Under 10x overload on
+one small host the proxy's own event loop fell behind relaying the accepted streams, so new
+requests waited in front of it for seconds before the ingress's door could even refuse them
+(429 p99 26 s in a 30 s run, README "Admission and overload"). Refused here, a request costs the
+proxy its HTTP parsing and one small response, and the ingress nothing.
+
+The limit is the ingress's (`app.stream_limit.StreamLimit`, AIMD on the event-loop lag), read on
+the proxy's loop: it cuts when the proxy itself stands behind. The ingress keeps its own limit
+and the token door (`app.admission`); this one only keeps the proxy from drowning.
+
+Serve builds its proxy's middleware from the callable named by the environment variable
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read in the Ray node's environment when the proxy
+starts: `make serve` and `loadtests/serve_local.py` set it to `app.proxy_door:middlewares`; on a
+cluster started with `ray start`, set it there (on every node with a proxy). Settings, from the
+same environment, checked when the proxy starts:
+
+  STALLFREE_PROXY_LAG_TARGET_MS   the in-flight limit's lag target (default 50); "off": no door
+  STALLFREE_PROXY_MAX_REQUESTS    the most in flight at one proxy (default 1024)
+  STALLFREE_PROXY_MIN_REQUESTS    the in-flight limit never falls below this (default 8)
+  STALLFREE_PROXY_WAIT_TARGET_MS  the median wait for a first token over which the door closes
+                                  (default 2000; `Pending`)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from starlette.middleware import Middleware
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import OpenAIError
+from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, refuse
+from app.stream_limit import (DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS, MAX_RETRY_AFTER_S, StreamLimit,
+                              limit_observer)
+
+logger = logging.getLogger("ray.serve")  # the proxy's own log file
+
+IMPORT_PATH = "app.proxy_door:middlewares"
+CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+DEFAULT_MAX_REQUESTS = 1024
+DEFAULT_WAIT_TARGET_MS = 2000.0
+
+
+@dataclass(frozen=True)
+class ProxyDoorConfig:
+    """The proxy door's settings; `target_ms` None: no door."""
+
+    target_ms: float | None = DEFAULT_TARGET_MS
+    max_requests: int = DEFAULT_MAX_REQUESTS
+    min_requests: int = DEFAULT_MIN_LIMIT
+    wait_target_ms: float = DEFAULT_WAIT_TARGET_MS
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ProxyDoorConfig:
+        """Read and check the STALLFREE_PROXY_* variables; ValueError naming the bad one."""
+        raw = env.get("STALLFREE_PROXY_LAG_TARGET_MS", "").strip()
+        target: float | None = DEFAULT_TARGET_MS
+        if raw.lower() == "off":
+            target = None
+        elif raw:
+            target = _positive("STALLFREE_PROXY_LAG_TARGET_MS", raw, float, DEFAULT_TARGET_MS)
+        top = _positive("STALLFREE_PROXY_MAX_REQUESTS", env.get("STALLFREE_PROXY_MAX_REQUESTS", ""), int,
+                        DEFAULT_MAX_REQUESTS)
+        low = _positive("STALLFREE_PROXY_MIN_REQUESTS", env.get("STALLFREE_PROXY_MIN_REQUESTS", ""), int,
+                        DEFAULT_MIN_LIMIT)
+        if low > top:
+            raise ValueError(f"need STALLFREE_PROXY_MIN_REQUESTS ({low}) <= STALLFREE_PROXY_MAX_REQUESTS ({top})")
+        wait = _positive("STALLFREE_PROXY_WAIT_TARGET_MS", env.get("STALLFREE_PROXY_WAIT_TARGET_MS", ""), float,
+                         DEFAULT_WAIT_TARGET_MS)
+        return cls(target, top, low, wait)
+
+
+def _positive(name: str, raw: str, kind: type, default: float):  # noqa: ANN202 - int or float
+    raw = raw.strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {raw!r}")
+    return value
+
+
+def middlewares(env: Mapping[str, str] | None = None) -> list[Middleware]:
+    """Serve's proxy callback: the door as a Starlette middleware (none when turned off)."""
+    config = ProxyDoorConfig.from_env(os.environ if env is None else env)
+    if config.target_ms is None:
+        logger.info("proxy door off (STALLFREE_PROXY_LAG_TARGET_MS=off)")
+        return []
+    limit = StreamLimit(config.max_requests, target_s=config.target_ms / 1000,
+                        min_limit=config.min_requests, clock=time.perf_counter)
+    limit.on_step = limit_observer(limit, "proxy", logger)
+    logger.info("proxy door: at most %d generation requests in flight, the limit adapting to keep "
+                "the proxy's event-loop lag under %.0f ms", config.max_requests, config.target_ms)
+    pending = Pending(config.wait_target_ms / 1000, time.monotonic)
+    # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
+    # in-flight limit outside, so the waits only see 429s that came from the ingress.
+    return [Middleware(PendingMiddleware, pending=pending),
+            Middleware(StreamLimitMiddleware, limit=limit, where="proxy")]
+
+
+def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the proxy door's callback set (unless the caller set one of their own), its
+    settings checked here, before a proxy fails on them."""
+    ProxyDoorConfig.from_env(env)
+    return {CALLBACK_ENV: IMPORT_PATH, **env}
+
+
+class Pending:
+    """Generation requests the proxy forwarded that have no response yet (their first token,
+    or a refusal: the ingress sends nothing before either), and whether they stand in a queue.
+
+    The proxy sees every request's wait from outside, whatever it waits for: the Ray hops, an
+    ingress starved of CPU, the token door, the engine's queue. Like CoDel, it tells a standing
+    queue from one slow request: the door closes while at least `min_pending` requests wait and
+    their median wait is over `target_s` (one long prompt prefilling does not close it; many
+    requests queueing do). A 429 from downstream closes it too, for `hold_s` (at most its
+    Retry-After): the server said no, so the next arrivals are answered here, not sent to hear it.
+    """
+
+    def __init__(self, target_s: float, clock: Callable[[], float], *, min_pending: int = 4,
+                 hold_s: float = 0.5, check_every_s: float = 0.05) -> None:
+        self.target_s, self.min_pending, self.hold_s = target_s, min_pending, hold_s
+        self.check_every_s = check_every_s
+        self._clock = clock
+        self._started: dict[int, float] = {}  # id -> when it arrived, oldest first
+        self._ids = itertools.count()
+        self._checked_at = float("-inf")
+        self._queueing = False
+        self.median_wait_s = 0.0
+        self.held_until = float("-inf")
+        self.retry_after = 1
+        self.num_refused = 0
+
+    def start(self) -> int:
+        key = next(self._ids)
+        self._started[key] = self._clock()
+        return key
+
+    def answered(self, key: int) -> None:
+        self._started.pop(key, None)
+
+    def saw_429(self, retry_after: int) -> None:
+        self.retry_after = max(1, retry_after)
+        self.held_until = max(self.held_until, self._clock() + min(self.hold_s, self.retry_after))
+
+    def admits(self) -> bool:
+        now = self._clock()
+        if now < self.held_until:
+            return False
+        if now - self._checked_at >= self.check_every_s:
+            self._checked_at = now
+            n = len(self._started)
+            if n < self.min_pending:
+                self._queueing, self.median_wait_s = False, 0.0
+            else:
+                started = next(itertools.islice(self._started.values(), n // 2, None))
+                self.median_wait_s = now - started
+                self._queueing = self.median_wait_s > self.target_s
+                if self._queueing:
+                    self.retry_after = max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.median_wait_s)))
+        return not self._queueing
+
+
+class PendingMiddleware:
+    """Generation requests are refused with the proxy's own 429 while `pending` does not admit;
+    the others are tracked until their response starts."""
+
+    def __init__(self, app: ASGIApp, pending: Pending) -> None:
+        self.app, self.pending = app, pending
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").endswith(GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        pending = self.pending
+        if not pending.admits():
+            pending.num_refused += 1
+            retry = pending.retry_after
+            await refuse(send, OpenAIError(
+                429, f"the server is at capacity: the requests before this one wait "
+                f"{pending.median_wait_s:.1f} s for their first token (the proxy's target "
+                f"{pending.target_s:.1f} s), or it has just refused one; retry after {retry} s",
+                code="rate_limit_exceeded", headers={"Retry-After": str(retry)}))
+            return
+        key = pending.start()
+
+        async def watching_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                pending.answered(key)
+                if message["status"] == 429:
+                    retry = next((v for k, v in message.get("headers", ()) if k.lower() == b"retry-after"), b"1")
+                    pending.saw_429(int(retry) if retry.isdigit() else 1)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        finally:
+            pending.answered(key)

@@ -1,0 +1,191 @@
+"""The door in Serve's HTTP proxy answers 429 itself, in OpenAI's shape with Retry-After, while
+the requests already forwarded stand in a queue (their median wait for a first token over the
+target) or just after the server refused one; one slow request alone never closes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.types import Message
+
+from app.middleware import StreamLimitMiddleware
+from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, IMPORT_PATH, Pending, PendingMiddleware,
+                            ProxyDoorConfig, middlewares, proxy_env)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def pending_of(target_s: float = 2.0, min_pending: int = 4) -> tuple[Pending, Clock]:
+    clock = Clock()
+    return Pending(target_s, clock, min_pending=min_pending, hold_s=0.5, check_every_s=0.05), clock
+
+
+def test_a_standing_queue_closes_the_door_until_it_drains() -> None:
+    pending, clock = pending_of()
+    keys = [pending.start() for _ in range(5)]  # all arrive at t = 100
+    clock.t += 2.1
+    assert not pending.admits()  # median wait 2.1 s > 2 s
+    assert pending.median_wait_s == pytest.approx(2.1) and pending.retry_after == 3
+    for key in keys[:3]:  # three answered: two left, under min_pending
+        pending.answered(key)
+    assert not pending.admits()  # the decision holds until the next check
+    clock.t += 0.06
+    assert pending.admits()
+
+
+def test_the_median_not_the_oldest_decides() -> None:
+    pending, clock = pending_of()
+    pending.start()  # a long prompt, still prefilling
+    clock.t += 10.0
+    fresh = [pending.start() for _ in range(4)]
+    clock.t += 0.5
+    assert pending.admits()  # waits 10.5, 0.5, 0.5, 0.5, 0.5: median 0.5 s
+    assert pending.median_wait_s == pytest.approx(0.5)
+    clock.t += 1.6
+    assert not pending.admits()  # now the fresh ones wait 2.1 s too: a standing queue
+    for key in fresh:
+        pending.answered(key)
+    clock.t += 0.06
+    assert pending.admits()  # the long one alone never closes it
+
+
+def test_fewer_than_min_pending_never_close_it() -> None:
+    pending, clock = pending_of(min_pending=4)
+    for _ in range(3):
+        pending.start()
+    clock.t += 60.0
+    assert pending.admits()
+
+
+def test_a_429_from_downstream_holds_it_for_the_hold_at_most_the_retry_after() -> None:
+    pending, clock = pending_of()
+    pending.saw_429(7)
+    assert not pending.admits() and pending.retry_after == 7
+    clock.t += 0.49
+    assert not pending.admits()
+    clock.t += 0.02
+    assert pending.admits()  # hold 0.5 s (< Retry-After 7)
+    pending.saw_429(0)  # a nonsensical Retry-After still holds, for at least a second of advice
+    assert pending.retry_after == 1 and not pending.admits()
+
+
+class App:
+    """A stand-in for what the proxy forwards to: answers each request with `status` once released."""
+
+    def __init__(self, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.status, self.headers = status, headers or []
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        self.calls += 1
+        await self.release.wait()
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+async def call(mw: object, path: str) -> list[Message]:
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await mw({"type": "http", "path": path, "headers": []}, receive, send)  # type: ignore[operator]
+    return sent
+
+
+async def settle(cond, rounds: int = 100) -> None:  # noqa: ANN001
+    for _ in range(rounds):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def test_the_middleware_refuses_while_queueing_in_openai_shape_and_never_forwards() -> None:
+    pending, clock = pending_of()
+    app = App()
+    mw = PendingMiddleware(app, pending)
+    held = [asyncio.create_task(call(mw, "/llm/v1/completions")) for _ in range(4)]  # any route prefix
+    await settle(lambda: app.calls == 4)
+    clock.t += 3.0
+    refused = await call(mw, "/v1/chat/completions")
+    start, body = refused[0], json.loads(refused[1]["body"])
+    assert start["status"] == 429 and app.calls == 4
+    assert dict(start["headers"])[b"retry-after"] == b"3"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "rate_limit_exceeded" and "3.0 s" in body["error"]["message"]
+    assert pending.num_refused == 1
+    app.release.set()
+    for done in await asyncio.gather(*held):
+        assert done[0]["status"] == 200
+    clock.t += 0.06
+    assert pending.admits()
+
+
+async def test_other_routes_pass_even_when_closed() -> None:
+    pending, _ = pending_of()
+    pending.saw_429(5)
+    app = App()
+    app.release.set()
+    mw = PendingMiddleware(app, pending)
+    assert (await call(mw, "/health"))[0]["status"] == 200
+    assert (await call(mw, "/v1/models"))[0]["status"] == 200
+    assert (await call(mw, "/v1/completions"))[0]["status"] == 429 and app.calls == 2
+
+
+async def test_a_downstream_429_is_passed_on_and_closes_the_door() -> None:
+    pending, clock = pending_of()
+    app = App(429, [(b"retry-after", b"4")])
+    app.release.set()
+    mw = PendingMiddleware(app, pending)
+    first = await call(mw, "/v1/completions")
+    assert first[0]["status"] == 429 and app.calls == 1  # the ingress's own answer, untouched
+    second = await call(mw, "/v1/completions")
+    assert second[0]["status"] == 429 and app.calls == 1  # the proxy's
+    assert dict(second[0]["headers"])[b"retry-after"] == b"4"
+    clock.t += 0.5
+    app.status = 200
+    assert (await call(mw, "/v1/completions"))[0]["status"] == 200 and app.calls == 2
+
+
+def test_config_from_the_environment() -> None:
+    assert ProxyDoorConfig.from_env({}) == ProxyDoorConfig()
+    assert ProxyDoorConfig.from_env({}).wait_target_ms == DEFAULT_WAIT_TARGET_MS
+    c = ProxyDoorConfig.from_env({"STALLFREE_PROXY_LAG_TARGET_MS": "80", "STALLFREE_PROXY_MAX_REQUESTS": "64",
+                                  "STALLFREE_PROXY_MIN_REQUESTS": "2", "STALLFREE_PROXY_WAIT_TARGET_MS": "500"})
+    assert c == ProxyDoorConfig(80.0, 64, 2, 500.0)
+    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}).target_ms is None
+    for env, name in (({"STALLFREE_PROXY_MAX_REQUESTS": "many"}, "STALLFREE_PROXY_MAX_REQUESTS"),
+                      ({"STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, "STALLFREE_PROXY_WAIT_TARGET_MS"),
+                      ({"STALLFREE_PROXY_LAG_TARGET_MS": "0"}, "STALLFREE_PROXY_LAG_TARGET_MS"),
+                      ({"STALLFREE_PROXY_MIN_REQUESTS": "9", "STALLFREE_PROXY_MAX_REQUESTS": "8"},
+                       "STALLFREE_PROXY_MIN_REQUESTS")):
+        with pytest.raises(ValueError, match=name):
+            ProxyDoorConfig.from_env(env)
+
+
+def test_serves_callback_builds_both_parts_and_none_when_off() -> None:
+    built = middlewares({"STALLFREE_PROXY_MAX_REQUESTS": "16", "STALLFREE_PROXY_WAIT_TARGET_MS": "750"})
+    assert [m.cls for m in built] == [PendingMiddleware, StreamLimitMiddleware]  # the limit outermost
+    assert built[1].kwargs["limit"].max_limit == 16 and built[1].kwargs["where"] == "proxy"
+    assert built[0].kwargs["pending"].target_s == pytest.approx(0.75)
+    assert middlewares({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}) == []
+
+
+def test_proxy_env_sets_the_callback_unless_given_and_checks_the_settings() -> None:
+    assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH}
+    assert proxy_env({CALLBACK_ENV: "mine:f"})[CALLBACK_ENV] == "mine:f"
+    with pytest.raises(ValueError, match="STALLFREE_PROXY_MAX_REQUESTS"):
+        proxy_env({"STALLFREE_PROXY_MAX_REQUESTS": "0"})

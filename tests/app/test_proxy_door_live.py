@@ -1,0 +1,64 @@
+"""Serve's HTTP proxy runs our door (`app.proxy_door`, installed through
+RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): over its in-flight limit the proxy itself answers
+429 in OpenAI's shape with Retry-After, and serves again once the request in flight ends.
+
+The server runs in a subprocess on its own Ray instance (`loadtests/serve_local.py`, which sets
+the callback), with the proxy's limit pinned to one generation request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtests import serve_local
+
+SERVER_ARGS = {"model": "embedded:tiny", "max_num_seqs": 8, "max_batch_total_tokens": 4096, "num_cpus": 1,
+               "ingress_num_cpus": 0.1, "stream_interval_ms": 0}
+PROXY_ENV = {"STALLFREE_PROXY_MAX_REQUESTS": "1", "STALLFREE_PROXY_MIN_REQUESTS": "1"}
+
+
+@pytest.fixture(scope="module")
+def door_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = serve_local.free_port()
+    log: Path = tmp_path_factory.mktemp("server") / "server.log"
+    proc = serve_local.launch(port, SERVER_ARGS, log_path=str(log), env=PROXY_ENV)
+    try:
+        serve_local.wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=150)
+        yield f"http://127.0.0.1:{port}"
+    except Exception:
+        print(log.read_text()[-4000:])
+        raise
+    finally:
+        serve_local.stop(proc)
+
+
+def test_the_proxy_refuses_over_its_limit_and_serves_after(door_server: str, wait_until) -> None:  # noqa: ANN001
+    small = {"prompt": [5, 6, 7, 8], "max_tokens": 2}
+    with httpx.Client(base_url=door_server, timeout=60) as client:
+        # Seconds of tokens: in flight at the proxy while the next request comes.
+        long_stream = {"prompt": [5, 6, 7, 8], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long_stream) as held:
+            assert held.status_code == 200
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)
+            refused = client.post("/v1/completions", json=small)
+            assert refused.status_code == 429, refused.text
+            assert int(refused.headers["retry-after"]) >= 1
+            error = refused.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "rate_limit_exceeded"
+            assert "in flight at this proxy, its limit is 1" in error["message"]
+            assert client.get("/health").status_code == 200  # only generation routes are limited
+        # The held stream is gone (closed by us): the proxy admits again, a request at a time (the
+        # last one counts until the proxy has finished with it, a moment after its client has it).
+        wait_until(lambda: client.post("/v1/completions", json=small).status_code == 200,
+                   timeout_s=60, what="a request admitted once the held stream ended")
+        chat = wait_until(lambda: (r := client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})).status_code == 200 and r,
+            timeout_s=60, what="a chat request admitted")
+        assert json.loads(chat.text)["choices"]
