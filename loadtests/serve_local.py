@@ -12,6 +12,7 @@ Readiness: poll `GET /health` (see `wait_healthy`), or wait for the READY line o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -100,6 +103,25 @@ def launch(port: int, app_args: dict[str, Any], *, ray_cpus: int = 4,
     out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
+
+
+@contextlib.contextmanager
+def served(app_args: dict[str, Any], log_path: str, *, env: dict[str, str] | None = None,
+           timeout_s: float = 150.0) -> Iterator[str]:
+    """A server of its own (`launch`) for a `with` block: yields its base URL once healthy,
+    prints the end of its log when it fails to come up, stops it at the end."""
+    port = free_port()
+    proc = launch(port, app_args, log_path=log_path, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, timeout_s=timeout_s)
+        except Exception:
+            print(Path(log_path).read_text()[-4000:])
+            raise
+        yield url
+    finally:
+        stop(proc)
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180.0) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,17 +23,9 @@ PROXY_ENV = {"STALLFREE_PROXY_MAX_REQUESTS": "1", "STALLFREE_PROXY_MIN_REQUESTS"
 
 @pytest.fixture(scope="module")
 def door_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = serve_local.free_port()
-    log: Path = tmp_path_factory.mktemp("server") / "server.log"
-    proc = serve_local.launch(port, SERVER_ARGS, log_path=str(log), env=PROXY_ENV)
-    try:
-        serve_local.wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=150)
-        yield f"http://127.0.0.1:{port}"
-    except Exception:
-        print(log.read_text()[-4000:])
-        raise
-    finally:
-        serve_local.stop(proc)
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with serve_local.served(SERVER_ARGS, str(log), env=PROXY_ENV) as url:
+        yield url
 
 
 def test_the_proxy_refuses_over_its_limit_and_serves_after(door_server: str, wait_until) -> None:  # noqa: ANN001

@@ -83,17 +83,9 @@ def test_whole_prompt_budget_admits_the_longest_prompt() -> None:
 
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = serve_local.free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = serve_local.launch(port, SERVER_ARGS, log_path=str(log))
-    try:
-        serve_local.wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=150)
-        yield f"http://127.0.0.1:{port}"
-    except Exception:
-        print(log.read_text()[-4000:])
-        raise
-    finally:
-        serve_local.stop(proc)
+    with serve_local.served(SERVER_ARGS, str(log)) as url:
+        yield url
 
 
 def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: str, tmp_path: Path) -> None:
