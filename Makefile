@@ -6,8 +6,9 @@ STAMP   := $(VENV)/.installed
 
 export RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false
-# The HTTP proxy of a Ray node that `make serve` starts runs our door (app/proxy_door.py).
-export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH ?= app.proxy_door:middlewares
+# The HTTP proxy of the Ray node `make serve` starts runs our door (app/proxy_door.py); tests
+# start their own servers and choose for themselves.
+PROXY_DOOR ?= app.proxy_door:middlewares
 
 .PHONY: install test serve loadtest bench clean
 
@@ -31,7 +32,8 @@ test: $(STAMP)
 SERVE_AUTH := $(if $(RAY_ADDRESS),$(if $(RAY_AUTH_MODE),,$(if $(RAY_AUTH_TOKEN)$(RAY_AUTH_TOKEN_PATH)$(wildcard $(HOME)/.ray/auth_token),RAY_AUTH_MODE=token)))
 
 serve: $(STAMP)
-	$(SERVE_AUTH) $(BIN)/serve run serve_config.yaml
+	$(SERVE_AUTH) RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=$${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-$(PROXY_DOOR)} \
+		$(BIN)/serve run serve_config.yaml
 
 # Against a running server (`make serve` in another shell); extra flags: LOADTEST_ARGS="--rps 4".
 loadtest: $(STAMP)
