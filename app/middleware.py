@@ -11,6 +11,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
+from app.memory import trim_when_idle
 from app.stream_limit import StreamLimit, watch_loop
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -131,7 +132,8 @@ class StreamLimitMiddleware:
     """Refuse a generation request with 429 before its body is read when `limit`
     (`app.stream_limit`) already has its limit of requests in flight; count the admitted ones
     until their response has ended (a stream's last byte, or its client gone). Starts the
-    event-loop watcher that drives the limit on the first request it sees.
+    event-loop watcher that drives the limit on the first request it sees, and the trim that gives
+    memory back once nothing is in flight (`app.memory`).
 
     `limit` None: the ingress's, `app.state.stream_limit` (None there: no limit). `where` names
     the process in the refusal ("ingress", "proxy"). Generation routes are matched by their
@@ -142,6 +144,7 @@ class StreamLimitMiddleware:
         self.app = app
         self.limit, self.where = limit, where
         self._watch: asyncio.Task[None] | None = None
+        self._trim: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.limit
@@ -151,7 +154,9 @@ class StreamLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if self._watch is None or self._watch.done():
-            self._watch = asyncio.get_running_loop().create_task(watch_loop(limit, time.perf_counter))
+            loop = asyncio.get_running_loop()
+            self._watch = loop.create_task(watch_loop(limit, time.perf_counter))
+            self._trim = loop.create_task(trim_when_idle(lambda: limit.in_flight == 0))
         if not limit.admits():
             retry = limit.refuse()
             await refuse(send, OpenAIError(
