@@ -126,6 +126,7 @@ async def refuse(send: Send, err: OpenAIError) -> None:
 
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+QUIET_IN_FLIGHT = 2  # at most this many in flight: quiet enough to give memory back
 
 
 class StreamLimitMiddleware:
@@ -133,7 +134,7 @@ class StreamLimitMiddleware:
     (`app.stream_limit`) already has its limit of requests in flight; count the admitted ones
     until their response has ended (a stream's last byte, or its client gone). Starts the
     event-loop watcher that drives the limit on the first request it sees, and the trim that gives
-    memory back once nothing is in flight (`app.memory`).
+    memory back once (almost) nothing is in flight (`app.memory`).
 
     `limit` None: the ingress's, `app.state.stream_limit` (None there: no limit). `where` names
     the process in the refusal ("ingress", "proxy"). Generation routes are matched by their
@@ -156,7 +157,7 @@ class StreamLimitMiddleware:
         if self._watch is None or self._watch.done():
             loop = asyncio.get_running_loop()
             self._watch = loop.create_task(watch_loop(limit, time.perf_counter))
-            self._trim = loop.create_task(trim_when_idle(lambda: limit.in_flight == 0))
+            self._trim = loop.create_task(trim_when_idle(lambda: limit.in_flight <= QUIET_IN_FLIGHT))
         if not limit.admits():
             retry = limit.refuse()
             await refuse(send, OpenAIError(
