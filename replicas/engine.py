@@ -25,7 +25,7 @@ from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)
 from replicas.request import FINISHED, Request, RequestStatus
-from replicas.sampler import argmax, prompt_logprobs, sample, stop_token_hit, token_logprobs
+from replicas.sampler import argmax, prompt_logprobs, sample, token_logprobs
 from replicas.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -215,8 +215,11 @@ class Engine:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use", "request_id")
         self.requests[req.request_id] = req
-        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                             req.params.stop)
+        params = req.params
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
+        stops = frozenset(params.stop_token_ids)
+        req.stop_ids = stops if params.ignore_eos else stops | self.eos_token_ids
+        req.max_output = min(params.max_tokens, self.max_model_len - req.num_prompt_tokens)
         self.scheduler.add(req)
         self.last_load = self.scheduler.load()
 
@@ -325,12 +328,12 @@ class Engine:
             if stop is not None:
                 req.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
-            if may_stop and stop_token_hit(token, params, self.eos_token_ids):
+            if may_stop and token in req.stop_ids:
                 req.stop_reason = token if token in params.stop_token_ids else None
                 return RequestStatus.FINISHED_STOPPED
             if req.guide is not None and self.grammars.advance(req, token):  # its grammar is complete
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= params.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
+        if n_out >= req.max_output:
             return RequestStatus.FINISHED_LENGTH
         return None
 

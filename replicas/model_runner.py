@@ -185,6 +185,7 @@ class ModelRunner:
         # request -> [row, blocks written, preemptions when written]
         self._rows: dict[Request, list[int]] = {}
         self._live: dict[Request, list[int]] = {}
+        self._new_rows = False  # a request got an entry this pass (see _end_pass)
 
     def _row(self, req: Request, table: list[int]) -> int:
         """The request's row of the persistent block table (`table`: its block table now), its
@@ -198,6 +199,7 @@ class ModelRunner:
         if entry is None or entry[2] != req.num_preemptions:
             row = entry[0] if entry is not None else self._take_row()
             entry = [row, 0, req.num_preemptions]
+            self._new_rows = True
         row, have = entry[0], entry[1]
         if have < len(table):
             self._table[row, have:len(table)] = table[have:]
@@ -231,10 +233,11 @@ class ModelRunner:
     def _end_pass(self) -> None:
         """Rows of requests that were not in this pass go back to the free list."""
         live = self._live
-        for req, entry in self._rows.items():
-            if req not in live:
-                self._free_rows.append(entry[0])
-        self._rows, self._live = self._live, {}
+        if self._new_rows or len(live) != len(self._rows):  # else the same requests as last pass
+            for req, entry in self._rows.items():
+                if req not in live:
+                    self._free_rows.append(entry[0])
+        self._rows, self._live, self._new_rows = live, {}, False
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)

@@ -85,6 +85,11 @@ class Request:
     leader: Request | None = None
     # With params.guided: the grammar's state after the output so far (replicas.guided).
     guide: LLMatcher | None = None
+    # Set by the engine when it queues the request: the token ids that end it (stop_token_ids,
+    # and EOS unless ignore_eos) and the most output tokens it may have (max_tokens, capped by
+    # the context's room), so each pass checks a token with one lookup and one comparison.
+    stop_ids: frozenset[int] = frozenset()
+    max_output: int = 0
 
     def __post_init__(self) -> None:
         params = self.params

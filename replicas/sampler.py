@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import torch
 
-from replicas.request import Request, SamplingParams
+from replicas.request import Request
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
@@ -187,12 +187,6 @@ def _race(probs: torch.Tensor, requests: list[Request], noise: list[torch.Tensor
             e[j] = full[index[j]]
     choice = (probs / e.clamp_min_(1e-30)).argmax(dim=-1, keepdim=True)
     return index.gather(1, choice).squeeze(1)
-
-
-def stop_token_hit(token_id: int, params: SamplingParams, eos_token_ids: frozenset[int]) -> bool:
-    if token_id in params.stop_token_ids:
-        return True
-    return not params.ignore_eos and token_id in eos_token_ids
 
 
 def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
