@@ -4,7 +4,9 @@ The replicas record through `ray.util.metrics`; Ray's agent on every node export
 Serve's `application`/`deployment`/`replica` tags) on the node's metrics export port. A client
 or a single-machine user should not need to know that port, so the ingress fetches every alive
 node's export, keeps the `ray_stallfree_` series of its own application (and their HELP/TYPE
-lines), and answers with the Prometheus text. Ray's own export stays as it is.
+lines), and the proxy door's (`ray_stallfree_proxy_`: a node's HTTP proxy serves every
+application, so they carry none), and answers with the Prometheus text. Ray's own export stays
+as it is.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from collections.abc import Iterable
 import httpx
 
 PREFIX = "ray_stallfree_"
+NODE_WIDE = PREFIX + "proxy_"  # the proxy door's series (app/proxy_door.py): no application tag
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s")
 
 
 def app_series(texts: Iterable[str], application: str, prefix: str = PREFIX) -> str:
     """The lines of Prometheus exposition `texts` that belong to `application`'s metrics:
-    samples named `prefix...` tagged `application="<application>"`, with their HELP and TYPE
-    lines once per metric family (first seen), in the order met."""
+    samples named `prefix...` tagged `application="<application>"`, and the proxy door's, with
+    their HELP and TYPE lines once per metric family (first seen), in the order met."""
     tag = f'application="{application}"'
     families: dict[str, list[str]] = {}
     headers: dict[str, list[str]] = {}
@@ -37,7 +40,9 @@ def app_series(texts: Iterable[str], application: str, prefix: str = PREFIX) -> 
                         kept.append(line)
                 continue
             m = _SAMPLE.match(line)
-            if m is None or not m.group(1).startswith(prefix) or tag not in (m.group(2) or ""):
+            if m is None or not m.group(1).startswith(prefix):
+                continue
+            if tag not in (m.group(2) or "") and not m.group(1).startswith(NODE_WIDE):
                 continue
             families.setdefault(_family(m.group(1), headers), []).append(line)
     out = []

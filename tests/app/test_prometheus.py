@@ -1,4 +1,5 @@
-"""The /metrics filter keeps one application's stallfree series with their HELP/TYPE lines."""
+"""The /metrics filter keeps one application's stallfree series, and the proxy door's (node-wide),
+with their HELP/TYPE lines."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def test_keeps_this_applications_series_once_per_family() -> None:
 def test_an_application_with_no_series_gets_an_empty_answer() -> None:
     assert app_series([NODE_A], "nope") == ""
     assert app_series([], "llm") == ""
+
+
+def test_the_proxy_doors_series_carry_no_application_and_are_kept() -> None:
+    proxy = """# HELP ray_stallfree_proxy_request_limit The proxy's adaptive in-flight limit.
+# TYPE ray_stallfree_proxy_request_limit gauge
+ray_stallfree_proxy_request_limit{NodeAddress="10.0.0.1"} 1024.0
+"""
+    assert app_series([proxy, NODE_B], "llm").splitlines() == [
+        "# HELP ray_stallfree_proxy_request_limit The proxy's adaptive in-flight limit.",
+        "# TYPE ray_stallfree_proxy_request_limit gauge",
+        'ray_stallfree_proxy_request_limit{NodeAddress="10.0.0.1"} 1024.0',
+        "# HELP ray_stallfree_request_success_total Finished requests.",
+        "# TYPE ray_stallfree_request_success_total counter",
+        'ray_stallfree_request_success_total{application="llm",finished_reason="stop",replica="r2"} 1.0',
+    ]
