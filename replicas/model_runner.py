@@ -123,13 +123,15 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             scale = module.scaling if scaling is None else scaling
             out[rows] = m.fused_decode(qg, kb, vb, g.blocks, g.lens, scale).flatten(1, 2)
             continue
-        qd = q[rows].unsqueeze(2)  # (B, H, 1, D)
+        # A KV head's G query heads as its G query rows: one (G x Lmax) attention per KV head
+        # instead of G of (1 x Lmax) (HF's repeat_kv order: query head h reads KV head h // G).
+        qd = q[rows].reshape(b, kc.shape[1], -1, q.shape[-1])  # (B, Hkv, G, D)
         shape = (b, width, *kc.shape[1:])  # (B, Lmax, Hkv, D)
         flat = g.blocks.flatten()  # index_select is far faster than 2-D fancy indexing on CPU
         kd = kb.index_select(0, flat).view(shape).transpose(1, 2)  # (B, Hkv, Lmax, D)
         vd = vb.index_select(0, flat).view(shape).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling, enable_gqa=True)
-        out[rows] = od.squeeze(2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling)  # (B, Hkv, G, D)
+        out[rows] = od.reshape(b, -1, q.shape[-1])
     for p in m.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
