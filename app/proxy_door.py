@@ -1,16 +1,20 @@
-"""The door in Serve's HTTP proxy: a generation request over the proxy's in-flight limit is
-refused there (429 in OpenAI's shape, Retry-After), before it crosses to an ingress replica.
+"""The door in Serve's HTTP proxy: a generation request is answered 429 by the proxy itself (OpenAI's
+shape, Retry-After), before it crosses to an ingress replica, while the server is already behind.
 
 Why in the proxy: every HTTP request goes client -> proxy -> ingress -> engine replica, and each
-Ray hop costs milliseconds of Python per request and per streamed item. Under 10x overload on
-one small host the proxy's own event loop fell behind relaying the accepted streams, so new
-requests waited in front of it for seconds before the ingress's door could even refuse them
-(429 p99 26 s in a 30 s run, README "Admission and overload"). Refused here, a request costs the
-proxy its HTTP parsing and one small response, and the ingress nothing.
+Ray hop costs milliseconds of Python per request and per streamed item. Measured under a 10x
+overload on one small host, a refusal made by the ingress cost ~4 ms of ingress and ~4 ms of proxy
+CPU, and refused requests waited seconds on the way to it (the ingress itself decided in ~0.4 s
+p50; 429 p99 26 s in a 30 s run, README "Admission and overload"). Refused here, a request costs
+the proxy its HTTP parsing and one small response, and the ingress nothing.
 
-The limit is the ingress's (`app.stream_limit.StreamLimit`, AIMD on the event-loop lag), read on
-the proxy's loop: it cuts when the proxy itself stands behind. The ingress keeps its own limit
-and the token door (`app.admission`); this one only keeps the proxy from drowning.
+It closes (`Pending`): while at least 4 of the requests it forwarded wait for their first token
+and their median wait is over a target (a standing queue, whatever it stands in: the Ray hops, a
+starved ingress, the token door, the engine's queue; one long prompt prefilling does not close
+it); and for a moment after the ingress refused one (the server just said no). It also keeps
+the ingress's lag-adaptive in-flight limit (`app.stream_limit.StreamLimit`) on the proxy's own
+event loop, for a proxy that is itself the one falling behind. The ingress keeps its own limit
+and the token door (`app.admission`): this door only answers early what they would refuse late.
 
 Serve builds its proxy's middleware from the callable named by the environment variable
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read in the Ray node's environment when the proxy
@@ -18,11 +22,10 @@ starts: `make serve` and `loadtests/serve_local.py` set it to `app.proxy_door:mi
 cluster started with `ray start`, set it there (on every node with a proxy). Settings, from the
 same environment, checked when the proxy starts:
 
+  STALLFREE_PROXY_WAIT_TARGET_MS  the median wait for a first token over which it closes (2000)
   STALLFREE_PROXY_LAG_TARGET_MS   the in-flight limit's lag target (default 50); "off": no door
   STALLFREE_PROXY_MAX_REQUESTS    the most in flight at one proxy (default 1024)
   STALLFREE_PROXY_MIN_REQUESTS    the in-flight limit never falls below this (default 8)
-  STALLFREE_PROXY_WAIT_TARGET_MS  the median wait for a first token over which the door closes
-                                  (default 2000; `Pending`)
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from starlette.middleware import Middleware
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
@@ -108,8 +110,19 @@ def middlewares(env: Mapping[str, str] | None = None) -> list[Middleware]:
     pending = Pending(config.wait_target_ms / 1000, time.monotonic)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
-    return [Middleware(PendingMiddleware, pending=pending),
+    return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter()),
             Middleware(StreamLimitMiddleware, limit=limit, where="proxy")]
+
+
+def _refusal_counter() -> Callable[[str], None] | None:
+    """`stallfree_proxy_refusals_total{reason}` when Ray is here (the proxy), else None."""
+    try:
+        from replicas.metrics import PREFIX, RayBackend
+        counter = RayBackend().counter(PREFIX + "proxy_refusals_total", "Generation requests the proxy "
+                                       "answered 429 itself, by why (app/proxy_door.py).", ("reason",))
+    except Exception:  # noqa: BLE001 - no Ray (unit tests)
+        return None
+    return lambda reason: counter.record(1, {"reason": reason})
 
 
 def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -141,6 +154,7 @@ class Pending:
         self._checked_at = float("-inf")
         self._queueing = False
         self.median_wait_s = 0.0
+        self.reason = ""  # why the last refusal: "queueing" or "refused downstream"
         self.held_until = float("-inf")
         self.retry_after = 1
         self.num_refused = 0
@@ -160,6 +174,7 @@ class Pending:
     def admits(self) -> bool:
         now = self._clock()
         if now < self.held_until:
+            self.reason = "refused downstream"
             return False
         if now - self._checked_at >= self.check_every_s:
             self._checked_at = now
@@ -172,6 +187,8 @@ class Pending:
                 self._queueing = self.median_wait_s > self.target_s
                 if self._queueing:
                     self.retry_after = max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.median_wait_s)))
+        if self._queueing:
+            self.reason = "queueing"
         return not self._queueing
 
 
@@ -179,8 +196,8 @@ class PendingMiddleware:
     """Generation requests are refused with the proxy's own 429 while `pending` does not admit;
     the others are tracked until their response starts."""
 
-    def __init__(self, app: ASGIApp, pending: Pending) -> None:
-        self.app, self.pending = app, pending
+    def __init__(self, app: ASGIApp, pending: Pending, count: Callable[[str], None] | None = None) -> None:
+        self.app, self.pending, self.count = app, pending, count  # count(reason): each refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope.get("path", "").endswith(GENERATION_PATHS):
@@ -190,11 +207,15 @@ class PendingMiddleware:
         if not pending.admits():
             pending.num_refused += 1
             retry = pending.retry_after
-            await refuse(send, OpenAIError(
-                429, f"the server is at capacity: the requests before this one wait "
-                f"{pending.median_wait_s:.1f} s for their first token (the proxy's target "
-                f"{pending.target_s:.1f} s), or it has just refused one; retry after {retry} s",
-                code="rate_limit_exceeded", headers={"Retry-After": str(retry)}))
+            if pending.reason == "queueing":
+                why = (f"the requests before this one wait {pending.median_wait_s:.1f} s for their "
+                       f"first token (the proxy's target {pending.target_s:.1f} s)")
+            else:
+                why = "it refused a request moments ago"
+            if self.count is not None:
+                self.count(pending.reason)
+            await refuse(send, OpenAIError(429, f"the server is at capacity: {why}; retry after {retry} s",
+                                           code="rate_limit_exceeded", headers={"Retry-After": str(retry)}))
             return
         key = pending.start()
 

@@ -116,7 +116,8 @@ async def settle(cond, rounds: int = 100) -> None:  # noqa: ANN001
 async def test_the_middleware_refuses_while_queueing_in_openai_shape_and_never_forwards() -> None:
     pending, clock = pending_of()
     app = App()
-    mw = PendingMiddleware(app, pending)
+    counted: list[str] = []
+    mw = PendingMiddleware(app, pending, count=counted.append)
     held = [asyncio.create_task(call(mw, "/llm/v1/completions")) for _ in range(4)]  # any route prefix
     await settle(lambda: app.calls == 4)
     clock.t += 3.0
@@ -125,8 +126,8 @@ async def test_the_middleware_refuses_while_queueing_in_openai_shape_and_never_f
     assert start["status"] == 429 and app.calls == 4
     assert dict(start["headers"])[b"retry-after"] == b"3"
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["code"] == "rate_limit_exceeded" and "3.0 s" in body["error"]["message"]
-    assert pending.num_refused == 1
+    assert body["error"]["code"] == "rate_limit_exceeded" and "wait 3.0 s" in body["error"]["message"]
+    assert pending.num_refused == 1 and counted == ["queueing"]
     app.release.set()
     for done in await asyncio.gather(*held):
         assert done[0]["status"] == 200
@@ -149,12 +150,15 @@ async def test_a_downstream_429_is_passed_on_and_closes_the_door() -> None:
     pending, clock = pending_of()
     app = App(429, [(b"retry-after", b"4")])
     app.release.set()
-    mw = PendingMiddleware(app, pending)
+    counted: list[str] = []
+    mw = PendingMiddleware(app, pending, count=counted.append)
     first = await call(mw, "/v1/completions")
     assert first[0]["status"] == 429 and app.calls == 1  # the ingress's own answer, untouched
     second = await call(mw, "/v1/completions")
     assert second[0]["status"] == 429 and app.calls == 1  # the proxy's
     assert dict(second[0]["headers"])[b"retry-after"] == b"4"
+    assert "refused a request moments ago" in json.loads(second[1]["body"])["error"]["message"]
+    assert counted == ["refused downstream"]
     clock.t += 0.5
     app.status = 200
     assert (await call(mw, "/v1/completions"))[0]["status"] == 200 and app.calls == 2
