@@ -11,7 +11,9 @@ the proxy its HTTP parsing and one small response, and the ingress nothing.
 It closes (`Pending`): while at least 4 of the requests it forwarded wait for their first token
 and their median wait is over a target (a standing queue, whatever it stands in: the Ray hops, a
 starved ingress, the token door, the engine's queue; one long prompt prefilling does not close
-it); and for a moment after the ingress refused one (the server just said no). It also keeps
+it); while the streams it relays arrive slowly (over a tenth of the gaps between a stream's
+chunks in the last second over a target: what is admitted keeps its quality, as the issue
+asks); and for a moment after the ingress refused one (the server just said no). It also keeps
 the ingress's lag-adaptive in-flight limit (`app.stream_limit.StreamLimit`) on the proxy's own
 event loop, for a proxy that is itself the one falling behind. The ingress keeps its own limit
 and the token door (`app.admission`): this door only answers early what they would refuse late.
@@ -23,6 +25,8 @@ cluster started with `ray start`, set it there (on every node with a proxy). Set
 same environment, checked when the proxy starts:
 
   STALLFREE_PROXY_WAIT_TARGET_MS  the median wait for a first token over which it closes (2000)
+  STALLFREE_PROXY_GAP_TARGET_MS   it closes while over a tenth of the gaps between a stream's
+                                  chunks in the last second are longer (250); "off": never
   STALLFREE_PROXY_LAG_TARGET_MS   the in-flight limit's lag target (default 50); "off": no door
   STALLFREE_PROXY_MAX_REQUESTS    the most in flight at one proxy (default 1024)
   STALLFREE_PROXY_MIN_REQUESTS    the in-flight limit never falls below this (default 8)
@@ -35,6 +39,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -52,6 +57,7 @@ IMPORT_PATH = "app.proxy_door:middlewares"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_WAIT_TARGET_MS = 2000.0
+DEFAULT_GAP_TARGET_MS = 250.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class ProxyDoorConfig:
     max_requests: int = DEFAULT_MAX_REQUESTS
     min_requests: int = DEFAULT_MIN_LIMIT
     wait_target_ms: float = DEFAULT_WAIT_TARGET_MS
+    gap_target_ms: float | None = DEFAULT_GAP_TARGET_MS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ProxyDoorConfig:
@@ -80,7 +87,10 @@ class ProxyDoorConfig:
             raise ValueError(f"need STALLFREE_PROXY_MIN_REQUESTS ({low}) <= STALLFREE_PROXY_MAX_REQUESTS ({top})")
         wait = _positive("STALLFREE_PROXY_WAIT_TARGET_MS", env.get("STALLFREE_PROXY_WAIT_TARGET_MS", ""), float,
                          DEFAULT_WAIT_TARGET_MS)
-        return cls(target, top, low, wait)
+        raw_gap = env.get("STALLFREE_PROXY_GAP_TARGET_MS", "").strip()
+        gap = None if raw_gap.lower() == "off" else _positive("STALLFREE_PROXY_GAP_TARGET_MS", raw_gap, float,
+                                                               DEFAULT_GAP_TARGET_MS)
+        return cls(target, top, low, wait, gap)
 
 
 def _positive(name: str, raw: str, kind: type, default: float):  # noqa: ANN202 - int or float
@@ -107,7 +117,8 @@ def middlewares(env: Mapping[str, str] | None = None) -> list[Middleware]:
     limit.on_step = limit_observer(limit, "proxy", logger)
     logger.info("proxy door: at most %d generation requests in flight, the limit adapting to keep "
                 "the proxy's event-loop lag under %.0f ms", config.max_requests, config.target_ms)
-    pending = Pending(config.wait_target_ms / 1000, time.monotonic)
+    gap_s = config.gap_target_ms / 1000 if config.gap_target_ms is not None else None
+    pending = Pending(config.wait_target_ms / 1000, time.monotonic, gap_target_s=gap_s)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
     return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter()),
@@ -145,16 +156,21 @@ class Pending:
     """
 
     def __init__(self, target_s: float, clock: Callable[[], float], *, min_pending: int = 4,
-                 hold_s: float = 0.5, check_every_s: float = 0.05) -> None:
+                 hold_s: float = 0.5, check_every_s: float = 0.05, gap_target_s: float | None = None,
+                 gap_window_s: float = 1.0, min_gaps: int = 20, slow_share: float = 0.1) -> None:
         self.target_s, self.min_pending, self.hold_s = target_s, min_pending, hold_s
         self.check_every_s = check_every_s
+        self.gap_target_s, self.gap_window_s, self.min_gaps = gap_target_s, gap_window_s, min_gaps
+        self.slow_share = slow_share
+        self._gaps: deque[tuple[float, bool]] = deque()  # (when, over the gap target), last window
+        self._num_slow = 0
         self._clock = clock
         self._started: dict[int, float] = {}  # id -> when it arrived, oldest first
         self._ids = itertools.count()
         self._checked_at = float("-inf")
-        self._queueing = False
+        self._queueing = self._slow = False
         self.median_wait_s = 0.0
-        self.reason = ""  # why the last refusal: "queueing" or "refused downstream"
+        self.reason = ""  # why the last refusal: "queueing", "slow streams", "refused downstream"
         self.held_until = float("-inf")
         self.retry_after = 1
         self.num_refused = 0
@@ -166,6 +182,25 @@ class Pending:
 
     def answered(self, key: int) -> None:
         self._started.pop(key, None)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def gap(self, seconds: float) -> None:
+        """A stream's chunk came `seconds` after its previous one."""
+        if self.gap_target_s is None:
+            return
+        slow = seconds > self.gap_target_s
+        self._gaps.append((self._clock(), slow))
+        self._num_slow += slow
+
+    def slow_streams(self, now: float) -> bool:
+        """Over `slow_share` of the last window's chunk gaps (at least `min_gaps` of them) were
+        over the gap target."""
+        gaps = self._gaps
+        while gaps and now - gaps[0][0] > self.gap_window_s:
+            self._num_slow -= gaps.popleft()[1]
+        return len(gaps) >= self.min_gaps and self._num_slow > self.slow_share * len(gaps)
 
     def saw_429(self, retry_after: int) -> None:
         self.retry_after = max(1, retry_after)
@@ -187,9 +222,14 @@ class Pending:
                 self._queueing = self.median_wait_s > self.target_s
                 if self._queueing:
                     self.retry_after = max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.median_wait_s)))
+            self._slow = self.slow_streams(now)
+            if self._slow and not self._queueing:
+                self.retry_after = 1
         if self._queueing:
             self.reason = "queueing"
-        return not self._queueing
+        elif self._slow:
+            self.reason = "slow streams"
+        return not (self._queueing or self._slow)
 
 
 class PendingMiddleware:
@@ -210,6 +250,9 @@ class PendingMiddleware:
             if pending.reason == "queueing":
                 why = (f"the requests before this one wait {pending.median_wait_s:.1f} s for their "
                        f"first token (the proxy's target {pending.target_s:.1f} s)")
+            elif pending.reason == "slow streams":
+                why = (f"the streams it serves already arrive slowly (more than {pending.slow_share:.0%} "
+                       f"of their gaps over {1000 * pending.gap_target_s:.0f} ms)")
             else:
                 why = "it refused a request moments ago"
             if self.count is not None:
@@ -219,8 +262,16 @@ class PendingMiddleware:
             return
         key = pending.start()
 
+        last_chunk: float | None = None
+
         async def watching_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            nonlocal last_chunk
+            if message["type"] == "http.response.body":
+                now = pending.now()
+                if last_chunk is not None:
+                    pending.gap(now - last_chunk)
+                last_chunk = now if message.get("more_body") else None
+            elif message["type"] == "http.response.start":
                 pending.answered(key)
                 if message["status"] == 429:
                     retry = next((v for k, v in message.get("headers", ()) if k.lower() == b"retry-after"), b"1")

@@ -23,9 +23,11 @@ class Clock:
         return self.t
 
 
-def pending_of(target_s: float = 2.0, min_pending: int = 4) -> tuple[Pending, Clock]:
+def pending_of(target_s: float = 2.0, min_pending: int = 4,
+               gap_target_s: float | None = 0.25) -> tuple[Pending, Clock]:
     clock = Clock()
-    return Pending(target_s, clock, min_pending=min_pending, hold_s=0.5, check_every_s=0.05), clock
+    return Pending(target_s, clock, min_pending=min_pending, hold_s=0.5, check_every_s=0.05,
+                   gap_target_s=gap_target_s, gap_window_s=1.0, min_gaps=20, slow_share=0.1), clock
 
 
 def test_a_standing_queue_closes_the_door_until_it_drains() -> None:
@@ -75,6 +77,31 @@ def test_a_429_from_downstream_holds_it_for_the_hold_at_most_the_retry_after() -
     assert pending.admits()  # hold 0.5 s (< Retry-After 7)
     pending.saw_429(0)  # a nonsensical Retry-After still holds, for at least a second of advice
     assert pending.retry_after == 1 and not pending.admits()
+
+
+def test_slow_streams_close_it_until_their_gaps_leave_the_window() -> None:
+    pending, clock = pending_of()
+    for _ in range(18):
+        pending.gap(0.05)
+    pending.gap(0.3)
+    pending.gap(0.3)  # 2 of 20 slow: 10%, not over a tenth
+    assert pending.admits()
+    pending.gap(0.3)  # 3 of 21: over
+    clock.t += 0.06
+    assert not pending.admits() and pending.reason == "slow streams" and pending.retry_after == 1
+    clock.t += 1.0  # the window has moved past them all
+    assert pending.admits()
+
+
+def test_too_few_gaps_or_no_gap_target_never_close_it() -> None:
+    pending, clock = pending_of()
+    for _ in range(19):
+        pending.gap(5.0)
+    assert pending.admits()  # 19 < min_gaps
+    off, _ = pending_of(gap_target_s=None)
+    for _ in range(100):
+        off.gap(5.0)
+    assert off.admits()
 
 
 class App:
@@ -164,6 +191,20 @@ async def test_a_downstream_429_is_passed_on_and_closes_the_door() -> None:
     assert (await call(mw, "/v1/completions"))[0]["status"] == 200 and app.calls == 2
 
 
+async def test_the_middleware_times_the_gaps_between_a_streams_chunks() -> None:
+    pending, clock = pending_of()
+
+    async def stream(scope, receive, send) -> None:  # noqa: ANN001
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+            clock.t += 0.3
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    await call(PendingMiddleware(stream, pending), "/v1/completions")
+    assert len(pending._gaps) == 3 and pending._num_slow == 3  # three 0.3 s gaps, the last to the end
+
+
 def test_config_from_the_environment() -> None:
     assert ProxyDoorConfig.from_env({}) == ProxyDoorConfig()
     assert ProxyDoorConfig.from_env({}).wait_target_ms == DEFAULT_WAIT_TARGET_MS
@@ -171,9 +212,12 @@ def test_config_from_the_environment() -> None:
                                   "STALLFREE_PROXY_MIN_REQUESTS": "2", "STALLFREE_PROXY_WAIT_TARGET_MS": "500"})
     assert c == ProxyDoorConfig(80.0, 64, 2, 500.0)
     assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}).target_ms is None
+    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_TARGET_MS": "off"}).gap_target_ms is None
+    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_TARGET_MS": "120"}).gap_target_ms == 120.0
     for env, name in (({"STALLFREE_PROXY_MAX_REQUESTS": "many"}, "STALLFREE_PROXY_MAX_REQUESTS"),
                       ({"STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, "STALLFREE_PROXY_WAIT_TARGET_MS"),
                       ({"STALLFREE_PROXY_LAG_TARGET_MS": "0"}, "STALLFREE_PROXY_LAG_TARGET_MS"),
+                      ({"STALLFREE_PROXY_GAP_TARGET_MS": "fast"}, "STALLFREE_PROXY_GAP_TARGET_MS"),
                       ({"STALLFREE_PROXY_MIN_REQUESTS": "9", "STALLFREE_PROXY_MAX_REQUESTS": "8"},
                        "STALLFREE_PROXY_MIN_REQUESTS")):
         with pytest.raises(ValueError, match=name):
@@ -185,6 +229,7 @@ def test_serves_callback_builds_both_parts_and_none_when_off() -> None:
     assert [m.cls for m in built] == [PendingMiddleware, StreamLimitMiddleware]  # the limit outermost
     assert built[1].kwargs["limit"].max_limit == 16 and built[1].kwargs["where"] == "proxy"
     assert built[0].kwargs["pending"].target_s == pytest.approx(0.75)
+    assert built[0].kwargs["pending"].gap_target_s == pytest.approx(0.25)
     assert middlewares({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}) == []
 
 
