@@ -32,6 +32,7 @@ test: $(STAMP)
 SERVE_AUTH := $(if $(RAY_ADDRESS),$(if $(RAY_AUTH_MODE),,$(if $(RAY_AUTH_TOKEN)$(RAY_AUTH_TOKEN_PATH)$(wildcard $(HOME)/.ray/auth_token),RAY_AUTH_MODE=token)))
 
 serve: $(STAMP)
+	$(BIN)/python -m app.proxy_door  # its STALLFREE_PROXY_* settings, checked before Ray starts
 	$(SERVE_AUTH) RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=$${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-$(PROXY_DOOR)} \
 		$(BIN)/serve run serve_config.yaml
 

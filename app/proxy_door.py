@@ -282,3 +282,11 @@ class PendingMiddleware:
             await self.app(scope, receive, watching_send)
         finally:
             pending.answered(key)
+
+
+if __name__ == "__main__":  # `python -m app.proxy_door`: check the settings in this environment
+    import sys
+    try:
+        print(ProxyDoorConfig.from_env(os.environ))
+    except ValueError as exc:
+        sys.exit(f"proxy door: {exc}")
