@@ -5,11 +5,16 @@ policy and across preemption. max_tokens 0 scores the prompt and generates nothi
 
 from __future__ import annotations
 
+import types
+
+import numpy as np
 import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
+from replicas.model_runner import PAD_MIN, PAD_SLACK, ModelRunner
 from replicas.models import load_model
+from replicas.scheduler import ScheduledSeq
 
 PROMPT_LENS = [5, 40, 100, 1, 33, 64]
 
@@ -137,3 +142,36 @@ def test_prompt_logprobs_come_once_with_the_first_output(llama):
     assert [t.logprob for t in final.prompt_logprobs[1:]] == pytest.approx([t.logprob for t in entries[1:]],
                                                                          abs=2e-5)
     assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.requests
+
+
+def test_decode_groups_cover_every_decode_once_and_bound_their_padding() -> None:
+    """Over random context lengths (sorted, as the runner packs them): groups are contiguous, in
+    order, cover each decode once; each pads to its longest at most PAD_SLACK x its real tokens
+    + PAD_MIN; masks mark exactly each decode's context; block rows come from the table."""
+    bs = 4
+    g = torch.Generator().manual_seed(7)
+    for trial in range(40):
+        n = int(torch.randint(1, 64, (1,), generator=g))
+        spread = [8, 64, 600][trial % 3]
+        lens = sorted(int(x) for x in torch.randint(1, spread, (n,), generator=g))
+        table = np.arange(n * 200).reshape(n, 200)  # row r holds blocks r*200, r*200+1, ...
+        runner = types.SimpleNamespace(blocks=types.SimpleNamespace(block_size=bs), _table=table,
+                                       _tensor=torch.from_numpy)
+        seqs = [ScheduledSeq.__new__(ScheduledSeq) for _ in lens]
+        for s, length in zip(seqs, lens):
+            s.start = length - 1  # a decode at position start attends over start + 1 tokens
+        groups = ModelRunner._decode_groups(runner, seqs, list(range(n)))
+        assert groups[0].start == 0
+        covered = 0
+        for grp in groups:
+            b = grp.blocks.shape[0]
+            assert grp.start == covered
+            mine = lens[grp.start:grp.start + b]
+            assert grp.lens.tolist() == mine
+            assert b * mine[-1] <= PAD_SLACK * sum(mine) + PAD_MIN
+            assert grp.blocks.shape[1] == -(-mine[-1] // bs)
+            assert grp.blocks[:, 0].tolist() == [r * 200 for r in range(grp.start, grp.start + b)]
+            assert grp.mask.shape == (b, 1, 1, grp.blocks.shape[1] * bs)
+            assert grp.mask.sum(dim=-1).flatten().tolist() == mine
+            covered += b
+        assert covered == n
