@@ -13,10 +13,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
-import logging
 from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 5.0
 

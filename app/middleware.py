@@ -145,7 +145,7 @@ class StreamLimitMiddleware:
         self.app = app
         self.limit, self.where = limit, where
         self._watch: asyncio.Task[None] | None = None
-        self._trim: asyncio.Task[None] | None = None
+        self._trim: asyncio.Task[None] | None = None  # held: the loop keeps only weak task references
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.limit

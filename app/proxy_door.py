@@ -73,30 +73,24 @@ class ProxyDoorConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ProxyDoorConfig:
         """Read and check the STALLFREE_PROXY_* variables; ValueError naming the bad one."""
-        raw = env.get("STALLFREE_PROXY_LAG_TARGET_MS", "").strip()
-        target: float | None = DEFAULT_TARGET_MS
-        if raw.lower() == "off":
-            target = None
-        elif raw:
-            target = _positive("STALLFREE_PROXY_LAG_TARGET_MS", raw, float, DEFAULT_TARGET_MS)
-        top = _positive("STALLFREE_PROXY_MAX_REQUESTS", env.get("STALLFREE_PROXY_MAX_REQUESTS", ""), int,
-                        DEFAULT_MAX_REQUESTS)
-        low = _positive("STALLFREE_PROXY_MIN_REQUESTS", env.get("STALLFREE_PROXY_MIN_REQUESTS", ""), int,
-                        DEFAULT_MIN_LIMIT)
+        target = _setting(env, "STALLFREE_PROXY_LAG_TARGET_MS", float, DEFAULT_TARGET_MS, may_be_off=True)
+        top = _setting(env, "STALLFREE_PROXY_MAX_REQUESTS", int, DEFAULT_MAX_REQUESTS)
+        low = _setting(env, "STALLFREE_PROXY_MIN_REQUESTS", int, DEFAULT_MIN_LIMIT)
         if low > top:
             raise ValueError(f"need STALLFREE_PROXY_MIN_REQUESTS ({low}) <= STALLFREE_PROXY_MAX_REQUESTS ({top})")
-        wait = _positive("STALLFREE_PROXY_WAIT_TARGET_MS", env.get("STALLFREE_PROXY_WAIT_TARGET_MS", ""), float,
-                         DEFAULT_WAIT_TARGET_MS)
-        raw_gap = env.get("STALLFREE_PROXY_GAP_TARGET_MS", "").strip()
-        gap = None if raw_gap.lower() == "off" else _positive("STALLFREE_PROXY_GAP_TARGET_MS", raw_gap, float,
-                                                               DEFAULT_GAP_TARGET_MS)
+        wait = _setting(env, "STALLFREE_PROXY_WAIT_TARGET_MS", float, DEFAULT_WAIT_TARGET_MS)
+        gap = _setting(env, "STALLFREE_PROXY_GAP_TARGET_MS", float, DEFAULT_GAP_TARGET_MS, may_be_off=True)
         return cls(target, top, low, wait, gap)
 
 
-def _positive(name: str, raw: str, kind: type, default: float):  # noqa: ANN202 - int or float
-    raw = raw.strip()
+def _setting(env: Mapping[str, str], name: str, kind: type, default: float,  # noqa: ANN202 - int or float
+             may_be_off: bool = False):
+    """`env[name]` as a positive `kind`: `default` when unset, None for "off" where allowed."""
+    raw = env.get(name, "").strip()
     if not raw:
         return default
+    if may_be_off and raw.lower() == "off":
+        return None
     try:
         value = kind(raw)
     except ValueError:
