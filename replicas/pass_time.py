@@ -2,10 +2,14 @@
 
 The model is linear in what the scheduler knows before a pass runs:
 
-    seconds = c0 + c_p * prefill_tokens + c_d * decode_tokens + c_s * sequences + c_c * context_tokens
+    seconds = c0 + c_p * prefill_tokens + c_d * decode_tokens + c_s * sequences
+               + c_c * context_tokens + c_a * attention_pairs
 
 (context_tokens: KV tokens attended, summed over the pass's sequences, as `IterationStats`
-records it). It is fitted by least squares, with non-negative coefficients, to a sliding window
+records it: what attention reads; attention_pairs: query-key pairs, what attention computes. A
+decode's pairs are its context; a prefill chunk of p tokens after s cached ones has p*s + p(p+1)/2,
+so a chunk deep into a long prompt costs more than one at its start, which the context alone
+misses: without it the model under-predicted such passes by up to 25% on the CPU engine). It is fitted by least squares, with non-negative coefficients, to a sliding window
 of the engine's own recent passes plus a few seed passes profiled at start (which keep every
 coefficient identifiable when the window holds, say, only decodes). So it follows the machine it
 runs on and the model it serves, without offline calibration.
@@ -24,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "sequences", "context_tokens")
+FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "sequences", "context_tokens",
+            "attention_pairs")
 # The fit is trusted while the median relative error of its recent predictions stays under this.
 MAX_PREDICTION_ERROR = 0.25
 ERROR_WINDOW = 32  # predictions the trust check looks back over
@@ -39,17 +44,24 @@ class PassShape:
     decode_tokens: int
     sequences: int
     context_tokens: int
+    attention_pairs: int
 
     @classmethod
     def of(cls, batch: Any) -> PassShape:
         """The shape of a `SchedulerOutput` (context: each sequence's start + its tokens)."""
         seqs = batch.seqs
         return cls(batch.num_prefill_tokens, batch.num_decode_tokens, len(seqs),
-                   sum(s.start + s.num_tokens for s in seqs))
+                   sum(s.start + s.num_tokens for s in seqs),
+                   sum(chunk_pairs(s.start, s.num_tokens) for s in seqs))
 
-    def features(self) -> tuple[float, float, float, float, float]:
+    def features(self) -> tuple[float, ...]:
         return (1.0, float(self.prefill_tokens), float(self.decode_tokens), float(self.sequences),
-                float(self.context_tokens))
+                float(self.context_tokens), float(self.attention_pairs))
+
+
+def chunk_pairs(start: int, tokens: int) -> int:
+    """Query-key pairs of `tokens` causal queries after `start` cached tokens (a decode: start+1)."""
+    return tokens * start + tokens * (tokens + 1) // 2
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -209,10 +221,12 @@ class SloBudget:
                           model.recent_error or 0.0)
         self.untrusted = False
         d = len(decodes)
-        context = sum(s.start for s in decodes) + d + nxt.num_computed_tokens
+        decode_context = sum(s.start for s in decodes) + d  # a decode's pairs are its context
+        start = nxt.num_computed_tokens
 
         def cost(p: int) -> float:
-            return model.predict(PassShape(p, d, d + 1, context + p))
+            return model.predict(PassShape(p, d, d + 1, decode_context + start + p,
+                                           decode_context + chunk_pairs(start, p)))
 
         self.last = slo_prefill_budget(cost, self.target_s, ceiling, self.floor)
         return self.last
@@ -247,7 +261,8 @@ class SloAdmission:
         if not num_running or not self.model.trusted:
             return True
         n = num_running + 1
-        shape = PassShape(self.floor, n, n + 1, running_tokens + request.num_tokens + self.floor)
+        context = running_tokens + request.num_tokens  # what the n decodes attend
+        shape = PassShape(self.floor, n, n + 1, context + self.floor, context + chunk_pairs(0, self.floor))
         predicted = self.model.predict(shape)
         if predicted is None or predicted <= self.target_s:
             return True

@@ -76,10 +76,10 @@ def profile_passes(cost: CostModel, ceiling: int) -> list[tuple[PassShape, float
     out = []
     for n, k in seed_shapes(ceiling):
         pairs = k * n * (n + 1) // 2
-        out.append((PassShape(n * k, 0, k, n * k), cost.iteration_time(n * k, 0, n * k, k, pairs, 0)))
+        out.append((PassShape(n * k, 0, k, n * k, pairs), cost.iteration_time(n * k, 0, n * k, k, pairs, 0)))
         for step in (1, 2):
             ctx = k * (n + step)
-            out.append((PassShape(0, k, k, ctx), cost.iteration_time(0, k, ctx, k, ctx, k * (n + step))))
+            out.append((PassShape(0, k, k, ctx, ctx), cost.iteration_time(0, k, ctx, k, ctx, k * (n + step))))
     return out
 
 
@@ -151,7 +151,7 @@ class SimReplica:
         f = batch_features(batch)
         dur = self.cost.iteration_time(*f)
         if self.pass_time is not None:
-            shape = PassShape(f[0], f[1], f[3], f[2])
+            shape = PassShape(f[0], f[1], f[3], f[2], f[4])
             self.pass_time.observe(shape, dur, self.pass_time.predict(shape))
         if self.log is not None:
             self.log.append((now, dur, f[0], f[1], f[2], f[3]))

@@ -9,8 +9,8 @@ import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
-from replicas.pass_time import (MAX_PREDICTION_ERROR, PassShape, PassTimeModel, fit_nonnegative,
-                                slo_prefill_budget)
+from replicas.pass_time import (MAX_PREDICTION_ERROR, PassShape, PassTimeModel, SloBudget, chunk_pairs,
+                                fit_nonnegative, slo_prefill_budget)
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq
 
@@ -42,7 +42,8 @@ def test_a_step_shaped_cost_is_searched_exactly() -> None:
 
 # ---- the online fit ------------------------------------------------------------------------
 
-TRUE = np.array([0.004, 2e-4, 5e-4, 1e-4, 2e-6])  # intercept, per prefill/decode token, seq, ctx
+# intercept, per prefill token, per decode token, per sequence, per context token, per pair
+TRUE = np.array([0.004, 2e-4, 5e-4, 1e-4, 2e-6, 3e-7])
 
 
 def synthetic_passes(rng: np.random.Generator, n: int, coef: np.ndarray, decode_only: bool = False):
@@ -50,8 +51,9 @@ def synthetic_passes(rng: np.random.Generator, n: int, coef: np.ndarray, decode_
         p = 0 if decode_only else int(rng.integers(0, 512))
         d = int(rng.integers(1, 64))
         s = d + (0 if p == 0 else int(rng.integers(1, 4)))
-        c = int(rng.integers(d * 16, d * 512)) + p
-        shape = PassShape(p, d, s, c)
+        decode_context = int(rng.integers(d * 16, d * 512))
+        start = 0 if p == 0 else int(rng.integers(0, 1536))  # where the prefill chunk begins
+        shape = PassShape(p, d, s, decode_context + start + p, decode_context + chunk_pairs(start, p))
         yield shape, float(np.dot(coef, shape.features()))
 
 
@@ -140,7 +142,7 @@ def test_outputs_stay_hf_identical_while_the_budget_varies_pass_to_pass(llama) -
     eng = slo_engine(llama, 1.0)  # tight for this model, so the budget binds
     # A known cost model: 0.2 ms per pass + 0.02 ms per prefill token, target 0.8 ms -> 30 tokens
     # with no other cost; context and decodes cost nothing here.
-    eng.pass_time.coef = np.array([2e-4, 2e-5, 0.0, 0.0, 0.0])
+    eng.pass_time.coef = np.array([2e-4, 2e-5, 0.0, 0.0, 0.0, 0.0])
     eng.pass_time.errors.clear()
     eng.pass_time.observe = lambda *a, **k: None  # keep the injected model (and its trust)
     outs = eng.generate(ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -177,7 +179,7 @@ def test_misses_far_below_the_target_do_not_cost_trust() -> None:
     for shape, t in synthetic_passes(np.random.default_rng(6), 20, TRUE):
         model.observe(shape, t)
     for _ in range(32):  # 10 ms passes predicted at 20 ms: 100% off, but 10% of the 100 ms target
-        model.observe(PassShape(0, 4, 4, 400), 0.010, predicted=0.020)
+        model.observe(PassShape(0, 4, 4, 400, 400), 0.010, predicted=0.020)
     assert model.recent_error == pytest.approx(0.1) and model.trusted
 
 
@@ -187,3 +189,30 @@ def test_slo_budget_off_keeps_the_fixed_budget_but_still_fits_the_model(llama) -
     eng.generate([[5] * 100, [6] * 10], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert all(it.prefill_budget is None for it in eng.iterations)
     assert any(it.predicted_s is not None for it in eng.iterations)
+
+
+def test_pairs_count_each_query_against_its_causal_context() -> None:
+    assert chunk_pairs(9, 1) == 10  # a decode at position 9 attends 10 tokens: its context
+    assert chunk_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert chunk_pairs(100, 4) == 101 + 102 + 103 + 104
+
+
+def test_a_chunk_deep_into_a_long_prompt_gets_a_smaller_budget() -> None:
+    # 10 ms a pass, 0.1 ms a prefill token, 0.1 us a query-key pair; target 100 ms.
+    model = PassTimeModel()
+    model.coef = np.array([0.010, 1e-4, 0.0, 0.0, 0.0, 1e-7])
+    budget = SloBudget(model, target_s=0.100, floor=16)
+    decoding = Request("d", [5] * 10, SamplingParams(max_tokens=4), 0, 0.0)
+    decoding.num_computed_tokens = 10
+    fresh = Request("f", [6] * 4000, SamplingParams(max_tokens=4), 0, 0.0)
+    deep = Request("g", [6] * 4000, SamplingParams(max_tokens=4), 0, 0.0)
+    deep.num_computed_tokens = 3000
+    seqs = [ScheduledSeq(decoding, 10, 1)]
+
+    def exact(start: int) -> int:  # the largest p with 10 ms + 11 pairs' and p's cost <= 100 ms
+        ok = [p for p in range(16, 2048) if 0.010 + 1e-4 * p + 1e-7 * (11 + chunk_pairs(start, p)) <= 0.100]
+        return max(ok)
+
+    at_start, at_3000 = budget(seqs, fresh, 2047), budget(seqs, deep, 2047)
+    assert (at_start, at_3000) == (exact(0), exact(3000))
+    assert at_3000 < 0.8 * at_start

@@ -17,7 +17,7 @@ from replicas.request import Request
 from replicas.scheduler import Scheduler
 
 # 1 ms per pass + 2 ms per decoding sequence (nothing else costs): target 10 ms.
-COEF = np.array([1e-3, 0.0, 2e-3, 0.0, 0.0])
+COEF = np.array([1e-3, 0.0, 2e-3, 0.0, 0.0, 0.0])
 
 
 def known_model(coef: np.ndarray = COEF) -> PassTimeModel:
@@ -40,7 +40,7 @@ def test_admits_exactly_while_the_decodes_fit_the_target() -> None:
 
 def test_context_and_the_floor_chunk_count() -> None:
     # 0.01 ms per prefill token and per context token: a longer prompt tips the same count over.
-    admit = SloAdmission(known_model(np.array([1e-3, 1e-5, 2e-3, 0.0, 1e-5])), target_s=0.010, floor=16)
+    admit = SloAdmission(known_model(np.array([1e-3, 1e-5, 2e-3, 0.0, 1e-5, 0.0])), target_s=0.010, floor=16)
     # 2 running + 1: 1 + 0.16 + 6 + 0.01 * (ctx) ms: ctx = 100 + 10 + 16 -> 8.42 ms; 300-token prompt -> 10.32.
     assert admit(2, 100, request("short", 10))
     assert not admit(2, 100, request("long", 300))
@@ -104,7 +104,7 @@ def test_the_engine_runs_exactly_as_many_as_the_model_allows_outputs_unchanged(l
     assert eng.scheduler.may_admit is eng.slo_admission
     # 0.1 ms per pass + 0.2 ms per decode, target 0.8 ms: 1 + 2 (n + 1) <= 8 -> n <= 2 running,
     # so 3 at a time.
-    eng.pass_time.coef = np.array([1e-4, 0.0, 2e-4, 0.0, 0.0])
+    eng.pass_time.coef = np.array([1e-4, 0.0, 2e-4, 0.0, 0.0, 0.0])
     eng.pass_time.errors.clear()
     eng.pass_time.observe = lambda *a, **k: None  # keep the injected model (and its trust)
     running: list[int] = []
