@@ -115,6 +115,24 @@ class Rec:
     retry_after: bool | None = None  # non-200: a Retry-After header
     json_body: bool | None = None  # non-200: the body parses as JSON
     openai_body: bool | None = None  # non-200: {"error": {"message","type","param","code"}}
+    refused_by: str | None = None  # a 429: which of the server's bounds answered (`refuser`)
+
+
+# Which bound a 429 came from, by the words its message starts with (app/ and replicas/ errors).
+REFUSERS = (("the requests before this one wait", "proxy: queueing"),
+            ("the streams it serves already arrive slowly", "proxy: slow streams"),
+            ("it refused a request moments ago", "proxy: hold"),
+            ("requests are in flight at this proxy", "proxy: in-flight limit"),
+            ("requests are in flight at this ingress", "ingress: in-flight limit"),
+            ("the replicas' queues take", "ingress: token gate"),
+            ("without reaching a model replica", "ingress: queue deadline"),
+            ("the replica's queue is full", "replica: queue bound"),
+            ("without being scheduled", "replica: queue deadline"))
+
+
+def refuser(message: str) -> str:
+    """The bound a 429's message names ("other" for anything else, e.g. Serve's own)."""
+    return next((who for words, who in REFUSERS if words in message), "other")
 
 
 def classify(rec: Rec) -> str:
@@ -243,6 +261,16 @@ def accepted_ttfts(recs: Sequence[Rec]) -> list[float]:
     return out
 
 
+def refusals_by_source(rejected: Sequence[Rec]) -> dict[str, dict[str, Any]]:
+    """Per bound that answered: how many 429s, their latency p50 / p99 / max."""
+    groups: dict[str, list[float]] = {}
+    for r in rejected:
+        if r.headers_s is not None:
+            groups.setdefault(r.refused_by or "other", []).append(r.headers_s)
+    return {who: {"n": len(lat), "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
+                  "max_s": max(lat)} for who, lat in sorted(groups.items(), key=lambda kv: -len(kv[1]))}
+
+
 def summarize(recs: Sequence[Rec], window_s: float) -> dict[str, Any]:
     """Counts by category, latencies of accepted requests, and what the rejections looked like."""
     by = counts(recs)
@@ -264,6 +292,7 @@ def summarize(recs: Sequence[Rec], window_s: float) -> dict[str, Any]:
                                          if r.status == 200 and r.headers_s is not None], 99),
         "reject_p50_s": percentile(lat429, 50), "reject_p99_s": percentile(lat429, 99),
         "reject_max_s": max(lat429, default=None),
+        "reject_by": refusals_by_source(rejected),
         "reject_retry_after": sum(bool(r.retry_after) for r in rejected),
         "reject_openai_body": sum(bool(r.openai_body) for r in rejected),
         "non_json_error_bodies": sum(r.json_body is False for r in non200),
@@ -459,7 +488,9 @@ def format_phase(name: str, s: dict[str, Any]) -> str:
         f" max {_ms(s['tbt_max_s'])}",
         f"  429 latency p50 {_ms(s['reject_p50_s'])} p99 {_ms(s['reject_p99_s'])}; "
         f"status codes {s['status_codes']}"
-        + (f"; transport errors {s['transport_errors']}" if s["transport_errors"] else "")])
+        + (f"; transport errors {s['transport_errors']}" if s["transport_errors"] else ""),
+        *(f"    429 from {who}: {g['n']}, p50 {_ms(g['p50_s'])} p99 {_ms(g['p99_s'])} max {_ms(g['max_s'])}"
+          for who, g in s.get("reject_by", {}).items())])
 
 
 def compact(rec: Rec) -> dict[str, Any]:
@@ -468,7 +499,7 @@ def compact(rec: Rec) -> dict[str, Any]:
     return {"kind": rec.kind, "sched_s": r(rec.sched_s), "category": classify(rec),
             "status": rec.status, "headers_s": r(rec.headers_s), "ttft_s": r(rec.ttft_s),
             "end_s": r(rec.end_s), "chunks": rec.chunks, "max_gap_s": r(max(rec.gaps, default=None)),
-            "exc": rec.exc}
+            "exc": rec.exc, "refused_by": rec.refused_by}
 
 
 # ---- Prometheus gauges (the engine's KV state) -------------------------------------------------
@@ -678,6 +709,8 @@ async def _read_error(resp: httpx.Response, rec: Rec) -> None:
         rec.json_body, rec.openai_body = False, False
         return
     rec.json_body, rec.openai_body = True, is_openai_error(data)
+    if rec.status == 429 and rec.openai_body:
+        rec.refused_by = refuser(str(data["error"].get("message", "")))
 
 
 async def _exchange(client: httpx.AsyncClient, spec: ReqSpec, rec: Rec, t_sched: float) -> None:

@@ -83,7 +83,8 @@ def test_summarize_counts_latencies_and_rejections() -> None:
     recs = [rec(status=200, done=True, headers_s=0.01, ttft_s=0.1, end_s=1.0, gaps=[0.02, 0.04]),
             rec(status=200, done=True, headers_s=0.01, ttft_s=0.3, end_s=1.2, gaps=[0.06]),
             rec(status=200, done=False, headers_s=0.01, ttft_s=None, end_s=5.0),  # cut, waited 5 s
-            rec(status=429, headers_s=0.05, end_s=0.05, retry_after=True, json_body=True, openai_body=True),
+            rec(status=429, headers_s=0.05, end_s=0.05, retry_after=True, json_body=True, openai_body=True,
+                refused_by="proxy: queueing"),
             rec(status=429, headers_s=0.15, end_s=0.15, retry_after=False, json_body=True, openai_body=False),
             rec(status=500, headers_s=0.2, end_s=0.2, json_body=False, openai_body=False),
             rec(status=None, exc="ReadError", end_s=0.3)]
@@ -101,6 +102,22 @@ def test_summarize_counts_latencies_and_rejections() -> None:
     assert s["non_json_error_bodies"] == 1 and s["non_openai_error_bodies"] == 2
     assert s["status_codes"] == {"200": 3, "429": 2, "500": 1, "none": 1}
     assert s["transport_errors"] == {"ReadError": 1}
+    assert s["reject_by"] == {"proxy: queueing": {"n": 1, "p50_s": 0.05, "p99_s": 0.05, "max_s": 0.05},
+                              "other": {"n": 1, "p50_s": 0.15, "p99_s": 0.15, "max_s": 0.15}}
+
+
+@pytest.mark.parametrize("message, who", [
+    ("the server is at capacity: the requests before this one wait 2.3 s for their first token "
+     "(the proxy's target 2.0 s); retry after 1 s", "proxy: queueing"),
+    ("the server is at capacity: 12 requests are in flight at this ingress, its limit is 8 (...)",
+     "ingress: in-flight limit"),
+    ("the server is at capacity: 900 prompt tokens wait and this request adds 50, over the bound of "
+     "800 the replicas' queues take; retry after 2 s", "ingress: token gate"),
+    ("the request waited 10.0 s (queue_timeout_s) without being scheduled: the server is overloaded",
+     "replica: queue deadline"),
+    ("Service Unavailable", "other")])
+def test_refuser_names_the_bound_from_the_message(message: str, who: str) -> None:
+    assert ov.refuser(message) == who
 
 
 def test_summarize_empty() -> None:
