@@ -129,7 +129,9 @@ class Engine:
             target = config.tbt_slo_ms / 1000 * config.budget_margin
             self.pass_time = PassTimeModel(error_floor_s=target)
             if config.policy == "stall_free" and config.slo_budget:
-                self.slo_budget = SloBudget(self.pass_time, target, config.slo_budget_floor, log)
+                self.slo_budget = SloBudget(self.pass_time, target, config.slo_budget_floor, log,
+                                            kv=self.blocks,
+                                            kv_reserve_blocks=self.scheduler.watermark_blocks)
                 self.scheduler.prefill_budget = self.slo_budget
                 if config.slo_admission:
                     self.slo_admission = SloAdmission(self.pass_time, target, config.slo_budget_floor)

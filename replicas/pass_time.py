@@ -15,8 +15,10 @@ coefficient identifiable when the window holds, say, only decodes). So it follow
 runs on and the model it serves, without offline calibration.
 
 `slo_prefill_budget` is the decision: the largest prefill chunk whose predicted pass time stays
-under the target, given the decodes already in the pass. Pure functions and a small stateful
-fitter, no torch: the scheduler calls them and the simulator can import them.
+under the target, given the decodes already in the pass. `kv_pass_target` lowers that target when
+the KV cache would not hold the requests that passes of the target's length keep alive (Little's
+law). Pure functions and a small stateful fitter, no torch: the scheduler calls them and the
+simulator can import them.
 """
 
 from __future__ import annotations
@@ -112,12 +114,19 @@ class PassTimeModel:
         self.coef: np.ndarray | None = None
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self._since_fit = 0
+        self._window_s = 0.0  # the seconds in `window`, summed
+
+    @property
+    def mean_pass_s(self) -> float | None:
+        """Mean time of the passes in the window (None while it is empty)."""
+        return self._window_s / len(self.window) if self.window else None
 
     def freeze_seed(self) -> None:
         """The passes observed so far (the start-up profile) are kept for good, beside the
         window, so every coefficient stays identifiable."""
         self.seed.extend(self.window)
         self.window.clear()
+        self._window_s = 0.0
         self.errors.clear()
         self._refit()
 
@@ -125,7 +134,10 @@ class PassTimeModel:
         """A pass ran; `predicted` is what the model said before it ran (tracks the error)."""
         if predicted is not None and seconds > 0:
             self.errors.append(abs(predicted - seconds) / max(seconds, self.error_floor_s))
+        if len(self.window) == self.window.maxlen:
+            self._window_s -= self.window[0][1]
         self.window.append((shape.features(), seconds))
+        self._window_s += seconds
         self._since_fit += 1
         if self.coef is None or self._since_fit >= self.refit_every:
             self._refit()
@@ -188,24 +200,59 @@ def slo_prefill_budget(cost: Callable[[int], float], target_s: float, ceiling: i
     return lo
 
 
+def kv_pass_target(target_s: float, mean_pass_s: float | None, kv_used: int, kv_goal: int) -> float:
+    """The pass-time target, lowered so that the KV the running requests hold fits in `kv_goal`.
+
+    Little's law: at a given request rate, the requests alive (and so the KV they hold) grow in
+    proportion to how long they live, which is their number of passes times the pass time. The
+    `kv_used` tokens held now were built up under passes of `mean_pass_s` on average, so passes of
+    mean_pass_s * kv_goal / kv_used would hold about `kv_goal`: the target is capped there. Far
+    from full the cap lies above the SLO's target and nothing changes; as the KV fills it pulls
+    the passes back to the length whose KV fits (shorter passes: decodes finish sooner and free
+    their blocks, where longer ones would fill the cache and leave prompts waiting for blocks, or
+    preempt). With nothing held, or no pass seen yet, `target_s` itself.
+    """
+    if kv_used <= 0 or mean_pass_s is None:
+        return target_s
+    return min(target_s, mean_pass_s * max(kv_goal, 0) / kv_used)
+
+
 class SloBudget:
     """The stall_free scheduler's `prefill_budget` hook under a TBT SLO (the engine's and the
     simulator's): every decode first, then the largest prefill chunk whose predicted pass time
     stays under `target_s`; the fixed ceiling while the model is not trusted.
 
-    After each `schedule()`, `last` is the budget it chose (None: the ceiling applied) and
-    `fallback` whether that was because the model was untrusted; `reset()` before scheduling.
+    With `kv` (the scheduler's `BlockManager`) the target is also capped by `kv_pass_target`:
+    the goal is the KV the scheduler may fill (its capacity less the `kv_reserve_blocks` admission
+    keeps free) less what the request whose chunk comes next still needs, so that it can go on.
+
+    After each `schedule()`, `last` is the budget it chose (None: the ceiling applied),
+    `last_target_s` the target it aimed at, and `fallback` whether the ceiling applied because the
+    model was untrusted; `reset()` before scheduling.
     """
 
-    def __init__(self, model: PassTimeModel, target_s: float, floor: int, log: Any = None) -> None:
+    def __init__(self, model: PassTimeModel, target_s: float, floor: int, log: Any = None,
+                 kv: Any = None, kv_reserve_blocks: int = 0) -> None:
         self.model, self.target_s, self.floor = model, target_s, floor
         self.log = log
+        self.kv, self.kv_reserve_blocks = kv, kv_reserve_blocks
+        self.last_target_s: float | None = None
         self.last: int | None = None
         self.fallback = False
         self.untrusted = False  # the model's state at the last decision (logged when it flips)
 
     def reset(self) -> None:
-        self.last, self.fallback = None, False
+        self.last, self.fallback, self.last_target_s = None, False, None
+
+    def target_for(self, nxt: Any) -> float:
+        """This pass's target: the SLO's, capped by the KV (`kv_pass_target`) when it is known."""
+        kv = self.kv
+        if kv is None:
+            return self.target_s
+        bs = kv.block_size
+        used = (kv.num_blocks - kv.num_free) * bs
+        goal = (kv.num_blocks - self.kv_reserve_blocks) * bs - max(0, nxt.num_tokens - nxt.num_computed_tokens)
+        return kv_pass_target(self.target_s, self.model.mean_pass_s, used, goal)
 
     def __call__(self, decodes: Sequence[Any], nxt: Any, ceiling: int) -> int:
         """`decodes`: the pass's ScheduledSeqs so far; `nxt`: the request whose chunk comes next."""
@@ -228,7 +275,8 @@ class SloBudget:
             return model.predict(PassShape(p, d, d + 1, decode_context + start + p,
                                            decode_context + chunk_pairs(start, p)))
 
-        self.last = slo_prefill_budget(cost, self.target_s, ceiling, self.floor)
+        self.last_target_s = target = self.target_for(nxt)
+        self.last = slo_prefill_budget(cost, target, ceiling, self.floor)
         return self.last
 
 

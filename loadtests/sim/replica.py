@@ -108,7 +108,8 @@ class SimReplica:
             for shape, seconds in profile_passes(spec.cost, cfg.max_batch_prefill_tokens):
                 self.pass_time.observe(shape, seconds)
             self.pass_time.freeze_seed()
-            self.slo_budget = SloBudget(self.pass_time, target, cfg.slo_budget_floor)
+            self.slo_budget = SloBudget(self.pass_time, target, cfg.slo_budget_floor, kv=self.blocks,
+                                        kv_reserve_blocks=self.scheduler.watermark_blocks)
             self.scheduler.prefill_budget = self.slo_budget
             if cfg.slo_admission:
                 self.scheduler.may_admit = SloAdmission(self.pass_time, target, cfg.slo_budget_floor)

@@ -9,8 +9,9 @@ import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
+from replicas.kv_cache import BlockManager
 from replicas.pass_time import (MAX_PREDICTION_ERROR, PassShape, PassTimeModel, SloBudget, chunk_pairs,
-                                fit_nonnegative, slo_prefill_budget)
+                                fit_nonnegative, kv_pass_target, slo_prefill_budget)
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq
 
@@ -107,6 +108,72 @@ def test_an_inaccurate_model_is_not_trusted() -> None:
     for shape, t in synthetic_passes(np.random.default_rng(4), 32, TRUE):
         model.observe(shape, t * 3, predicted=t)  # a 67% error, pass after pass
     assert model.recent_error > MAX_PREDICTION_ERROR and not model.trusted
+
+
+# ---- the KV cap (Little's law) ---------------------------------------------------------------
+
+
+def test_the_kv_cap_leaves_the_target_alone_while_the_kv_is_far_from_full() -> None:
+    assert kv_pass_target(0.4, 0.1, kv_used=0, kv_goal=1000) == 0.4  # nothing held
+    assert kv_pass_target(0.4, None, kv_used=900, kv_goal=1000) == 0.4  # no pass seen yet
+    # Passes 4x longer would hold 4 x 200 = 800 <= 1000 tokens: the SLO's target binds.
+    assert kv_pass_target(0.4, 0.1, kv_used=200, kv_goal=1000) == 0.4
+
+
+def test_the_kv_cap_is_the_pass_time_whose_kv_would_fit() -> None:
+    # 500 tokens held under 100 ms passes: 200 ms passes would hold the 1000 of the goal.
+    assert kv_pass_target(0.4, 0.1, kv_used=500, kv_goal=1000) == pytest.approx(0.2)
+    # At the goal the passes may not grow; past it they must shrink; with no room, the floor.
+    assert kv_pass_target(0.4, 0.1, kv_used=1000, kv_goal=1000) == pytest.approx(0.1)
+    assert kv_pass_target(0.4, 0.1, kv_used=1250, kv_goal=1000) == pytest.approx(0.08)
+    assert kv_pass_target(0.4, 0.1, kv_used=500, kv_goal=-10) == 0.0
+
+
+def test_mean_pass_time_is_over_the_window() -> None:
+    model = PassTimeModel(window=4)
+    assert model.mean_pass_s is None
+    shape = PassShape(0, 1, 1, 10, 10)
+    for seconds in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        model.observe(shape, seconds)
+    assert model.mean_pass_s == pytest.approx(4.5)  # the last 4
+    model.freeze_seed()
+    assert model.mean_pass_s is None
+
+
+def kv_budget_case(used_blocks: int, kv: bool = True) -> tuple[int, SloBudget]:
+    """A trusted model of the TRUE costs with 50 ms mean passes, 16 decodes, a next prompt of 64
+    tokens, and a 1000-block cache (16 tokens a block) with `used_blocks` taken."""
+    model = PassTimeModel()
+    for shape, t in synthetic_passes(np.random.default_rng(0), 64, TRUE):
+        model.observe(shape, t)
+    model._window_s = 0.05 * len(model.window)  # the mean, set by hand: the rule's input
+    blocks = BlockManager(1000, 16)
+    decodes = []
+    for i in range(16):
+        req = Request(str(i), list(range(1, 101)), SamplingParams(max_tokens=8))
+        decodes.append(ScheduledSeq(req, 100, 1))
+    if used_blocks:
+        assert blocks.allocate("held", used_blocks * 16)
+    nxt = Request("next", list(range(1, 65)), SamplingParams(max_tokens=8))
+    budget = SloBudget(model, target_s=0.2, floor=16, kv=blocks if kv else None, kv_reserve_blocks=10)
+    return budget(decodes, nxt, 2048), budget
+
+
+def test_an_empty_kv_cache_leaves_the_slo_budget_as_it_was() -> None:
+    chunk, budget = kv_budget_case(0)
+    assert chunk == kv_budget_case(0, kv=False)[0] and budget.last_target_s == 0.2
+    assert chunk == kv_budget_case(100)[0]  # 10% used: 50 ms passes would not fill it at 200 ms
+
+
+def test_a_nearly_full_kv_cache_shrinks_the_chunk() -> None:
+    free_chunk = kv_budget_case(0)[0]
+    half, b_half = kv_budget_case(500)
+    full, b_full = kv_budget_case(980)
+    # Goal: (1000 - 10 reserved) x 16 tokens less the next prompt's 64; target = 50 ms x goal / used.
+    goal = 990 * 16 - 64
+    assert b_half.last_target_s == pytest.approx(min(0.2, 0.05 * goal / (500 * 16)))
+    assert b_full.last_target_s == pytest.approx(0.05 * goal / (980 * 16))
+    assert free_chunk > half > full >= 16
 
 
 # ---- the engine ---------------------------------------------------------------------------
