@@ -118,11 +118,13 @@ def test_the_kv_cap_leaves_the_target_alone_while_the_kv_is_far_from_full() -> N
     assert kv_pass_target(0.4, None, kv_used=900, kv_goal=1000) == 0.4  # no pass seen yet
     # Passes 4x longer would hold 4 x 200 = 800 <= 1000 tokens: the SLO's target binds.
     assert kv_pass_target(0.4, 0.1, kv_used=200, kv_goal=1000) == 0.4
+    # At most half full the cap does not act, even where it would lie under the target.
+    assert kv_pass_target(0.4, 0.1, kv_used=500, kv_goal=1000) == 0.4
 
 
 def test_the_kv_cap_is_the_pass_time_whose_kv_would_fit() -> None:
-    # 500 tokens held under 100 ms passes: 200 ms passes would hold the 1000 of the goal.
-    assert kv_pass_target(0.4, 0.1, kv_used=500, kv_goal=1000) == pytest.approx(0.2)
+    # 625 tokens held under 100 ms passes: 160 ms passes would hold the 1000 of the goal.
+    assert kv_pass_target(0.4, 0.1, kv_used=625, kv_goal=1000) == pytest.approx(0.16)
     # At the goal the passes may not grow; past it they must shrink; with no room, the floor.
     assert kv_pass_target(0.4, 0.1, kv_used=1000, kv_goal=1000) == pytest.approx(0.1)
     assert kv_pass_target(0.4, 0.1, kv_used=1250, kv_goal=1000) == pytest.approx(0.08)
