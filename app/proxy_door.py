@@ -26,7 +26,8 @@ same environment, checked when the proxy starts:
 
   STALLFREE_PROXY_WAIT_TARGET_MS  the median wait for a first token over which it closes (2000)
   STALLFREE_PROXY_GAP_TARGET_MS   it closes while over a tenth of the gaps between a stream's
-                                  chunks in the last second are longer (250); "off": never
+                                  chunks in the last second are longer (250, or the app's
+                                  tbt_slo_ms where that is longer: `proxy_env`); "off": never
   STALLFREE_PROXY_LAG_TARGET_MS   the in-flight limit's lag target (default 50); "off": no door
   STALLFREE_PROXY_MAX_REQUESTS    the most in flight at one proxy (default 1024)
   STALLFREE_PROXY_MIN_REQUESTS    the in-flight limit never falls below this (default 8)
@@ -58,6 +59,7 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_WAIT_TARGET_MS = 2000.0
 DEFAULT_GAP_TARGET_MS = 250.0
+GAP_ENV = "STALLFREE_PROXY_GAP_TARGET_MS"
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class ProxyDoorConfig:
         if low > top:
             raise ValueError(f"need STALLFREE_PROXY_MIN_REQUESTS ({low}) <= STALLFREE_PROXY_MAX_REQUESTS ({top})")
         wait = _setting(env, "STALLFREE_PROXY_WAIT_TARGET_MS", float, DEFAULT_WAIT_TARGET_MS)
-        gap = _setting(env, "STALLFREE_PROXY_GAP_TARGET_MS", float, DEFAULT_GAP_TARGET_MS, may_be_off=True)
+        gap = _setting(env, GAP_ENV, float, DEFAULT_GAP_TARGET_MS, may_be_off=True)
         return cls(target, top, low, wait, gap)
 
 
@@ -130,11 +132,30 @@ def _refusal_counter() -> Callable[[str], None] | None:
     return lambda reason: counter.record(1, {"reason": reason})
 
 
-def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
+def proxy_env(env: Mapping[str, str], tbt_slo_ms: float | None = None) -> dict[str, str]:
     """`env` with the proxy door's callback set (unless the caller set one of their own), its
-    settings checked here, before a proxy fails on them."""
-    ProxyDoorConfig.from_env(env)
-    return {CALLBACK_ENV: IMPORT_PATH, **env}
+    settings checked here, before a proxy fails on them.
+
+    With the app's `tbt_slo_ms` and no gap target of the caller's, the gap target is the SLO where
+    that is longer than the default: the door must not refuse for gaps the app's own SLO allows
+    (under the SLO budget a 1 s SLO makes passes, and so gaps, of up to 800 ms on purpose).
+    """
+    out = {CALLBACK_ENV: IMPORT_PATH, **env}
+    if tbt_slo_ms is not None and not env.get(GAP_ENV, "").strip() and tbt_slo_ms > DEFAULT_GAP_TARGET_MS:
+        out[GAP_ENV] = f"{tbt_slo_ms:g}"
+    ProxyDoorConfig.from_env(out)
+    return out
+
+
+def config_tbt_slo_ms(path: str) -> float | None:
+    """The largest `tbt_slo_ms` among a Serve config file's applications (None: none sets one)."""
+    import yaml
+
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    slos = [float(a["args"]["tbt_slo_ms"]) for a in config.get("applications", [])
+            if (a.get("args") or {}).get("tbt_slo_ms") is not None]
+    return max(slos, default=None)
 
 
 class Pending:
@@ -278,9 +299,15 @@ class PendingMiddleware:
             pending.answered(key)
 
 
-if __name__ == "__main__":  # `python -m app.proxy_door`: check the settings in this environment
+if __name__ == "__main__":
+    # `python -m app.proxy_door [serve_config.yaml]`: check the settings in this environment (with
+    # the gap target the config's tbt_slo_ms implies) and print them to stderr; print to stdout
+    # what the config adds to the environment, as NAME=value words for `env` (`make serve`).
     import sys
     try:
-        print(ProxyDoorConfig.from_env(os.environ))
-    except ValueError as exc:
+        slo = config_tbt_slo_ms(sys.argv[1]) if len(sys.argv) > 1 else None
+        env = proxy_env(os.environ, slo)
+        print(ProxyDoorConfig.from_env(env), file=sys.stderr)
+        print(" ".join(f"{k}={v}" for k, v in env.items() if k == GAP_ENV and k not in os.environ))
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
         sys.exit(f"proxy door: {exc}")

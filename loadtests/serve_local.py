@@ -66,8 +66,9 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
     stop = threading.Event()
     metrics: dict[str, Any] = {} if metrics_port is None else {
         "_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
-    # The node's HTTP proxy reads its door's settings from the environment it inherits.
-    os.environ.update(proxy_env(os.environ))
+    # The node's HTTP proxy reads its door's settings from the environment it inherits (its gap
+    # target follows the app's TBT SLO where that is longer).
+    os.environ.update(proxy_env(os.environ, app_args.get("tbt_slo_ms")))
     ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False,
              configure_logging=False, log_to_driver=False, **metrics)
     # After ray.init: Ray installs a SIGTERM handler of its own that exits without cleanup.

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from starlette.types import Message
 
 from app.middleware import StreamLimitMiddleware
 from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, IMPORT_PATH, Pending, PendingMiddleware,
-                            ProxyDoorConfig, middlewares, proxy_env)
+                            ProxyDoorConfig, config_tbt_slo_ms, middlewares, proxy_env)
 
 
 class Clock:
@@ -238,3 +242,29 @@ def test_proxy_env_sets_the_callback_unless_given_and_checks_the_settings() -> N
     assert proxy_env({CALLBACK_ENV: "mine:f"})[CALLBACK_ENV] == "mine:f"
     with pytest.raises(ValueError, match="STALLFREE_PROXY_MAX_REQUESTS"):
         proxy_env({"STALLFREE_PROXY_MAX_REQUESTS": "0"})
+
+
+def test_the_gap_target_follows_a_longer_tbt_slo_unless_set() -> None:
+    gap = "STALLFREE_PROXY_GAP_TARGET_MS"
+    assert proxy_env({}, tbt_slo_ms=1000.0)[gap] == "1000"  # gaps the SLO allows are not refused
+    assert gap not in proxy_env({}, tbt_slo_ms=100.0)  # a tighter SLO keeps the default 250 ms
+    assert gap not in proxy_env({}, tbt_slo_ms=None)
+    assert proxy_env({gap: "300"}, tbt_slo_ms=1000.0)[gap] == "300"  # the caller's own wins
+    assert proxy_env({gap: "off"}, tbt_slo_ms=1000.0)[gap] == "off"
+    assert ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=1500.0)).gap_target_ms == 1500.0
+
+
+def test_the_config_files_tbt_slo_is_read_for_make_serve(tmp_path) -> None:  # noqa: ANN001
+    base = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+    assert config_tbt_slo_ms(str(base)) is None  # the shipped config leaves it commented out
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("applications:\n  - name: a\n    args: {tbt_slo_ms: 400}\n"
+                   "  - name: b\n    args: {tbt_slo_ms: 1200}\n  - name: c\n    args: {}\n")
+    assert config_tbt_slo_ms(str(cfg)) == 1200.0
+    out = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("STALLFREE_PROXY_")},
+                         cwd=base.parent, check=True)
+    assert out.stdout.split() == ["STALLFREE_PROXY_GAP_TARGET_MS=1200"] and "gap_target_ms=1200.0" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
+                         env={**os.environ, "STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, cwd=base.parent)
+    assert bad.returncode != 0 and "STALLFREE_PROXY_WAIT_TARGET_MS" in bad.stderr
