@@ -112,7 +112,10 @@ def middlewares(env: Mapping[str, str] | None = None) -> list[Middleware]:
                         min_limit=config.min_requests, clock=time.perf_counter)
     limit.on_step = limit_observer(limit, "proxy", logger)
     logger.info("proxy door: at most %d generation requests in flight, the limit adapting to keep "
-                "the proxy's event-loop lag under %.0f ms", config.max_requests, config.target_ms)
+                "the proxy's event-loop lag under %.0f ms; closed while the median wait for a first "
+                "token is over %.0f ms or a tenth of the stream gaps are over %s", config.max_requests,
+                config.target_ms, config.wait_target_ms,
+                "(off)" if config.gap_target_ms is None else f"{config.gap_target_ms:.0f} ms")
     gap_s = config.gap_target_ms / 1000 if config.gap_target_ms is not None else None
     pending = Pending(config.wait_target_ms / 1000, time.monotonic, gap_target_s=gap_s)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
