@@ -31,9 +31,9 @@ test: $(STAMP)
 # RAY_AUTH_MODE of your own (token | disabled) wins.
 SERVE_AUTH := $(if $(RAY_ADDRESS),$(if $(RAY_AUTH_MODE),,$(if $(RAY_AUTH_TOKEN)$(RAY_AUTH_TOKEN_PATH)$(wildcard $(HOME)/.ray/auth_token),RAY_AUTH_MODE=token)))
 
+# The proxy door's STALLFREE_PROXY_* settings are checked (and printed) before Ray starts; its gap
+# target follows the config's tbt_slo_ms where that is longer (app/proxy_door.py).
 serve: $(STAMP)
-	# The door's STALLFREE_PROXY_* settings, checked before Ray starts; its gap target follows the
-	# config's tbt_slo_ms where that is longer (app/proxy_door.py).
 	door=$$($(BIN)/python -m app.proxy_door serve_config.yaml) && \
 	$(SERVE_AUTH) RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=$${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-$(PROXY_DOOR)} \
 		env $$door $(BIN)/serve run serve_config.yaml
