@@ -311,6 +311,7 @@ if __name__ == "__main__":
         slo = config_tbt_slo_ms(sys.argv[1]) if len(sys.argv) > 1 else None
         env = proxy_env(os.environ, slo)
         print(ProxyDoorConfig.from_env(env), file=sys.stderr)
-        print(" ".join(f"{k}={v}" for k, v in env.items() if k == GAP_ENV and k not in os.environ))
+        if GAP_ENV in env and env[GAP_ENV] != os.environ.get(GAP_ENV):  # derived from the SLO
+            print(f"{GAP_ENV}={env[GAP_ENV]}")
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
         sys.exit(f"proxy door: {exc}")
