@@ -52,11 +52,13 @@ class PassShape:
 
     @classmethod
     def of(cls, batch: Any) -> PassShape:
-        """The shape of a `SchedulerOutput` (context: each sequence's start + its tokens)."""
+        """The shape of a `SchedulerOutput` (context: each sequence's start + its tokens). A
+        decode's pairs are its context, so only the prefill chunks (a few a pass) add to that."""
         seqs = batch.seqs
-        return cls(batch.num_prefill_tokens, batch.num_decode_tokens, len(seqs),
-                   sum(s.start + s.num_tokens for s in seqs),
-                   sum(chunk_pairs(s.start, s.num_tokens) for s in seqs))
+        context = sum(s.start + s.num_tokens for s in seqs)
+        pairs = context + sum(chunk_pairs(s.start, s.num_tokens) - s.start - s.num_tokens
+                              for s in batch.prefills)
+        return cls(batch.num_prefill_tokens, batch.num_decode_tokens, len(seqs), context, pairs)
 
     def features(self) -> tuple[float, ...]:
         return (1.0, float(self.prefill_tokens), float(self.decode_tokens), float(self.sequences),

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from autoscale.load import percentile
-from replicas.pass_time import fit_nonnegative
+from replicas.pass_time import chunk_pairs, fit_nonnegative
 
 PROFILES_PATH = Path(__file__).with_name("profiles.json")
 Form = Literal["max", "sum"]
@@ -156,7 +156,7 @@ def batch_features(batch: Any) -> tuple[int, int, int, int, int, int]:
         n, st = s.num_tokens, s.start
         p += n
         ctx_p += st + n
-        pairs_p += n * st + n * (n + 1) // 2
+        pairs_p += chunk_pairs(st, n)
     padded = d * (max(starts) + 1) if d else 0
     return p, d, ctx_d + ctx_p, d + len(batch.prefills), ctx_d + pairs_p, padded
 
