@@ -304,3 +304,78 @@ def test_quick_fills_only_unset_options() -> None:
     assert args.duration_s == 7.0 and args.step_s == 3.0 and args.max_steps == 2
     full = ov.parse_args([])
     assert full.duration_s == 60.0 and full.soak_minutes == 30.0 and full.factor == 10.0
+
+
+# ---- the load generator's own side ----------------------------------------------------------
+
+
+def test_door_probe_times_each_answer_on_a_new_connection() -> None:
+    """A local server answering 429 then 200: one record per scheduled request, in order, each
+    with its status and a latency; a closed port is a None status, not a crash."""
+    import http.server
+    import socketserver
+    import threading
+    import time
+
+    statuses = iter([429, 200, 429])
+    bodies: list[bytes] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(next(statuses))
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Handler) as srv:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        out = ov.door_probe(url, b'{"x": 1}', time.time(), 0.1, 0.05, 10.0)
+        srv.shutdown()
+    assert [(t, s) for t, s, _ in out] == [(0.0, 429), (0.05, 200), (0.1, 429)]
+    assert all(lat > 0 for _, _, lat in out) and bodies == [b'{"x": 1}'] * 3
+    port = srv.server_address[1]
+    assert [s for _, s, _ in ov.door_probe(f"http://127.0.0.1:{port}", b"{}", time.time(), 0.0, 1.0, 5.0)] == [None]
+    assert ov.door_probe(url, b"{}", 0.0, -1.0, 1.0, 1.0) == []  # the warm-up call sends nothing
+
+
+def test_probe_and_lag_summaries() -> None:
+    samples = [(0.0, 429, 0.01), (0.25, 429, 0.03), (0.5, 200, 2.0), (0.75, None, 5.0)]
+    s = ov.probe_summary(samples)
+    assert s["sent"] == 4 and s["n429"] == 2
+    assert s["status_codes"] == {"429": 2, "200": 1, "None": 1}
+    assert s["reject_p50_s"] == 0.01 and s["reject_p99_s"] == 0.03 and s["reject_max_s"] == 0.03
+    assert ov.lag_summary([0.001] * 99 + [0.4]) == {"p50_s": 0.001, "p99_s": 0.001, "max_s": 0.4}
+    assert ov.lag_summary([]) == {"p50_s": None, "p99_s": None, "max_s": None}
+
+
+def test_the_door_probe_row_judges_its_own_429s() -> None:
+    summary = ov.summarize([rec(status=429, headers_s=2.0, retry_after=True, json_body=True,
+                                openai_body=True)] * 10, 1.0)
+    probe = ov.probe_summary([(0.0, 429, 0.02)] * 10)
+    rows = {r["target"]: r["status"] for r in ov.overload_targets(summary, None, None, {}, CFG, probe)}
+    assert rows["429 p99 latency < 500 ms"] == "MISS"
+    assert rows["429 p99 latency < 500 ms (door probe)"] == "PASS"
+    none = ov.probe_summary([(0.0, 200, 0.02)])
+    rows = {r["target"]: r["status"] for r in ov.overload_targets(summary, None, None, {}, CFG, none)}
+    assert rows["429 p99 latency < 500 ms (door probe)"] == "n/a"
+
+
+def test_raise_priority_sets_every_thread_and_reports_it() -> None:
+    """In a child process (the test run keeps its own priority): a higher niceness is always
+    allowed, and the threads started before the call get it too."""
+    import subprocess
+    import sys
+
+    code = ("import os, threading, time\n"
+            "from loadtests.overload import raise_priority\n"
+            "ev = threading.Event(); seen = []\n"
+            "def f():\n    ev.wait(); seen.append(os.getpriority(os.PRIO_PROCESS, 0))\n"
+            "t = threading.Thread(target=f); t.start()\n"
+            "print(raise_priority(7)); ev.set(); t.join(); print(seen[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["7", "7"]
