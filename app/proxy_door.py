@@ -13,7 +13,12 @@ and their median wait is over a target (a standing queue, whatever it stands in:
 starved ingress, the token door, the engine's queue; one long prompt prefilling does not close
 it); while the streams it relays arrive slowly (over a tenth of the gaps between a stream's
 chunks in the last second over a target: what is admitted keeps its quality, as the issue
-asks); and for a moment after the ingress refused one (the server just said no). It also keeps
+asks); while it relays as many requests as its stream cap, the number it learned keeps those
+gaps under the target (cut to 0.9 x the requests in flight when the gaps turn slow, grown by
+one at a time while they stay quick and the cap binds: without it, each time the gaps
+recovered the door let a flood in, which made them slow again for as long as those streams
+ran, and after the overload every new request waited for the flood to drain); and for a moment
+after the ingress refused one (the server just said no). It also keeps
 the ingress's lag-adaptive in-flight limit (`app.stream_limit.StreamLimit`) on the proxy's own
 event loop, for a proxy that is itself the one falling behind. The ingress keeps its own limit
 and the token door (`app.admission`): this door only answers early what they would refuse late.
@@ -117,7 +122,8 @@ def middlewares(env: Mapping[str, str] | None = None) -> list[Middleware]:
                 config.target_ms, config.wait_target_ms,
                 "(off)" if config.gap_target_ms is None else f"{config.gap_target_ms:.0f} ms")
     gap_s = config.gap_target_ms / 1000 if config.gap_target_ms is not None else None
-    pending = Pending(config.wait_target_ms / 1000, time.monotonic, gap_target_s=gap_s)
+    pending = Pending(config.wait_target_ms / 1000, time.monotonic, gap_target_s=gap_s,
+                      max_cap=config.max_requests, min_cap=config.min_requests, log=logger)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
     return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter()),
@@ -161,6 +167,14 @@ def config_tbt_slo_ms(path: str) -> float | None:
     return max(slos, default=None)
 
 
+CAP_DECREASE = 0.9  # the stream cap's cut: this x the requests in flight when the gaps turned slow
+CAP_COOLDOWN_S = 2.0  # at most one cut this often (the gap window must show what the last did)
+CAP_GROW_EVERY_S = 1.0  # while the gaps are quick and the cap binds: one more, this often (about
+# the time an admitted request takes to show in the gaps: its first token under load)
+CAP_SETTLE_S = 5.0  # quick this long: the cap grows x CAP_GROW_SETTLED (+1) each step instead
+CAP_GROW_SETTLED = 1.5
+
+
 class Pending:
     """Generation requests the proxy forwarded that have no response yet (their first token,
     or a refusal: the ingress sends nothing before either), and whether they stand in a queue.
@@ -171,11 +185,22 @@ class Pending:
     their median wait is over `target_s` (one long prompt prefilling does not close it; many
     requests queueing do). A 429 from downstream closes it too, for `hold_s` (at most its
     Retry-After): the server said no, so the next arrivals are answered here, not sent to hear it.
+
+    The stream cap bounds the requests in flight (forwarded and not ended) by how many keep the
+    streams' gaps quick, learned as an AIMD limit is: when the gaps turn slow with no more in
+    flight than the cap, the cap becomes `CAP_DECREASE` x those in flight (at most once a
+    `CAP_COOLDOWN_S`: what was cut needs the gap window to show); while they are quick and the
+    cap binds (in flight within one of it), it grows by one every `CAP_GROW_EVERY_S`, and once
+    they have stayed quick for `CAP_SETTLE_S`, by x `CAP_GROW_SETTLED` + 1 a step, bound or not (a
+    burst after a quiet spell finds the door open, as before the cut). It starts at `max_cap`
+    (no bound until the gaps first turn slow) and never goes under `min_cap`.
     """
 
     def __init__(self, target_s: float, clock: Callable[[], float], *, min_pending: int = 4,
                  hold_s: float = 0.5, check_every_s: float = 0.05, gap_target_s: float | None = None,
-                 gap_window_s: float = 1.0, min_gaps: int = 20, slow_share: float = 0.1) -> None:
+                 gap_window_s: float = 1.0, min_gaps: int = 20, slow_share: float = 0.1,
+                 max_cap: int = DEFAULT_MAX_REQUESTS, min_cap: int = DEFAULT_MIN_LIMIT,
+                 log: logging.Logger | None = None) -> None:
         self.target_s, self.min_pending, self.hold_s = target_s, min_pending, hold_s
         self.check_every_s = check_every_s
         self.gap_target_s, self.gap_window_s, self.min_gaps = gap_target_s, gap_window_s, min_gaps
@@ -192,11 +217,22 @@ class Pending:
         self.held_until = float("-inf")
         self.retry_after = 1
         self.num_refused = 0
+        self.max_cap, self.min_cap = max_cap, min_cap
+        self.cap = float(max_cap)
+        self.in_flight = 0  # forwarded, not ended (`start` .. `ended`)
+        self._cut_at = self._grown_at = float("-inf")
+        self._quick_since: float | None = None  # the gaps quick since then (None: slow now)
+        self._log = log
 
     def start(self) -> int:
         key = next(self._ids)
         self._started[key] = self._clock()
+        self.in_flight += 1
         return key
+
+    def ended(self) -> None:
+        """A request `start` counted has ended (answered in full, refused, or gone)."""
+        self.in_flight -= 1
 
     def answered(self, key: int) -> None:
         self._started.pop(key, None)
@@ -243,11 +279,40 @@ class Pending:
             self._slow = self.slow_streams(now)
             if self._slow and not self._queueing:
                 self.retry_after = 1
+            self._adapt_cap(now)
         if self._queueing:
             self.reason = "queueing"
         elif self._slow:
             self.reason = "slow streams"
+        elif self.in_flight >= self.cap:
+            self.reason = "stream cap"
+            self.retry_after = 1
+            return False
         return not (self._queueing or self._slow)
+
+    def _adapt_cap(self, now: float) -> None:
+        """The stream cap's step (see the class docstring), at each check."""
+        n = self.in_flight
+        if self._slow:
+            self._quick_since = None
+            if n <= self.cap and now - self._cut_at >= CAP_COOLDOWN_S:
+                old, self.cap = self.cap, max(float(self.min_cap), CAP_DECREASE * n)
+                self._cut_at = now
+                if self._log is not None:
+                    self._log.info("proxy door: stream gaps slow with %d requests in flight: stream cap "
+                                   "%.0f -> %.0f", n, old, self.cap)
+            return
+        if self._quick_since is None:
+            self._quick_since = now
+        if self.cap >= self.max_cap or now - max(self._cut_at, self._grown_at) < CAP_GROW_EVERY_S:
+            return
+        if now - self._quick_since >= CAP_SETTLE_S:
+            self.cap = min(float(self.max_cap), CAP_GROW_SETTLED * self.cap + 1)
+        elif n >= self.cap - 1:
+            self.cap += 1
+        else:
+            return
+        self._grown_at = now
 
 
 class PendingMiddleware:
@@ -271,6 +336,9 @@ class PendingMiddleware:
             elif pending.reason == "slow streams":
                 why = (f"the streams it serves already arrive slowly (more than {pending.slow_share:.0%} "
                        f"of their gaps over {1000 * pending.gap_target_s:.0f} ms)")
+            elif pending.reason == "stream cap":
+                why = (f"it relays {pending.in_flight} requests, as many as it found keep their streams' "
+                       f"gaps under {1000 * (pending.gap_target_s or 0):.0f} ms")
             else:
                 why = "it refused a request moments ago"
             if self.count is not None:
@@ -300,6 +368,7 @@ class PendingMiddleware:
             await self.app(scope, receive, watching_send)
         finally:
             pending.answered(key)
+            pending.ended()
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ class Rec:
 # Which bound a 429 came from, by the words its message starts with (app/ and replicas/ errors).
 REFUSERS = (("the requests before this one wait", "proxy: queueing"),
             ("the streams it serves already arrive slowly", "proxy: slow streams"),
+            ("as many as it found keep their streams' gaps", "proxy: stream cap"),
             ("it refused a request moments ago", "proxy: hold"),
             ("requests are in flight at this proxy", "proxy: in-flight limit"),
             ("requests are in flight at this ingress", "ingress: in-flight limit"),
@@ -959,9 +960,11 @@ async def bursts(ctx: Ctx, count: int, size: int, pause_s: float) -> dict[str, A
             await drain(run, None)
         s = summarize(run.recs, 0.0)
         per_burst.append({"counts": s["counts"], "ttft_p99_s": s["ttft_p99_s"],
-                          "e2e_max_s": max((r.end_s or 0.0) for r in run.recs)})
+                          "e2e_max_s": max((r.end_s or 0.0) for r in run.recs),
+                          "reject_by": {who: g["n"] for who, g in s["reject_by"].items()}})
         tqdm.write(f"burst {k + 1}: {size} at once: " + ", ".join(f"{c} {n}" for c, n in s["counts"].items() if n)
-                   + f"; TTFT p99 {_ms(s['ttft_p99_s'])}")
+                   + f"; TTFT p99 {_ms(s['ttft_p99_s'])}"
+                   + "".join(f"; 429 from {who}: {n}" for who, n in per_burst[-1]["reject_by"].items()))
     total = {c: sum(b["counts"][c] for b in per_burst) for c in CATEGORIES}
     return {"count": count, "size": size, "pause_s": pause_s, "bursts": per_burst, "counts": total}
 

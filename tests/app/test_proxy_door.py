@@ -97,6 +97,91 @@ def test_slow_streams_close_it_until_their_gaps_leave_the_window() -> None:
     assert pending.admits()
 
 
+def slow_window(pending: Pending, clock: Clock) -> None:
+    """A second of gaps, all over the target."""
+    clock.t += 1.01
+    for _ in range(25):
+        pending.gap(0.3)
+
+
+def quick_window(pending: Pending, clock: Clock) -> None:
+    clock.t += 1.01
+    for _ in range(25):
+        pending.gap(0.05)
+
+
+def streaming(pending: Pending) -> None:
+    """One more request in flight, past its first token."""
+    pending.answered(pending.start())
+
+
+def test_the_stream_cap_is_learned_from_slow_gaps_and_grows_back_one_at_a_time() -> None:
+    pending, clock = pending_of()
+    assert pending.cap == 1024  # no bound before the gaps were ever slow
+    for _ in range(100):
+        streaming(pending)
+    slow_window(pending, clock)
+    assert not pending.admits() and pending.reason == "slow streams"
+    assert pending.cap == pytest.approx(90)  # 0.9 x the 100 in flight
+    slow_window(pending, clock)  # still slow, but 100 > cap: what was cut has not shown yet
+    assert not pending.admits() and pending.cap == pytest.approx(90)
+    for _ in range(15):
+        pending.ended()  # 85 in flight: under the cap
+    quick_window(pending, clock)
+    assert pending.admits()  # quick gaps, 85 < 90: open; the cap does not bind, so it holds
+    assert pending.cap == pytest.approx(90)
+    for _ in range(5):
+        streaming(pending)
+    assert not pending.admits() and pending.reason == "stream cap" and pending.retry_after == 1
+    clock.t += 1.0  # quick and binding: one more
+    quick_window(pending, clock)
+    assert pending.admits() and pending.cap == pytest.approx(91)
+    streaming(pending)
+    assert not pending.admits()  # 91 in flight
+
+
+def cut_at(streams: int) -> tuple[Pending, Clock]:
+    """A door whose gaps turned slow with `streams` in flight."""
+    pending, clock = pending_of()
+    for _ in range(streams):
+        streaming(pending)
+    slow_window(pending, clock)
+    pending.admits()
+    return pending, clock
+
+
+def test_the_cap_is_cut_again_only_after_the_cooldown_and_never_under_the_minimum() -> None:
+    pending, clock = cut_at(10)
+    assert pending.cap == pytest.approx(9)
+    for _ in range(2):
+        pending.ended()  # 8 in flight, under the cap, and the gaps still slow
+    clock.t += 0.5
+    for _ in range(25):
+        pending.gap(0.3)
+    pending.admits()
+    assert pending.cap == pytest.approx(9)  # within the cooldown
+    clock.t += 0.5
+    slow_window(pending, clock)
+    pending.admits()
+    assert pending.cap == 8  # 0.9 x 8 = 7.2, but the minimum is 8
+
+
+def test_after_a_quiet_spell_the_cap_grows_fast_even_unbound() -> None:
+    """A burst after quiet finds the door open again: once the gaps stayed quick for 5 s the cap
+    grows x 1.5 + 1 a second, bound or not; before that, unbound, it holds."""
+    pending, clock = cut_at(20)
+    assert pending.cap == pytest.approx(18)
+    for _ in range(20):
+        pending.ended()  # idle now
+    caps = []
+    for _ in range(8):
+        quick_window(pending, clock)  # ~1 s each, 25 quick gaps
+        pending.admits()
+        caps.append(round(pending.cap, 2))
+    assert caps[:5] == [18] * 5  # quick since the first of these, under 5 s; the cap not binding
+    assert caps[5:] == [28, 43, 65.5]
+
+
 def test_too_few_gaps_or_no_gap_target_never_close_it() -> None:
     pending, clock = pending_of()
     for _ in range(19):
@@ -207,6 +292,7 @@ async def test_the_middleware_times_the_gaps_between_a_streams_chunks() -> None:
 
     await call(PendingMiddleware(stream, pending), "/v1/completions")
     assert len(pending._gaps) == 3 and pending._num_slow == 3  # three 0.3 s gaps, the last to the end
+    assert pending.in_flight == 0  # counted from admission to the stream's end
 
 
 def test_config_from_the_environment() -> None:
@@ -268,3 +354,4 @@ def test_the_config_files_tbt_slo_is_read_for_make_serve(tmp_path) -> None:  # n
     bad = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
                          env={**os.environ, "STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, cwd=base.parent)
     assert bad.returncode != 0 and "STALLFREE_PROXY_WAIT_TARGET_MS" in bad.stderr
+
