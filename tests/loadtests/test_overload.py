@@ -379,3 +379,54 @@ def test_raise_priority_sets_every_thread_and_reports_it() -> None:
             "print(raise_priority(7)); ev.set(); t.join(); print(seen[0])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["7", "7"]
+
+
+def test_the_proxy_doors_own_messages_name_their_rule() -> None:
+    """Each refusal the proxy door makes, as the middleware words it, is attributed to its rule
+    (the words in REFUSERS must follow app/proxy_door.py's messages)."""
+    import asyncio
+
+    from app.proxy_door import Pending, PendingMiddleware
+
+    class Clock:
+        t = 100.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    async def refusal(pending: Pending) -> str:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def never(*_: object) -> None:
+            raise AssertionError("forwarded")
+
+        await PendingMiddleware(never, pending)({"type": "http", "path": "/v1/completions", "headers": []},
+                                                receive, send)
+        return json.loads(sent[-1]["body"])["error"]["message"]
+
+    def door(**kw: object) -> tuple[Pending, Clock]:
+        clock = Clock()
+        return Pending(2.0, clock, min_pending=4, gap_target_s=0.25, min_gaps=20, **kw), clock
+
+    queueing, clock = door()
+    for _ in range(5):
+        queueing.start()
+    clock.t += 3.0
+    slow, clock = door()
+    for _ in range(30):
+        slow.gap(1.0)
+    capped, _ = door(max_cap=8, min_cap=1)
+    for _ in range(8):
+        capped.answered(capped.start())
+    held, _ = door()
+    held.saw_429(1)
+    got = {name: ov.refuser(asyncio.run(refusal(p)))
+           for name, p in (("queueing", queueing), ("slow", slow), ("cap", capped), ("hold", held))}
+    assert got == {"queueing": "proxy: queueing", "slow": "proxy: slow streams",
+                   "cap": "proxy: stream cap", "hold": "proxy: hold"}
