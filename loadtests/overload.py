@@ -20,8 +20,9 @@ Without `--url` it starts its own server (`loadtests/serve_local.py`, the `args:
 3. overload (not with `--soak`): `--factor` x that rate for `--duration-s`. Per request: status,
    time to headers, TTFT, every inter-chunk gap, `[DONE]`, in-band error events, cut streams
    (ended without `[DONE]` and without an error event), 429 Retry-After / OpenAI error shape.
-4. recovery: one probe every `--probe-interval-s` right after the overload; seconds until the
-   probes are answered normally (200, TTFT <= `--recovery-ttft-factor` x unloaded) from then on.
+4. recovery: one probe (`--probe-max-tokens` long) every `--probe-interval-s` right after the
+   overload; seconds until the probes are answered normally (200, TTFT <=
+   `--recovery-ttft-factor` x unloaded) from then on.
 5. RSS (every second, whole run) of the Ray workers titled `ray::ServeReplica:<app>:LLMServer`,
    `...:OpenAIIngress`, and the HTTP `ray::ProxyActor`: start (just before the overload), peak,
    and `--rss-after-s` after the overload ended.
@@ -999,7 +1000,10 @@ async def recovery(ctx: Ctx, unloaded_ttft_s: float) -> dict[str, Any]:
     a = ctx.args
     n = int(a.recovery_s / a.probe_interval_s) + 1
     offsets = [i * a.probe_interval_s for i in range(n)]
-    specs = uniform_specs(np.random.default_rng(a.seed + 3000), n, ctx.model, ctx.words, a.max_tokens)
+    # Short answers: a probe asks whether a new request is served normally again, and probes of
+    # --max-tokens each (2 a second of 256-token streams) were on a slow day an overload of their own.
+    specs = uniform_specs(np.random.default_rng(a.seed + 3000), n, ctx.model, ctx.words,
+                          min(a.max_tokens, a.probe_max_tokens))
     with tqdm(total=n, desc="recovery probes", unit="req", leave=False) as bar:
         run = await open_loop(ctx.client, specs, offsets, a.timeout_s, bar)
         await drain(run, None)
@@ -1306,6 +1310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     by_mode("--duration-s", f, "overload seconds")
     by_mode("--recovery-s", f, "seconds of recovery probes")
     add("--probe-interval-s", type=f, default=0.5, help="recovery probe spacing")
+    add("--probe-max-tokens", type=i, default=16, help="recovery probes' output tokens (at most --max-tokens)")
     add("--recovery-ttft-factor", type=f, default=5.0, help="normal: TTFT <= this x unloaded")
     add("--recovery-target-s", type=f, default=5.0, help="target: normal service within this")
     by_mode("--rss-after-s", f, "RSS sample this long after the overload")
