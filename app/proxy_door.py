@@ -15,7 +15,7 @@ it); while the streams it relays arrive slowly (over a tenth of the gaps between
 chunks in the last second over a target: what is admitted keeps its quality, as the issue
 asks); while it relays as many requests as its stream cap, the number it learned keeps those
 gaps under the target (cut to 0.9 x the requests in flight when the gaps turn slow, grown by
-one at a time while they stay quick and the cap binds: without it, each time the gaps
+one at a time while they stay quick and the cap binds, fast after a quiet spell: without it, each time the gaps
 recovered the door let a flood in, which made them slow again for as long as those streams
 ran, and after the overload every new request waited for the flood to drain); and for a moment
 after the ingress refused one (the server just said no). It also keeps
