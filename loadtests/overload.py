@@ -850,7 +850,7 @@ def door_probe(url: str, body: bytes, start_wall: float, duration_s: float, inte
                 status = resp.status
             finally:
                 conn.close()
-        except OSError:
+        except (OSError, http.client.HTTPException):  # refused, reset, a malformed answer
             pass
         out.append((round(k * interval_s, 3), status, time.perf_counter() - t))
         k += 1
