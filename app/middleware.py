@@ -156,7 +156,7 @@ class StreamLimitMiddleware:
             return
         if self._watch is None or self._watch.done():
             loop = asyncio.get_running_loop()
-            self._watch = loop.create_task(watch_loop(limit, time.perf_counter))
+            self._watch = loop.create_task(watch_loop(limit.observe, time.perf_counter))
             self._trim = loop.create_task(trim_when_idle(lambda: limit.in_flight <= QUIET_IN_FLIGHT))
         if not limit.admits():
             retry = limit.refuse()

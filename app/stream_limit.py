@@ -152,12 +152,14 @@ class StreamLimit:
             self.on_step(self.state)
 
 
-async def watch_loop(limit: StreamLimit, clock: Callable[[], float], tick_s: float = TICK_S) -> None:
-    """Forever: sleep `tick_s` on the running loop and report how late it woke."""
+async def watch_loop(observe: Callable[[float], None], clock: Callable[[], float],
+                     tick_s: float = TICK_S) -> None:
+    """Forever: sleep `tick_s` on the running loop and report how late it woke to `observe`
+    (a `StreamLimit.observe`; the overload script's load generator records its own lag with it)."""
     while True:
         start = clock()
         await asyncio.sleep(tick_s)
-        limit.observe(clock() - start - tick_s)
+        observe(clock() - start - tick_s)
 
 
 def limit_observer(limit: StreamLimit, role: str, logger: logging.Logger) -> Callable[[LimitState], None]:

@@ -60,6 +60,7 @@ import re
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -73,6 +74,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from app.stream_limit import watch_loop
 from autoscale.load import percentile
 from loadtests import serve_local
 from loadtests.workloads import poisson_arrivals
@@ -816,15 +818,6 @@ def raise_priority(nice: int) -> int | None:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-async def watch_loop_lag(samples: list[float], period_s: float = 0.05) -> None:
-    """Until cancelled: how late this event loop wakes from a `period_s` sleep, per sleep (the
-    load generator's own lag, which every latency it measures includes)."""
-    while True:
-        t = time.perf_counter()
-        await asyncio.sleep(period_s)
-        samples.append(time.perf_counter() - t - period_s)
-
-
 def door_probe(url: str, body: bytes, start_wall: float, duration_s: float, interval_s: float,
                timeout_s: float) -> list[tuple[float, int | None, float]]:
     """A second, light client, run in its own process: one small non-streaming request every
@@ -860,10 +853,8 @@ def door_probe(url: str, body: bytes, start_wall: float, duration_s: float, inte
 def probe_summary(samples: Sequence[tuple[float, int | None, float]]) -> dict[str, Any]:
     """The door probe's answers: how many of each status, the 429s' latency p50 / p99 / max."""
     lat429 = [lat for _, status, lat in samples if status == 429]
-    codes: dict[str, int] = {}
-    for _, status, _ in samples:
-        codes[str(status)] = codes.get(str(status), 0) + 1
-    return {"sent": len(samples), "status_codes": codes, "n429": len(lat429),
+    codes = Counter(str(status) for _, status, _ in samples)
+    return {"sent": len(samples), "status_codes": dict(codes), "n429": len(lat429),
             "reject_p50_s": percentile(lat429, 50), "reject_p99_s": percentile(lat429, 99),
             "reject_max_s": max(lat429, default=None)}
 
@@ -1028,8 +1019,8 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
         await loop.run_in_executor(pool, door_probe, ctx.base, probe_body, 0.0, -1.0, 1.0, 1.0)  # started
         probe = loop.run_in_executor(pool, door_probe, ctx.base, probe_body, time.time(), a.duration_s,
                                      a.door_probe_interval_s, a.timeout_s)
-        lag: list[float] = []
-        watcher = asyncio.create_task(watch_loop_lag(lag))
+        lag: list[float] = []  # how late this loop wakes from a 50 ms sleep: every latency includes it
+        watcher = asyncio.create_task(watch_loop(lag.append, time.perf_counter, tick_s=0.05))
         t_start = time.monotonic()
         with tqdm(total=len(specs), desc=f"overload {rate:g} req/s", unit="req", leave=False) as bar:
             run = await open_loop(ctx.client, specs, offsets, a.timeout_s, bar)

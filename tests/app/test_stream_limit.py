@@ -127,7 +127,7 @@ async def test_the_watcher_reports_how_late_its_timer_fires() -> None:
 
     loop = asyncio.get_running_loop()
     rec = Recorder(10, target_s=0.05, clock=loop.time)
-    task = loop.create_task(watch_loop(rec, loop.time, tick_s=0.01))
+    task = loop.create_task(watch_loop(rec.observe, loop.time, tick_s=0.01))
     for _ in range(500):
         if len(seen) >= 3:
             break
