@@ -150,9 +150,14 @@ class AppArgs(BaseModel):
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         if self.max_replicas is not None and self.autoscale_by == "tbt_slo":
             self.scaling_config()  # ScalingConfig's ValueError names the field
-        if self.tbt_slo_ms is not None and self.stream_interval_ms >= self.tbt_slo_ms:
-            raise ValueError(f"stream_interval_ms ({self.stream_interval_ms:g}) must be below tbt_slo_ms "
-                             f"({self.tbt_slo_ms:g}): clients would see every gap over the SLO")
+        if self.tbt_slo_ms is not None and 2 * self.stream_interval_ms > self.tbt_slo_ms:
+            # A chunk goes out at the first pass end at least the interval after the last one, so a
+            # client's gap is under the interval plus one pass: under 2 x the interval while passes
+            # are shorter than it, the pass itself when longer. The proxy door refuses for gaps over
+            # the SLO, so an interval over half of it would close the door on a quiet server.
+            raise ValueError(f"stream_interval_ms ({self.stream_interval_ms:g}) must be at most half of "
+                             f"tbt_slo_ms ({self.tbt_slo_ms:g}): merged chunks alone would make gaps "
+                             "over the SLO")
         if self.resolved_device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError("device is cuda but num_gpus is 0: give each replica a GPU")
         return self

@@ -47,7 +47,8 @@ def test_defaults_make_a_valid_engine_config() -> None:
     ({"max_batch_prefil_tokens": 256}, "max_batch_prefil_tokens"),  # a typo is not ignored
     ({"tool_call_parser": "mistral"}, "tool_call_parser"),  # only hermes is implemented
     ({"stream_interval_ms": -1}, "stream_interval_ms"),
-    ({"stream_interval_ms": 100, "tbt_slo_ms": 80}, "stream_interval_ms (100) must be below tbt_slo_ms (80)"),
+    ({"stream_interval_ms": 100, "tbt_slo_ms": 80}, "stream_interval_ms (100) must be at most half of tbt_slo_ms (80)"),
+    ({"stream_interval_ms": 50, "tbt_slo_ms": 99}, "stream_interval_ms (50) must be at most half of tbt_slo_ms (99)"),
 ])
 def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as err:

@@ -330,10 +330,11 @@ def test_proxy_env_sets_the_callback_unless_given_and_checks_the_settings() -> N
         proxy_env({"STALLFREE_PROXY_MAX_REQUESTS": "0"})
 
 
-def test_the_gap_target_follows_a_longer_tbt_slo_unless_set() -> None:
+def test_the_gap_target_is_the_tbt_slo_unless_set() -> None:
     gap = "STALLFREE_PROXY_GAP_TARGET_MS"
     assert proxy_env({}, tbt_slo_ms=1000.0)[gap] == "1000"  # gaps the SLO allows are not refused
-    assert gap not in proxy_env({}, tbt_slo_ms=100.0)  # a tighter SLO keeps the default 250 ms
+    assert proxy_env({}, tbt_slo_ms=100.0)[gap] == "100"  # a tighter one is what admitted streams keep
+    assert ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=None)).gap_target_ms == 250.0  # no SLO
     assert gap not in proxy_env({}, tbt_slo_ms=None)
     assert proxy_env({gap: "300"}, tbt_slo_ms=1000.0)[gap] == "300"  # the caller's own wins
     assert proxy_env({gap: "off"}, tbt_slo_ms=1000.0)[gap] == "off"
