@@ -32,7 +32,7 @@ test: $(STAMP)
 SERVE_AUTH := $(if $(RAY_ADDRESS),$(if $(RAY_AUTH_MODE),,$(if $(RAY_AUTH_TOKEN)$(RAY_AUTH_TOKEN_PATH)$(wildcard $(HOME)/.ray/auth_token),RAY_AUTH_MODE=token)))
 
 # The proxy door's STALLFREE_PROXY_* settings are checked (and printed) before Ray starts; its gap
-# target follows the config's tbt_slo_ms where that is longer (app/proxy_door.py).
+# target is the config's tbt_slo_ms (as a p99) where it sets one (app/proxy_door.py).
 serve: $(STAMP)
 	door=$$($(BIN)/python -m app.proxy_door serve_config.yaml) && \
 	$(SERVE_AUTH) RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=$${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-$(PROXY_DOOR)} \

@@ -11,9 +11,9 @@ the proxy its HTTP parsing and one small response, and the ingress nothing.
 It closes (`Pending`): while at least 4 of the requests it forwarded wait for their first token
 and their median wait is over a target (a standing queue, whatever it stands in: the Ray hops, a
 starved ingress, the token door, the engine's queue; one long prompt prefilling does not close
-it); while the streams it relays arrive slowly (over a tenth of the gaps between a stream's
-chunks in the last second over a target: what is admitted keeps its quality, as the issue
-asks); while it relays as many requests as its stream cap, the number it learned keeps those
+it); while the streams it relays arrive slowly (the gaps between a stream's chunks in the last
+second over a target at a quantile: the app's TBT SLO at p99 where it has one, else 250 ms at
+p90; what is admitted keeps its quality, as the issue asks); while it relays as many requests as its stream cap, the number it learned keeps those
 gaps under the target (cut to 0.9 x the requests in flight when the gaps turn slow, grown by
 one at a time while they stay quick and the cap binds, fast after a quiet spell: without it,
 each time the gaps recovered the door let a flood in, which made them slow again for as long
@@ -30,9 +30,10 @@ cluster started with `ray start`, set it there (on every node with a proxy). Set
 same environment, checked when the proxy starts:
 
   STALLFREE_PROXY_WAIT_TARGET_MS  the median wait for a first token over which it closes (2000)
-  STALLFREE_PROXY_GAP_TARGET_MS   it closes while over a tenth of the gaps between a stream's
-                                  chunks in the last second are longer (the app's tbt_slo_ms
-                                  where it has one: `proxy_env`; else 250); "off": never
+  STALLFREE_PROXY_GAP_TARGET_MS   it closes while the gaps between a stream's chunks in the last
+                                  second are longer at their STALLFREE_PROXY_GAP_QUANTILE (the
+                                  app's tbt_slo_ms at p99 where it has one: `proxy_env`; else
+                                  250 ms at p90); "off": never
   STALLFREE_PROXY_LAG_TARGET_MS   the in-flight limit's lag target (default 50); "off": no door
   STALLFREE_PROXY_MAX_REQUESTS    the most in flight at one proxy (default 1024)
   STALLFREE_PROXY_MIN_REQUESTS    the in-flight limit never falls below this (default 8)
@@ -65,6 +66,9 @@ DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_WAIT_TARGET_MS = 2000.0
 DEFAULT_GAP_TARGET_MS = 250.0
 GAP_ENV = "STALLFREE_PROXY_GAP_TARGET_MS"
+DEFAULT_GAP_QUANTILE = 0.9
+SLO_GAP_QUANTILE = 0.99  # a TBT SLO is a p99 (the autoscaler reads it so: autoscale/scaling.py)
+QUANTILE_ENV = "STALLFREE_PROXY_GAP_QUANTILE"
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class ProxyDoorConfig:
     min_requests: int = DEFAULT_MIN_LIMIT
     wait_target_ms: float = DEFAULT_WAIT_TARGET_MS
     gap_target_ms: float | None = DEFAULT_GAP_TARGET_MS
+    gap_quantile: float = DEFAULT_GAP_QUANTILE
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ProxyDoorConfig:
@@ -87,7 +92,10 @@ class ProxyDoorConfig:
             raise ValueError(f"need STALLFREE_PROXY_MIN_REQUESTS ({low}) <= STALLFREE_PROXY_MAX_REQUESTS ({top})")
         wait = _setting(env, "STALLFREE_PROXY_WAIT_TARGET_MS", float, DEFAULT_WAIT_TARGET_MS)
         gap = _setting(env, GAP_ENV, float, DEFAULT_GAP_TARGET_MS, may_be_off=True)
-        return cls(target, top, low, wait, gap)
+        quantile = _setting(env, QUANTILE_ENV, float, DEFAULT_GAP_QUANTILE)
+        if not quantile < 1:
+            raise ValueError(f"{QUANTILE_ENV} must be in (0, 1), got {quantile!r}")
+        return cls(target, top, low, wait, gap, quantile)
 
 
 def _setting(env: Mapping[str, str], name: str, kind: type, default: float,  # noqa: ANN202 - int or float
@@ -118,12 +126,14 @@ def middlewares(env: Mapping[str, str] | None = None) -> list[Middleware]:
     limit.on_step = limit_observer(limit, "proxy", logger)
     logger.info("proxy door: at most %d generation requests in flight, the limit adapting to keep "
                 "the proxy's event-loop lag under %.0f ms; closed while the median wait for a first "
-                "token is over %.0f ms or a tenth of the stream gaps are over %s", config.max_requests,
-                config.target_ms, config.wait_target_ms,
+                "token is over %.0f ms or the stream gaps' p%g is over %s", config.max_requests,
+                config.target_ms, config.wait_target_ms, 100 * config.gap_quantile,
                 "(off)" if config.gap_target_ms is None else f"{config.gap_target_ms:.0f} ms")
     gap_s = config.gap_target_ms / 1000 if config.gap_target_ms is not None else None
-    pending = Pending(config.wait_target_ms / 1000, time.monotonic, gap_target_s=gap_s,
-                      max_cap=config.max_requests, min_cap=config.min_requests, log=logger)
+    share = 1 - config.gap_quantile
+    pending = Pending(config.wait_target_ms / 1000, time.monotonic, gap_target_s=gap_s, slow_share=share,
+                      min_gaps=max(20, round(2 / share)), max_cap=config.max_requests,
+                      min_cap=config.min_requests, log=logger)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
     return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter()),
@@ -145,15 +155,18 @@ def proxy_env(env: Mapping[str, str], tbt_slo_ms: float | None = None) -> dict[s
     """`env` with the proxy door's callback set (unless the caller set one of their own), its
     settings checked here, before a proxy fails on them.
 
-    With the app's `tbt_slo_ms` and no gap target of the caller's, the gap target is the SLO: the
-    gaps the operator called acceptable. A longer SLO must not be refused for gaps it allows (under
-    the SLO budget a 1 s SLO makes passes, and so gaps, of up to 800 ms on purpose); a shorter one
-    is what the admitted streams keep under overload (measured with 100 ms, README "Admission and
-    overload": at 250 ms the door let in floods whose gaps reached 4-5x the full-load p99).
+    With the app's `tbt_slo_ms` and no gap target of the caller's, the gap target is the SLO, as
+    a p99 (`SLO_GAP_QUANTILE`, unless the caller set the quantile): the gaps the operator called
+    acceptable. A longer SLO must not be refused for gaps it allows (under the SLO budget a 1 s SLO
+    makes passes, and so gaps, of up to 800 ms on purpose); a shorter one is what the admitted
+    streams keep under overload (README "Admission and overload": with 100 ms as a p90, the
+    admitted streams' p99 gap was 2.3x the full-load one; at 250 ms, 4-7x).
     """
     out = {CALLBACK_ENV: IMPORT_PATH, **env}
     if tbt_slo_ms is not None and not env.get(GAP_ENV, "").strip():
         out[GAP_ENV] = f"{tbt_slo_ms:g}"
+        if not env.get(QUANTILE_ENV, "").strip():
+            out[QUANTILE_ENV] = f"{SLO_GAP_QUANTILE:g}"
     ProxyDoorConfig.from_env(out)
     return out
 
@@ -382,7 +395,8 @@ if __name__ == "__main__":
         slo = config_tbt_slo_ms(sys.argv[1]) if len(sys.argv) > 1 else None
         env = proxy_env(os.environ, slo)
         print(ProxyDoorConfig.from_env(env), file=sys.stderr)
-        if GAP_ENV in env and env[GAP_ENV] != os.environ.get(GAP_ENV):  # derived from the SLO
-            print(f"{GAP_ENV}={env[GAP_ENV]}")
+        derived = [k for k in (GAP_ENV, QUANTILE_ENV) if k in env and env[k] != os.environ.get(k)]
+        if derived:  # from the SLO
+            print(" ".join(f"{k}={env[k]}" for k in derived))
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
         sys.exit(f"proxy door: {exc}")

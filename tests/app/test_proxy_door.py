@@ -304,10 +304,14 @@ def test_config_from_the_environment() -> None:
     assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}).target_ms is None
     assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_TARGET_MS": "off"}).gap_target_ms is None
     assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_TARGET_MS": "120"}).gap_target_ms == 120.0
+    assert ProxyDoorConfig().gap_quantile == 0.9
+    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_QUANTILE": "0.95"}).gap_quantile == 0.95
     for env, name in (({"STALLFREE_PROXY_MAX_REQUESTS": "many"}, "STALLFREE_PROXY_MAX_REQUESTS"),
                       ({"STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, "STALLFREE_PROXY_WAIT_TARGET_MS"),
                       ({"STALLFREE_PROXY_LAG_TARGET_MS": "0"}, "STALLFREE_PROXY_LAG_TARGET_MS"),
                       ({"STALLFREE_PROXY_GAP_TARGET_MS": "fast"}, "STALLFREE_PROXY_GAP_TARGET_MS"),
+                      ({"STALLFREE_PROXY_GAP_QUANTILE": "1"}, "STALLFREE_PROXY_GAP_QUANTILE"),
+                      ({"STALLFREE_PROXY_GAP_QUANTILE": "0"}, "STALLFREE_PROXY_GAP_QUANTILE"),
                       ({"STALLFREE_PROXY_MIN_REQUESTS": "9", "STALLFREE_PROXY_MAX_REQUESTS": "8"},
                        "STALLFREE_PROXY_MIN_REQUESTS")):
         with pytest.raises(ValueError, match=name):
@@ -319,7 +323,13 @@ def test_serves_callback_builds_both_parts_and_none_when_off() -> None:
     assert [m.cls for m in built] == [PendingMiddleware, StreamLimitMiddleware]  # the limit outermost
     assert built[1].kwargs["limit"].max_limit == 16 and built[1].kwargs["where"] == "proxy"
     assert built[0].kwargs["pending"].target_s == pytest.approx(0.75)
-    assert built[0].kwargs["pending"].gap_target_s == pytest.approx(0.25)
+    door = built[0].kwargs["pending"]
+    assert door.gap_target_s == pytest.approx(0.25) and door.slow_share == pytest.approx(0.1)
+    assert door.min_gaps == 20
+    p99 = middlewares({"STALLFREE_PROXY_GAP_TARGET_MS": "100", "STALLFREE_PROXY_GAP_QUANTILE": "0.99"})
+    door = p99[0].kwargs["pending"]
+    assert door.gap_target_s == pytest.approx(0.1) and door.slow_share == pytest.approx(0.01)
+    assert door.min_gaps == 200  # two gaps over the target at the quantile's edge, at least
     assert middlewares({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}) == []
 
 
@@ -330,11 +340,15 @@ def test_proxy_env_sets_the_callback_unless_given_and_checks_the_settings() -> N
         proxy_env({"STALLFREE_PROXY_MAX_REQUESTS": "0"})
 
 
-def test_the_gap_target_is_the_tbt_slo_unless_set() -> None:
-    gap = "STALLFREE_PROXY_GAP_TARGET_MS"
+def test_the_gap_target_is_the_tbt_slo_as_a_p99_unless_set() -> None:
+    gap, q = "STALLFREE_PROXY_GAP_TARGET_MS", "STALLFREE_PROXY_GAP_QUANTILE"
     assert proxy_env({}, tbt_slo_ms=1000.0)[gap] == "1000"  # gaps the SLO allows are not refused
     assert proxy_env({}, tbt_slo_ms=100.0)[gap] == "100"  # a tighter one is what admitted streams keep
-    assert ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=None)).gap_target_ms == 250.0  # no SLO
+    assert ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=100.0)).gap_quantile == 0.99
+    assert proxy_env({q: "0.95"}, tbt_slo_ms=100.0)[q] == "0.95"  # the caller's quantile wins
+    assert q not in proxy_env({gap: "300"}, tbt_slo_ms=100.0)  # their own target keeps the default p90
+    no_slo = ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=None))
+    assert (no_slo.gap_target_ms, no_slo.gap_quantile) == (250.0, 0.9)
     assert gap not in proxy_env({}, tbt_slo_ms=None)
     assert proxy_env({gap: "300"}, tbt_slo_ms=1000.0)[gap] == "300"  # the caller's own wins
     assert proxy_env({gap: "off"}, tbt_slo_ms=1000.0)[gap] == "off"
@@ -351,7 +365,7 @@ def test_the_config_files_tbt_slo_is_read_for_make_serve(tmp_path) -> None:  # n
     out = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if not k.startswith("STALLFREE_PROXY_")},
                          cwd=base.parent, check=True)
-    assert out.stdout.split() == ["STALLFREE_PROXY_GAP_TARGET_MS=1200"] and "gap_target_ms=1200.0" in out.stderr
+    assert out.stdout.split() == ["STALLFREE_PROXY_GAP_TARGET_MS=1200", "STALLFREE_PROXY_GAP_QUANTILE=0.99"] and "gap_target_ms=1200.0" in out.stderr
     bad = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
                          env={**os.environ, "STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, cwd=base.parent)
     assert bad.returncode != 0 and "STALLFREE_PROXY_WAIT_TARGET_MS" in bad.stderr
