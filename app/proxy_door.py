@@ -13,12 +13,12 @@ and their median wait is over a target (a standing queue, whatever it stands in:
 starved ingress, the token door, the engine's queue; one long prompt prefilling does not close
 it); while the streams it relays arrive slowly (the gaps between a stream's chunks in the last
 second over a target at a quantile: the app's TBT SLO at p99 where it has one, else 250 ms at
-p90; what is admitted keeps its quality, as the issue asks); while it relays as many requests as its stream cap, the number it learned keeps those
-gaps under the target (cut to 0.9 x the requests in flight when the gaps turn slow, grown by
-one at a time while they stay quick and the cap binds, fast after a quiet spell: without it,
-each time the gaps recovered the door let a flood in, which made them slow again for as long
-as those streams ran, and after the overload every new request waited for the flood to
-drain); and for a moment after the ingress refused one (the server just said no). It also keeps
+p90; what is admitted keeps its quality, as the issue asks); while it relays as many requests
+as its stream cap, the number it learned keeps those gaps under the target (cut to 0.9 x the
+requests in flight when the gaps turn slow, grown by one at a time while they stay quick and
+the cap binds, fast after a quiet spell: without it, each time the gaps recovered the door let
+a flood in, which made them slow again for as long as those streams ran, and after the
+overload every new request waited for the flood to drain); and for a moment after the ingress refused one (the server just said no). It also keeps
 the ingress's lag-adaptive in-flight limit (`app.stream_limit.StreamLimit`) on the proxy's own
 event loop, for a proxy that is itself the one falling behind. The ingress keeps its own limit
 and the token door (`app.admission`): this door only answers early what they would refuse late.

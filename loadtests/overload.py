@@ -16,7 +16,9 @@ Without `--url` it starts its own server (`loadtests/serve_local.py`, the `args:
 2. sustainable: open-loop Poisson steps (fixed seed) of streaming `/v1/completions` requests
    (`max_tokens`, `ignore_eos`), the rate doubling from `--start-rate` (halving if the first step
    fails); the highest rate whose completed/offered >= `--keep-up`, with no 429 and p99 TTFT
-   under `--ttft-bound-s`. `--rate R` measures one step at R instead. Its p99 TBT is the baseline.
+   under `--ttft-bound-s`. `--rate R` measures one step at R instead. Then `--baseline-s` at that
+   rate, as long as the overload: its p99 TBT is the overload's baseline (a search step's streams
+   mostly run after its arrivals stopped; 0: the step's own).
 3. overload (not with `--soak`): `--factor` x that rate for `--duration-s`. Per request: status,
    time to headers, TTFT, every inter-chunk gap, `[DONE]`, in-band error events, cut streams
    (ended without `[DONE]` and without an error event), 429 Retry-After / OpenAI error shape.
@@ -927,15 +929,18 @@ async def warm_up(ctx: Ctx) -> dict[str, Any]:
             "tbt_p50_s": s["tbt_p50_s"], "tbt_p99_s": s["tbt_p99_s"], "e2e_p50_s": e2e}
 
 
-async def run_step(ctx: Ctx, rate: float, seed: int, grace_s: float) -> dict[str, Any]:
-    """One rate-search step: `--step-s` of Poisson arrivals, then at most `grace_s` to finish."""
-    offsets = poisson_offsets(rate, ctx.args.step_s, seed)
+async def run_step(ctx: Ctx, rate: float, seed: int, grace_s: float, seconds: float | None = None,
+                   desc: str = "search") -> dict[str, Any]:
+    """One rate-search step: `seconds` (`--step-s`) of Poisson arrivals, then at most `grace_s`
+    to finish."""
+    seconds = ctx.args.step_s if seconds is None else seconds
+    offsets = poisson_offsets(rate, seconds, seed)
     specs = uniform_specs(np.random.default_rng(seed), len(offsets), ctx.model, ctx.words,
                           ctx.args.max_tokens)
-    with tqdm(total=len(specs), desc=f"search {rate:g} req/s", unit="req", leave=False) as bar:
+    with tqdm(total=len(specs), desc=f"{desc} {rate:g} req/s", unit="req", leave=False) as bar:
         run = await open_loop(ctx.client, specs, offsets, ctx.args.timeout_s, bar)
         await drain(run, grace_s)
-    return summarize(run.recs, ctx.args.step_s)
+    return summarize(run.recs, seconds)
 
 
 async def bursts(ctx: Ctx, count: int, size: int, pause_s: float) -> dict[str, Any]:
@@ -984,6 +989,25 @@ async def search(ctx: Ctx, warm: dict[str, Any]) -> dict[str, Any]:
     base = next(st for st in steps if st["rate"] == best)
     return {"steps": steps, "sustainable_req_s": best, "found": found, "given": bool(a.rate),
             "baseline_tbt_p99_s": base["tbt_p99_s"], "baseline_ttft_p99_s": base["ttft_p99_s"]}
+
+
+async def steady(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any]:
+    """`--baseline-s` of Poisson arrivals at the sustainable rate: the full-load quality the
+    overload's accepted requests are held to, measured as long as the overload runs. A search
+    step is too short for it: a 10 s step's 256-token streams run ~15 s, so most of their gaps
+    come while its arrivals have already stopped and the load falls."""
+    a = ctx.args
+    s = await run_step(ctx, rate, a.seed + 100, max(2.0, 3.0 * warm["e2e_p50_s"]), a.baseline_s, "steady")
+    ok, why = step_verdict(s, a.keep_up, a.ttft_bound_s)
+    return {"rate": rate, "seconds": a.baseline_s, "pass": ok, "verdict": why, **s}
+
+
+def with_steady_baseline(found: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
+    """The search's result with its baselines taken from the steady phase `st` (the search
+    step's own kept as `search_tbt_p99_s` / `search_ttft_p99_s`)."""
+    return {**found, "steady": st, "search_tbt_p99_s": found["baseline_tbt_p99_s"],
+            "search_ttft_p99_s": found["baseline_ttft_p99_s"],
+            "baseline_tbt_p99_s": st["tbt_p99_s"], "baseline_ttft_p99_s": st["ttft_p99_s"]}
 
 
 async def recovery(ctx: Ctx, unloaded_ttft_s: float) -> dict[str, Any]:
@@ -1198,6 +1222,12 @@ async def run_all(args: argparse.Namespace, base: str, root_pid: int | None,
         tqdm.write(f"sustainable: {rate:g} req/s" + ("" if found["found"] else
                    " (NOT found: even the lowest rate tried failed; using it)")
                    + f"; its p99 TBT {_ms(found['baseline_tbt_p99_s'])}")
+        if args.baseline_s > 0 and not args.soak:
+            st = await steady(ctx, rate, warm)
+            result["search"] = found = with_steady_baseline(found, st)
+            tqdm.write(format_step(rate, st, st["verdict"])
+                       + f"\nsteady state: {rate:g} req/s for {args.baseline_s:g} s; its p99 TBT "
+                       f"{_ms(st['tbt_p99_s'])} (the overload's baseline)")
         if args.soak:
             await run_soak(ctx, args, rate, sampler, root_pid, result)
         else:
@@ -1247,9 +1277,9 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
-QUICK = {"step_s": 3.0, "max_steps": 2, "duration_s": 10.0, "recovery_s": 5.0, "rss_after_s": 5.0,
-         "soak_minutes": 1.0, "settle_s": 2.0, "quiet_s": 5.0, "soak_warmup_s": 5.0}
-DEFAULTS = {"step_s": 10.0, "max_steps": 6, "duration_s": 60.0, "recovery_s": 30.0,
+QUICK = {"step_s": 3.0, "max_steps": 2, "duration_s": 10.0, "baseline_s": 5.0, "recovery_s": 5.0,
+         "rss_after_s": 5.0, "soak_minutes": 1.0, "settle_s": 2.0, "quiet_s": 5.0, "soak_warmup_s": 5.0}
+DEFAULTS = {"step_s": 10.0, "max_steps": 6, "duration_s": 60.0, "baseline_s": 60.0, "recovery_s": 30.0,
             "rss_after_s": 30.0, "soak_minutes": 30.0, "settle_s": 5.0, "quiet_s": 15.0,
             "soak_warmup_s": 60.0}
 
@@ -1299,6 +1329,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     by_mode("--settle-s", f, "pause after a failed step")
     add("--factor", type=f, default=10.0, help="overload = factor x sustainable")
     by_mode("--duration-s", f, "overload seconds")
+    by_mode("--baseline-s", f, "seconds at the sustainable rate whose p99s are the overload's "
+            "baseline (0: the search step's)")
     by_mode("--recovery-s", f, "seconds of recovery probes")
     add("--probe-interval-s", type=f, default=0.5, help="recovery probe spacing")
     add("--probe-max-tokens", type=i, default=16, help="recovery probes' output tokens (at most --max-tokens)")

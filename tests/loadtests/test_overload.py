@@ -301,9 +301,27 @@ def test_soak_targets() -> None:
 
 def test_quick_fills_only_unset_options() -> None:
     args = ov.parse_args(["--quick", "--duration-s", "7"])
-    assert args.duration_s == 7.0 and args.step_s == 3.0 and args.max_steps == 2
+    assert args.duration_s == 7.0 and args.step_s == 3.0 and args.max_steps == 2 and args.baseline_s == 5.0
     full = ov.parse_args([])
     assert full.duration_s == 60.0 and full.soak_minutes == 30.0 and full.factor == 10.0
+    assert full.baseline_s == full.duration_s  # the baseline's steady state as long as the overload
+    assert ov.parse_args(["--baseline-s", "0"]).baseline_s == 0.0
+
+
+def test_the_steady_phase_becomes_the_baseline_and_the_step_is_kept() -> None:
+    found = {"sustainable_req_s": 2.0, "found": True, "baseline_tbt_p99_s": 0.07, "baseline_ttft_p99_s": 0.13}
+    st = {"rate": 2.0, "seconds": 60.0, "pass": True, "tbt_p99_s": 0.11, "ttft_p99_s": 0.2}
+    out = ov.with_steady_baseline(found, st)
+    assert (out["baseline_tbt_p99_s"], out["baseline_ttft_p99_s"]) == (0.11, 0.2)
+    assert (out["search_tbt_p99_s"], out["search_ttft_p99_s"]) == (0.07, 0.13)
+    assert out["steady"] is st and out["sustainable_req_s"] == 2.0
+    summary = ov.summarize([rec(status=200, done=True, ttft_s=0.5, end_s=2.0, gaps=[0.15] * 10)], 1.0)
+    rows = {r["target"]: r["status"] for r in ov.overload_targets(summary, out["baseline_tbt_p99_s"], None,
+                                                                  {}, CFG)}
+    assert rows["accepted p99 TBT <= 1.5 x sustainable (110 ms)"] == "PASS"  # 150 ms, held to the steady 110
+    rows = {r["target"]: r["status"] for r in ov.overload_targets(summary, found["baseline_tbt_p99_s"], None,
+                                                                  {}, CFG)}
+    assert rows["accepted p99 TBT <= 1.5 x sustainable (70 ms)"] == "MISS"  # against the step's 70
 
 
 # ---- the load generator's own side ----------------------------------------------------------
