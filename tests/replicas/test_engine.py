@@ -273,8 +273,9 @@ async def test_a_stream_interval_merges_the_tokens_between_deltas(llama):
         assert [t for o in merged for t in o.delta_token_ids] == [t for o in every for t in o.delta_token_ids]
         assert "".join(o.delta_text for o in merged) == "".join(o.delta_text for o in every)
         assert sum(len(o.delta_token_ids) for o in merged) == 40
-        if j == 0:  # the stream's first token goes at once (the other sample's joins the next)
-            assert len(merged[0].delta_token_ids) == 1
+        if j == 0:  # the first delta goes at once, not held for the interval: with what the engine
+            # had produced by the time the caller read it (one token, or more on a busy machine)
+            assert 1 <= len(merged[0].delta_token_ids) < 40 and len(merged) >= 2
         # 40 tokens take well under 2 s here: a handful of deltas (generous for a slow machine).
         assert len(merged) <= 10 and merged[-1].finished and sum(o.finished for o in merged) == 1
 
