@@ -40,7 +40,7 @@ class PassRecord(Protocol):
 
 def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: float | None,
                now: float, window_s: float = DRAIN_WINDOW_S,
-               min_backlog_s: float = MIN_BACKLOG_S) -> float | None:
+               min_backlog_s: float = MIN_BACKLOG_S, running_since: float | None = None) -> float | None:
     """Prompt tokens per second this replica prefills; None when there is nothing to go by.
 
     `backlog_since`: when the waiting queue last became non-empty (None: it is empty). A
@@ -52,16 +52,22 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
     or with a younger one, the achieved rate only shows the arrivals, so the capacity of the
     recent passes counts too: per pass, the token budget left after its decodes; with no recent
     pass, None (unmeasured).
+
+    `running_since`: when the pass in progress began (None: none is). The backlog is judged up to
+    then: a pass still running has prefilled nothing yet that the record shows, and one long
+    pass (a whole 2k-token prompt under the dynamic policy takes seconds on a CPU) is not a
+    stalled queue; counted as one, it had refused prompts an idle second later would take.
     """
-    start = now - window_s
-    if backlog_since is not None and now - backlog_since >= min_backlog_s:
-        start = max(start, backlog_since)
+    seen = now if running_since is None else min(now, running_since)  # what completed passes show
+    if backlog_since is not None and seen - backlog_since >= min_backlog_s:
+        start = max(seen - window_s, backlog_since)
         achieved = 0
         for p in reversed(passes):  # newest last: stop at the first that ended before `start`
             if p.start + p.duration <= start:
                 break
             achieved += p.num_prefill_tokens
-        return achieved / max(now - start, 1e-6)
+        return achieved / max(seen - start, 1e-6)
+    start = seen - window_s
     recent = []
     for p in reversed(passes):  # newest last; stop at the window's edge
         if p.start < start:
@@ -69,7 +75,7 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
         recent.append(p)
     if not recent:
         return None
-    span = max(now - recent[-1].start, sum(p.duration for p in recent), 1e-6)
+    span = max(seen - recent[-1].start, sum(p.duration for p in recent), 1e-6)
     achieved = sum(p.num_prefill_tokens for p in recent) / span
     busy = sum(p.duration for p in recent)
     capacity = sum(max(0, budget_tokens - p.num_decode_tokens) for p in recent) / max(busy, 1e-6)

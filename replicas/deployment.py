@@ -232,7 +232,8 @@ class LLMServer:
             elif self._backlog_since is None:
                 self._backlog_since = now
             self._drain_tps = admission.drain_rate(passes, engine.config.max_batch_prefill_tokens,
-                                                   self._backlog_since, now)
+                                                   self._backlog_since, now,
+                                                   running_since=engine.pass_started)
             self._drain_at = now
         return self._drain_tps
 

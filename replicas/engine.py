@@ -115,6 +115,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.iterations: deque[IterationStats] = deque(maxlen=100_000)
+        self.pass_started: float | None = None  # perf_counter when the pass in progress began
         self.recent_tbt: deque[float] = deque(maxlen=config.tbt_sample_window)
         self.last_pass = PassSamples()
         self.num_tbt_samples = 0
@@ -259,11 +260,12 @@ class Engine:
             return expired
         shape = PassShape.of(batch)
         predicted = self.pass_time.predict(shape) if self.pass_time is not None else None
-        start = time.perf_counter()
+        self.pass_started = start = time.perf_counter()
         logits = self.runner.execute(batch)
         token_ids = self._sample(logits, [s.request for s in batch.seqs if s.samples])
         prompt_logprobs(logits.prompt, logits.prompt_spans)
         now = time.perf_counter()
+        self.pass_started = None
         stats = self._record(batch, start, now, shape, predicted)
         outputs = self._postprocess(batch, token_ids, now)
         self.last_load = self.scheduler.load()

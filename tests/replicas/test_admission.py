@@ -61,6 +61,23 @@ def test_drain_rate_of_a_backlog_counts_only_the_time_since_it_formed() -> None:
     assert drain_rate([], 256, backlog_since=1.9, now=2.0) is None
 
 
+def test_a_long_pass_in_progress_is_not_a_stalled_queue() -> None:
+    """A whole long prompt prefilling in one pass (dynamic, seconds on a CPU) while another waits:
+    the backlog is judged by the passes completed before that one began, not as stalled."""
+    before = [Pass(t / 10, 0.1, 50, 4) for t in range(10)]  # 500 prompt tokens/s until t = 1.0
+    # The long pass began at t = 1.0; a request has waited since t = 1.2; now t = 3.5.
+    assert drain_rate(before, 256, backlog_since=1.2, now=3.5) == 0.0  # without knowing: "stalled"
+    young = drain_rate(before, 256, backlog_since=1.2, now=3.5, running_since=1.0)
+    assert young is not None and abs(young - (256 - 4) / 0.1) < 1e-6  # capacity of the passes before
+    # A backlog that formed before the long pass began, aged through completed passes, is judged
+    # by what those achieved, up to when the long pass began.
+    aged = drain_rate(before, 256, backlog_since=0.2, now=3.5, running_since=1.0)
+    assert aged is not None and abs(aged - 500.0) < 1e-6
+    # Passes keep completing with nothing prefilled (blocked on KV): still a stall.
+    blocked = [Pass(1.0 + t / 10, 0.1, 0, 8) for t in range(20)]
+    assert drain_rate(before + blocked, 256, backlog_since=1.2, now=3.05, running_since=3.0) == 0.0
+
+
 def test_queue_bound_is_what_drains_within_the_deadline_clamped() -> None:
     assert queue_bound(32_768, 512, 1000.0, None) == 32_768  # no deadline: the cap
     assert queue_bound(32_768, 512, 1000.0, 10.0) == int(1000 * 10 * QUEUE_FILL)

@@ -392,3 +392,22 @@ def test_logprobs_out_of_range_name_the_field():
     with pytest.raises(InvalidRequestError, match="logprobs") as e:
         SamplingParams(logprobs=21)
     assert e.value.param == "logprobs"
+
+
+def test_the_pass_in_progress_is_visible_to_the_replicas_drain_rate(llama):
+    """`pass_started` holds when the running pass began (the replica's drain rate judges a backlog
+    up to then: a long pass is not a stall) and is cleared once it ended."""
+    eng = engine_for(llama, "stall_free")
+    seen = []
+    execute = eng.runner.execute
+
+    def watched(batch):  # noqa: ANN001, ANN202
+        seen.append(eng.pass_started)
+        return execute(batch)
+
+    eng.runner.execute = watched
+    eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "a")
+    while eng.has_unfinished():
+        eng.step()
+    assert seen and all(t is not None for t in seen) and eng.pass_started is None
+    assert [round(t, 9) for t in seen] == [round(s.start, 9) for s in list(eng.iterations)[-len(seen):]]
