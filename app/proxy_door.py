@@ -18,9 +18,10 @@ as its stream cap, the number it learned keeps those gaps under the target (cut 
 requests in flight when the gaps turn slow, grown by one at a time while they stay quick and
 the cap binds, fast after a quiet spell: without it, each time the gaps recovered the door let
 a flood in, which made them slow again for as long as those streams ran, and after the
-overload every new request waited for the flood to drain); and for a moment after the ingress refused one (the server just said no). It also keeps
-the ingress's lag-adaptive in-flight limit (`app.stream_limit.StreamLimit`) on the proxy's own
-event loop, for a proxy that is itself the one falling behind. The ingress keeps its own limit
+overload every new request waited for the flood to drain); and for a moment after the ingress
+refused one (the server just said no). It also keeps the ingress's lag-adaptive in-flight limit
+(`app.stream_limit.StreamLimit`) on the proxy's own event loop, for a proxy that is itself the
+one falling behind. The ingress keeps its own limit
 and the token door (`app.admission`): this door only answers early what they would refuse late.
 
 Serve builds its proxy's middleware from the callable named by the environment variable

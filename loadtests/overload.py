@@ -931,8 +931,8 @@ async def warm_up(ctx: Ctx) -> dict[str, Any]:
 
 async def run_step(ctx: Ctx, rate: float, seed: int, grace_s: float, seconds: float | None = None,
                    desc: str = "search") -> dict[str, Any]:
-    """One rate-search step: `seconds` (`--step-s`) of Poisson arrivals, then at most `grace_s`
-    to finish."""
+    """`seconds` (a search step's `--step-s` unless given) of Poisson arrivals at `rate`, then at
+    most `grace_s` for them to finish."""
     seconds = ctx.args.step_s if seconds is None else seconds
     offsets = poisson_offsets(rate, seconds, seed)
     specs = uniform_specs(np.random.default_rng(seed), len(offsets), ctx.model, ctx.words,
@@ -966,10 +966,15 @@ async def bursts(ctx: Ctx, count: int, size: int, pause_s: float) -> dict[str, A
     return {"count": count, "size": size, "pause_s": pause_s, "bursts": per_burst, "counts": total}
 
 
+def finish_grace_s(warm: dict[str, Any]) -> float:
+    """How long a step's last requests get to finish after its arrivals: 3 unloaded requests' time."""
+    return max(2.0, 3.0 * warm["e2e_p50_s"])
+
+
 async def search(ctx: Ctx, warm: dict[str, Any]) -> dict[str, Any]:
     """The sustainable rate (see the module doc); `--rate` measures that one rate instead."""
     a = ctx.args
-    grace = max(2.0, 3.0 * warm["e2e_p50_s"])
+    grace = finish_grace_s(warm)
     history: list[tuple[float, bool]] = []
     steps: list[dict[str, Any]] = []
     tqdm.write(f"rate search: {a.step_s:g} s steps, then up to {grace:.1f} s to finish\n{STEP_HEADER}")
@@ -997,7 +1002,7 @@ async def steady(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any]:
     step is too short for it: a 10 s step's 256-token streams run ~15 s, so most of their gaps
     come while its arrivals have already stopped and the load falls."""
     a = ctx.args
-    s = await run_step(ctx, rate, a.seed + 100, max(2.0, 3.0 * warm["e2e_p50_s"]), a.baseline_s, "steady")
+    s = await run_step(ctx, rate, a.seed + 100, finish_grace_s(warm), a.baseline_s, "steady")
     ok, why = step_verdict(s, a.keep_up, a.ttft_bound_s)
     return {"rate": rate, "seconds": a.baseline_s, "pass": ok, "verdict": why, **s}
 
