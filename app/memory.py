@@ -13,9 +13,12 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
+import logging
+import time
 from collections.abc import Callable
 
 CHECK_EVERY_S = 5.0
+log = logging.getLogger("ray.serve")  # the Serve log of the process (proxy or ingress replica)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -36,6 +39,7 @@ class IdleTrim:
         self._trim = trim if trim is not None else _malloc_trim()
         self._busy_since_trim = False
         self.num_trims = 0
+        self.last_s = 0.0  # how long the last trim (collection and malloc_trim) took
 
     def step(self, idle: bool) -> bool:
         """True when it trimmed."""
@@ -45,9 +49,11 @@ class IdleTrim:
         if not self._busy_since_trim:
             return False
         self._busy_since_trim = False
+        start = time.perf_counter()
         gc.collect()
         if self._trim is not None:
             self._trim(0)
+        self.last_s = time.perf_counter() - start
         self.num_trims += 1
         return True
 
@@ -58,4 +64,6 @@ async def trim_when_idle(is_idle: Callable[[], bool], every_s: float = CHECK_EVE
     trimmer = trimmer or IdleTrim()
     while True:
         await asyncio.sleep(every_s)
-        trimmer.step(is_idle())
+        if trimmer.step(is_idle()):
+            log.info("memory: quiet after a busy spell: garbage collected and freed heap returned in %.0f ms "
+                     "(this loop was blocked that long)", 1000 * trimmer.last_s)

@@ -15,10 +15,10 @@ it); while the streams it relays arrive slowly (the gaps between a stream's chun
 second over a target at a quantile: the app's TBT SLO at p99 where it has one, else 250 ms at
 p90; what is admitted keeps its quality, as the issue asks); while it relays as many requests
 as its stream cap, the number it learned keeps those gaps under the target (cut to 0.9 x the
-requests in flight when the gaps turn slow, grown by one at a time while they stay quick and
-the cap binds, fast after a quiet spell: without it, each time the gaps recovered the door let
-a flood in, which made them slow again for as long as those streams ran, and after the
-overload every new request waited for the flood to drain); and for a moment after the ingress
+requests in flight when the gaps turn slow, grown by 5% at a time only while they stay quick
+and the cap binds, held otherwise, through quiet spells too: without it, each time the gaps
+recovered the door let a flood in, which made them slow again for as long as those streams ran,
+and after the overload every new request waited for the flood to drain); and for a moment after the ingress
 refused one (the server just said no). It also keeps the ingress's lag-adaptive in-flight limit
 (`app.stream_limit.StreamLimit`) on the proxy's own event loop, for a proxy that is itself the
 one falling behind. The ingress keeps its own limit
@@ -185,10 +185,9 @@ def config_tbt_slo_ms(path: str) -> float | None:
 
 CAP_DECREASE = 0.9  # the stream cap's cut: this x the requests in flight when the gaps turned slow
 CAP_COOLDOWN_S = 2.0  # at most one cut this often (the gap window must show what the last did)
-CAP_GROW_EVERY_S = 1.0  # while the gaps are quick and the cap binds: one more, this often (about
-# the time an admitted request takes to show in the gaps: its first token under load)
-CAP_SETTLE_S = 5.0  # quick this long: the cap grows x CAP_GROW_SETTLED (+1) each step instead
-CAP_GROW_SETTLED = 1.5
+CAP_GROW_EVERY_S = 1.0  # at most one growth step this often (about the time an admitted request
+# takes to show in the gaps: its first token under load)
+CAP_GROW_BINDING = 0.05  # while the gaps are quick and the cap binds: + this share of it (at least 1)
 
 
 class Pending:
@@ -204,12 +203,16 @@ class Pending:
 
     The stream cap bounds the requests in flight (forwarded and not ended) by how many keep the
     streams' gaps quick, learned as an AIMD limit is: when the gaps turn slow with no more in
-    flight than the cap, the cap becomes `CAP_DECREASE` x those in flight (at most once a
-    `CAP_COOLDOWN_S`: what was cut needs the gap window to show); while they are quick and the
-    cap binds (in flight within one of it), it grows by one every `CAP_GROW_EVERY_S`, and once
-    they have stayed quick for `CAP_SETTLE_S`, by x `CAP_GROW_SETTLED` + 1 a step, bound or not (a
-    burst after a quiet spell finds the door open, as before the cut). It starts at `max_cap`
-    (no bound until the gaps first turn slow) and never goes under `min_cap`.
+    flight than the cap (and at least `min_cap`: a few streams left over are not what made them
+    slow), the cap becomes `CAP_DECREASE` x those in flight (at most once a `CAP_COOLDOWN_S`: what
+    was cut needs the gap window to show). It grows only while it is used, as TCP grows its window
+    only while the sender fills it: with the gaps quick and the cap binding (in flight within one
+    of it), by `CAP_GROW_BINDING` of itself (at least one) every `CAP_GROW_EVERY_S`; a cap that
+    does not bind tells nothing about more streams, so it holds, through a quiet spell too (as
+    TCP does not grow an idle window: a door that regrew while the load stood under it, or x1.5 a
+    second once idle, let the next overload in as a flood of 2-5x the streams it had learned to
+    keep quick). It starts at `max_cap` (no bound until the gaps first turn slow) and never goes
+    under `min_cap`.
     """
 
     def __init__(self, target_s: float, clock: Callable[[], float], *, min_pending: int = 4,
@@ -237,7 +240,6 @@ class Pending:
         self.cap = float(max_cap)
         self.in_flight = 0  # forwarded, not ended (`start` .. `ended`)
         self._cut_at = self._grown_at = float("-inf")
-        self._quick_since: float | None = None  # the gaps quick since then (None: slow now)
         self._log = log
 
     def start(self) -> int:
@@ -310,25 +312,17 @@ class Pending:
         """The stream cap's step (see the class docstring), at each check."""
         n = self.in_flight
         if self._slow:
-            self._quick_since = None
-            if n <= self.cap and now - self._cut_at >= CAP_COOLDOWN_S:
+            if self.min_cap <= n <= self.cap and now - self._cut_at >= CAP_COOLDOWN_S:
                 old, self.cap = self.cap, max(float(self.min_cap), CAP_DECREASE * n)
                 self._cut_at = now
                 if self._log is not None:
                     self._log.info("proxy door: stream gaps slow with %d requests in flight: stream cap "
                                    "%.0f -> %.0f", n, old, self.cap)
             return
-        if self._quick_since is None:
-            self._quick_since = now
-        if self.cap >= self.max_cap or now - max(self._cut_at, self._grown_at) < CAP_GROW_EVERY_S:
-            return
-        if now - self._quick_since >= CAP_SETTLE_S:
-            self.cap = min(float(self.max_cap), CAP_GROW_SETTLED * self.cap + 1)
-        elif n >= self.cap - 1:
-            self.cap += 1
-        else:
-            return
-        self._grown_at = now
+        if (n >= self.cap - 1 and self.cap < self.max_cap
+                and now - max(self._cut_at, self._grown_at) >= CAP_GROW_EVERY_S):
+            self.cap = min(float(self.max_cap), self.cap + max(1.0, CAP_GROW_BINDING * self.cap))
+            self._grown_at = now
 
 
 class PendingMiddleware:

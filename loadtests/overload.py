@@ -123,6 +123,7 @@ class Rec:
     ttft_s: float | None = None
     end_s: float | None = None
     gaps: list[float] = field(default_factory=list)
+    worst_gap_at_s: float | None = None  # when the longest gap ended, from the start of its phase
     chunks: int = 0
     done: bool = False  # `data: [DONE]` (streams) / a complete JSON answer (non-streaming)
     error_event: bool = False  # an in-band `data: {"error": ...}` event
@@ -522,6 +523,7 @@ def compact(rec: Rec) -> dict[str, Any]:
     return {"kind": rec.kind, "sched_s": r(rec.sched_s), "category": classify(rec),
             "status": rec.status, "headers_s": r(rec.headers_s), "ttft_s": r(rec.ttft_s),
             "end_s": r(rec.end_s), "chunks": rec.chunks, "max_gap_s": r(max(rec.gaps, default=None)),
+            "worst_gap_at_s": r(rec.worst_gap_at_s),
             "exc": rec.exc, "refused_by": rec.refused_by}
 
 
@@ -687,12 +689,14 @@ def find_metrics_url(root_pid: int | None) -> str | None:
 # ---- client ---------------------------------------------------------------------------------
 
 
+STALL_S = 0.1  # the load generator's loop woke this late: its gaps then include it (kept with times)
+
 HEADERS = {"Content-Type": "application/json"}
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, rec: Rec, t_sched: float) -> None:
     """Consume an SSE body: TTFT, every gap between content chunks, [DONE], error events."""
-    buf, last = b"", None
+    buf, last, worst = b"", None, -1.0
     async for piece in resp.content.iter_any():
         now = time.perf_counter()
         events, buf = split_events(buf + piece)
@@ -702,6 +706,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: Rec, t_sched: float) -
                 if last is None:
                     rec.ttft_s = now - t_sched
                 else:
+                    if now - last > worst:
+                        worst, rec.worst_gap_at_s = now - last, rec.sched_s + now - t_sched
                     rec.gaps.append(now - last)
                 last = now
                 rec.chunks += 1
@@ -1049,8 +1055,15 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
         probe = loop.run_in_executor(pool, door_probe, ctx.base, probe_body, time.time(), a.duration_s,
                                      a.door_probe_interval_s, a.timeout_s)
         lag: list[float] = []  # how late this loop wakes from a 50 ms sleep: every latency includes it
-        watcher = asyncio.create_task(watch_loop(lag.append, time.perf_counter, tick_s=0.05))
-        t_start = time.monotonic()
+        stalls: list[tuple[float, float]] = []  # (seconds into the phase, lag) of the late wakes
+
+        def woke(late_s: float) -> None:
+            lag.append(late_s)
+            if late_s > STALL_S:
+                stalls.append((round(time.monotonic() - t_start, 2), round(late_s, 3)))
+
+        t_start, started_at = time.monotonic(), time.strftime("%H:%M:%S")
+        watcher = asyncio.create_task(watch_loop(woke, time.perf_counter, tick_s=0.05))
         with tqdm(total=len(specs), desc=f"overload {rate:g} req/s", unit="req", leave=False) as bar:
             run = await open_loop(ctx.client, specs, offsets, a.timeout_s, bar)
         t_end = time.monotonic()
@@ -1064,9 +1077,10 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
     if wait > 0:
         tqdm.write(f"waiting {wait:.0f} s for the RSS sample {a.rss_after_s:g} s after the overload")
         await asyncio.sleep(wait)
-    return {"rate_req_s": rate, "t_start": t_start, "t_end": t_end,
+    return {"rate_req_s": rate, "t_start": t_start, "t_end": t_end, "started_at": started_at,
             "summary": summarize(run.recs, a.duration_s), "recovery": rec,
             "client_max_lag_s": round(run.max_lag_s, 3), "client_loop_lag": lag_summary(lag),
+            "client_loop_stalls": stalls,
             "door_probe": probe_summary(probes), "door_probe_samples": probes,
             "drained_after_s": round(drained_after_s, 1),
             "requests": [compact(r) for r in run.recs]}

@@ -115,7 +115,7 @@ def streaming(pending: Pending) -> None:
     pending.answered(pending.start())
 
 
-def test_the_stream_cap_is_learned_from_slow_gaps_and_grows_back_one_at_a_time() -> None:
+def test_the_stream_cap_is_learned_from_slow_gaps_and_grows_back_while_it_binds() -> None:
     pending, clock = pending_of()
     assert pending.cap == 1024  # no bound before the gaps were ever slow
     for _ in range(100):
@@ -133,11 +133,14 @@ def test_the_stream_cap_is_learned_from_slow_gaps_and_grows_back_one_at_a_time()
     for _ in range(5):
         streaming(pending)
     assert not pending.admits() and pending.reason == "stream cap" and pending.retry_after == 1
-    clock.t += 1.0  # quick and binding: one more
+    clock.t += 1.0  # quick and binding: 5% more
     quick_window(pending, clock)
-    assert pending.admits() and pending.cap == pytest.approx(91)
+    assert pending.admits() and pending.cap == pytest.approx(94.5)
+    for _ in range(4):
+        streaming(pending)
+    assert pending.admits()  # 94 in flight, under 94.5
     streaming(pending)
-    assert not pending.admits()  # 91 in flight
+    assert not pending.admits() and pending.reason == "stream cap"  # 95
 
 
 def cut_at(streams: int) -> tuple[Pending, Clock]:
@@ -166,20 +169,58 @@ def test_the_cap_is_cut_again_only_after_the_cooldown_and_never_under_the_minimu
     assert pending.cap == 8  # 0.9 x 8 = 7.2, but the minimum is 8
 
 
-def test_after_a_quiet_spell_the_cap_grows_fast_even_unbound() -> None:
-    """A burst after quiet finds the door open again: once the gaps stayed quick for 5 s the cap
-    grows x 1.5 + 1 a second, bound or not; before that, unbound, it holds."""
+def test_a_cap_that_does_not_bind_holds_so_the_next_overload_is_no_flood() -> None:
+    """Steady load under the cap, gaps quick for long: the cap stays where the slow gaps put it
+    (the old door regrew x 1.5 a second here and let the next overload in as a flood)."""
+    pending, clock = cut_at(40)
+    assert pending.cap == pytest.approx(36)
+    for _ in range(10):
+        pending.ended()  # 30 in flight: steady, under the cap, well over min_cap
+    for _ in range(30):
+        quick_window(pending, clock)
+        assert pending.admits()
+    assert pending.cap == pytest.approx(36)
+    for _ in range(6):
+        streaming(pending)  # the overload starts: 36 in flight, the 37th is refused
+    assert not pending.admits() and pending.reason == "stream cap"
+    quick_window(pending, clock)
+    assert pending.admits()  # binding now: it grows, by 5%
+    assert pending.cap == pytest.approx(37.8)
+
+
+def test_gaps_slow_with_fewer_than_min_cap_in_flight_cut_nothing() -> None:
+    """The last streams of a phase leave slow gaps in the window with almost nothing in flight:
+    they are not what a cap could fix, and the cap learned from the load is kept."""
+    pending, clock = cut_at(40)
+    for _ in range(35):
+        pending.ended()  # 5 in flight, min_cap 8
+    clock.t += 2.0  # past the cooldown
+    slow_window(pending, clock)
+    assert not pending.admits() and pending.reason == "slow streams"
+    assert pending.cap == pytest.approx(36)
+
+
+def test_a_quiet_spell_keeps_the_cap_and_the_next_burst_grows_it_while_it_binds() -> None:
+    """After the load is gone the cap holds (the old door grew it x 1.5 a second once idle, and the
+    next overload came in as a flood); a burst finds the cap and grows it 5% (at least 1) a second
+    while the gaps stay quick."""
     pending, clock = cut_at(20)
     assert pending.cap == pytest.approx(18)
     for _ in range(20):
         pending.ended()  # idle now
+    for _ in range(60):
+        quick_window(pending, clock)
+        assert pending.admits()
+    assert pending.cap == pytest.approx(18)
     caps = []
-    for _ in range(8):
-        quick_window(pending, clock)  # ~1 s each, 25 quick gaps
+    for _ in range(4):
+        while pending.admits():
+            streaming(pending)  # the burst fills the cap
+        assert pending.reason == "stream cap"
+        quick_window(pending, clock)
         pending.admits()
         caps.append(round(pending.cap, 2))
-    assert caps[:5] == [18] * 5  # quick since the first of these, under 5 s; the cap not binding
-    assert caps[5:] == [28, 43, 65.5]
+    assert caps == [19, 20, 21, 22.05]
 
 
 def test_too_few_gaps_or_no_gap_target_never_close_it() -> None:

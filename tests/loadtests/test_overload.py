@@ -3,6 +3,7 @@ recovery, RSS reports, the target table. No server, no timing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -39,6 +40,29 @@ def test_split_events_keeps_the_unfinished_tail() -> None:
     assert events == [b"data: c"] and rest == b""
     events, rest = ov.split_events(b"data: x\r\n\r\n")
     assert events == [b"data: x"] and rest == b""
+
+
+def test_read_stream_times_every_gap_and_when_the_worst_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads at t = 10.0 (first token), 10.1, 10.4, 10.5 (+[DONE]) of a request scheduled at 9.9,
+    2 s into its phase: gaps 0.1, 0.3, 0.1; the worst ended 2 + 0.5 s into the phase."""
+    content = b'data: {"choices":[{"text":"a"}]}\n\n'
+    reads = [(10.0, content), (10.1, content), (10.4, content), (10.5, content + b"data: [DONE]\n\n")]
+    clock = iter(t for t, _ in reads)
+    monkeypatch.setattr(ov.time, "perf_counter", lambda: next(clock))
+
+    class Content:
+        async def iter_any(self):  # type: ignore[no-untyped-def]
+            for _, piece in reads:
+                yield piece
+
+    class Resp:
+        content = Content()
+
+    r = rec(sched_s=2.0)
+    asyncio.run(ov._read_stream(Resp(), r, 9.9))  # type: ignore[arg-type]
+    assert r.ttft_s == pytest.approx(0.1) and r.gaps == pytest.approx([0.1, 0.3, 0.1])
+    assert r.worst_gap_at_s == pytest.approx(2.5) and r.chunks == 4 and r.done and not r.error_event
+    assert ov.compact(r)["worst_gap_at_s"] == pytest.approx(2.5)
 
 
 # ---- classification ----------------------------------------------------------------------------
