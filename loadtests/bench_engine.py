@@ -280,8 +280,10 @@ def systems_for(workload: Workload, chunk_mbp: int, baselines: bool) -> list[Sys
 class Runner:
     """Loads the model once per system family and runs one system on one workload."""
 
-    def __init__(self, model_name: str, block_size: int, max_num_seqs: int) -> None:
+    def __init__(self, model_name: str, block_size: int, max_num_seqs: int,
+                 compile_decode_attention: bool = False) -> None:
         self.model_name, self.block_size, self.max_num_seqs = model_name, block_size, max_num_seqs
+        self.compile_decode_attention = compile_decode_attention
         self._models: dict[str, tuple] = {}
 
     def model(self, family: str):
@@ -305,7 +307,8 @@ class Runner:
         lm, tok = self.model("engine")
         config = EngineConfig(policy=spec.policy, max_batch_prefill_tokens=spec.mbp,
                               max_batch_total_tokens=kv, block_size=self.block_size,
-                              max_num_seqs=self.max_num_seqs)
+                              max_num_seqs=self.max_num_seqs,
+                              compile_decode_attention=self.compile_decode_attention)
         engine = Engine(lm, tok, config)
         engine.generate([[5, 6, 7, 8] * 4] * 2, _greedy(4))  # warm-up
         engine.iterations.clear()
@@ -424,6 +427,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context-longs", type=int, default=2, help="long-context requests in long_context")
     p.add_argument("--context-shorts", type=int, help="override the number of short requests in long_context")
     p.add_argument("--systems", help="comma-separated subset of system names to run")
+    p.add_argument("--compile-decode-attention", action="store_true",
+                   help="the engine systems with EngineConfig.compile_decode_attention")
     args = p.parse_args(argv)
     if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
         p.error(f"--workloads: unknown {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
@@ -434,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    runner = Runner(args.model, args.block_size, args.max_num_seqs)
+    runner = Runner(args.model, args.block_size, args.max_num_seqs, args.compile_decode_attention)
     lm, tok = runner.model("engine")
     vocab = lm.get_output_embeddings().weight.shape[0]
     workloads = build_workloads(vocab, list(tok.all_special_ids), args.quick, args.seed,
@@ -470,7 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     header = [f"Engine benchmark: {args.model}, torch {torch.__version__} on {torch.get_num_threads()} "
               f"threads, transformers {transformers.__version__}, seed {args.seed}, "
-              f"{'quick' if args.quick else 'full'} run, {args.repeats} repeat(s), medians"]
+              f"{'quick' if args.quick else 'full'} run, {args.repeats} repeat(s), medians"
+              + (", engine decode attention compiled" if args.compile_decode_attention else "")]
     tables = []
     for w in workloads:
         wrows = [r for r in rows if r["workload"] == w.name]

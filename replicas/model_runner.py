@@ -16,11 +16,13 @@ row per request, a block written in when it is allocated), not rebuilt from list
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental import _config as shape_config  # torch.compile's symbolic shapes
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -119,7 +121,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         b, width = g.blocks.shape[0], g.mask.shape[-1]
         rows = slice(g.start, g.start + b)
         if m.fused_decode is not None:
-            qg = q[rows].view(b, kc.shape[1], -1, q.shape[-1])  # (B, Hkv, G, D)
+            # (B, Hkv, G, D), contiguous: the compiled kernel's strides are then the model's
+            # (a fused QKV projection leaves the query strided by the pass's layout: a recompile)
+            qg = q[rows].reshape(b, kc.shape[1], -1, q.shape[-1]).contiguous()
             scale = module.scaling if scaling is None else scaling
             out[rows] = m.fused_decode(qg, kb, vb, g.blocks, g.lens, scale).flatten(1, 2)
             continue
@@ -151,6 +155,12 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 AttentionInterface.register(ATTN_IMPL, paged_attention)
 
 
+def text_heads(config) -> int:
+    """Query heads of a decoder config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.num_attention_heads
+
+
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a decoder config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -175,8 +185,10 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.set_attn_implementation(ATTN_IMPL)
-        self._fused_decode = (torch.compile(decode_in_place, dynamic=True)
-                              if compile_decode_attention else None)
+        self._fused_decode = None
+        if compile_decode_attention:
+            self._fused_decode = torch.compile(decode_in_place, dynamic=True)
+            self._compile_decode_shapes(text_heads(model.config))
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Persistent block table, on the host: one row per request in recent passes (see _row).
         # Each pass's metadata is sliced from it with numpy (microseconds, where a small torch op
@@ -188,6 +200,25 @@ class ModelRunner:
         self._rows: dict[Request, list[int]] = {}
         self._live: dict[Request, list[int]] = {}
         self._new_rows = False  # a request got an entry this pass (see _end_pass)
+
+    def _compile_decode_shapes(self, heads: int) -> None:
+        """Compile the decode kernel at start for every shape class a pass can bring, so no
+        request waits for a compile (seconds) in the middle of its stream: torch.compile with
+        dynamic shapes still specializes a size of 1, so one or several decodes, over one or
+        several blocks of context, first in the pass or not, are each tried once; after these,
+        new sizes reuse the dynamic graphs. Without duck shaping: sizes that happen to be equal
+        here (3 decodes, 3 heads) must not become one symbol, or a pass where they differ recompiles."""
+        kv_heads, head_dim = self.k_cache.shape[2:]  # (layers, slots, Hkv, D)
+        bs = self.blocks.block_size
+        kb = self.k_cache[0].view(-1, bs, kv_heads, head_dim)
+        vb = self.v_cache[0].view(-1, bs, kv_heads, head_dim)
+        with torch.inference_mode(), shape_config.patch(use_duck_shape=False):
+            for b, start, nblk in itertools.product((1, 3), (0, 2), (1, 5)):
+                q = torch.zeros(start + b + 1, heads, head_dim, dtype=self.dtype, device=self.device)
+                qg = q[start:start + b].reshape(b, kv_heads, -1, head_dim).contiguous()  # as paged_attention
+                blocks = torch.zeros(b, nblk, dtype=torch.int64, device=self.device)
+                lens = torch.ones(b, dtype=torch.int64, device=self.device)
+                self._fused_decode(qg, kb, vb, blocks, lens, 1.0)
 
     def _row(self, req: Request, table: list[int]) -> int:
         """The request's row of the persistent block table (`table`: its block table now), its

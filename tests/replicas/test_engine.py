@@ -105,7 +105,9 @@ def test_a_long_context_decoding_beside_short_ones_matches_hf(arch, compiled, re
         return groups
 
     eng.runner._decode_groups = spy
-    outs = eng.generate(ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    # Compiled: every shape class was compiled at start; a recompile mid-stream would raise here.
+    with torch._dynamo.config.patch(error_on_recompile=compiled):
+        outs = eng.generate(ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     # Once every request decodes: the long one alone, the seven short ones in one padded group
     # of a few blocks (not 700 tokens wide).
