@@ -58,7 +58,7 @@ class AdmissionGate:
         self.num_refused = 0
         self.num_decided = 0
         self.num_failed_refreshes = 0
-        self._logged_at, self._logged = float("-inf"), (0, 0)
+        self._logged_at, self._logged = clock(), (0, 0)  # the first line counts from the start
 
     # ---- deciding -------------------------------------------------------------------------
 
@@ -95,12 +95,14 @@ class AdmissionGate:
         if not decision.admitted:
             self.num_refused += 1
         now = self._clock()
-        if now - self._logged_at >= LOG_EVERY_S:
+        if now - self._logged_at >= LOG_EVERY_S or self._logged == (0, 0):
             decided, refused = self.num_decided - self._logged[0], self.num_refused - self._logged[1]
+            view = (f"view {now - self._loads_at:.2f} s old" if self._loads
+                    else "no load report yet: the replicas decide")
             logger.info("admission: %d decided, %d refused in the last %.0f s; now %d prompt tokens "
-                        "queued of a bound of %d over %d replicas (view %.2f s old)", decided, refused,
-                        min(now - self._logged_at, 1e9), decision.queued_tokens, decision.bound_tokens,
-                        len(self._loads), now - self._loads_at)
+                        "queued of a bound of %d over %d replicas (%s)", decided, refused,
+                        now - self._logged_at, decision.queued_tokens, decision.bound_tokens,
+                        len(self._loads), view)
             self._logged_at, self._logged = now, (self.num_decided, self.num_refused)
         return decision
 

@@ -166,3 +166,22 @@ async def test_each_replica_is_judged_on_its_own_report() -> None:
     assert not (await gate.decide(300)).admitted  # 800 + 300 > 1000
     gate.acknowledged(gate.admit(100), "a", clock.t + 0.5)  # before a's report: already in it
     assert (await gate.decide(200)).admitted  # 800 + 200 <= 1000
+
+
+async def test_the_periodic_log_counts_from_the_start_and_says_when_there_is_no_view(caplog) -> None:
+    """The first line (the first decision) counts from when the gate was made and says that no
+    report came yet (it printed "in the last 1000000000 s ... view inf s old"); then every 5 s."""
+    clock = Clock()
+    gate = AdmissionGate(None, clock=clock)
+    clock.t += 3.0
+    with caplog.at_level("INFO", logger="app.admission"):
+        assert (await gate.decide(10)).admitted
+        clock.t += 1.0
+        await gate.decide(10)  # within 5 s of the last line: no line
+        clock.t += 4.0
+        await gate.decide(10)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("admission:")]
+    assert lines == ["admission: 1 decided, 0 refused in the last 3 s; now 0 prompt tokens queued of a bound "
+                     "of 0 over 0 replicas (no load report yet: the replicas decide)",
+                     "admission: 2 decided, 0 refused in the last 5 s; now 0 prompt tokens queued of a bound "
+                     "of 0 over 0 replicas (no load report yet: the replicas decide)"]
