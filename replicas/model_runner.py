@@ -155,15 +155,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 AttentionInterface.register(ATTN_IMPL, paged_attention)
 
 
-def text_heads(config) -> int:
-    """Query heads of a decoder config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return text.num_attention_heads
+def text_config(config):
+    """The decoder's own config (a multimodal config holds it inside)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a decoder config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -188,7 +187,7 @@ class ModelRunner:
         self._fused_decode = None
         if compile_decode_attention:
             self._fused_decode = torch.compile(decode_in_place, dynamic=True)
-            self._compile_decode_shapes(text_heads(model.config))
+            self._compile_decode_shapes(text_config(model.config).num_attention_heads)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Persistent block table, on the host: one row per request in recent passes (see _row).
         # Each pass's metadata is sliced from it with numpy (microseconds, where a small torch op
