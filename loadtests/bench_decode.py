@@ -6,7 +6,12 @@
 Check 1 (equal contexts): B running decodes with the same short context (B = 8, 32, 64). The
 engine's pass (`Engine.step()`: schedule, metadata, forward with paged attention, sampling,
 postprocess) against the model's bare forward over the same B tokens (HF, sdpa, no KV cache,
-`use_cache=False`): the engine's price for paging, batching and bookkeeping.
+`use_cache=False`): the engine's price for paging, batching and bookkeeping. Beside it, HF's own
+decode step over the same B contexts (`past_key_values`: a StaticCache holding each sequence's
+context contiguously, cropped back after every step): the same work, attention over the context
+included, with no paging, scheduling or sampling. The bare forward reads no KV at all; at
+B = 64 x 128 tokens of fp32 context that KV is about as many bytes as the model's weights, so
+pass / HF decode separates the engine's own price from the cost of attending over the context.
 
 Check 2 (mixed contexts): a few long-context decodes beside many short ones, against the same
 number of decodes whose contexts are all equal with the same total. Attention that pads every
@@ -31,7 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, StaticCache
 from transformers.models.llama import modeling_llama
 
 from loadtests.report import report
@@ -107,20 +112,51 @@ def bare_forward(engine: Engine, tokens: int) -> Any:
     return lambda: engine.model(input_ids=ids, use_cache=False)  # no attn_meta: plain sdpa
 
 
+def hf_decode_step(engine: Engine, batch: int, context: int) -> Any:
+    """HF's own decode step: B sequences of `context` cached tokens in a StaticCache (contiguous,
+    written in place, no padding: equal lengths), one new token each; the cache is cropped back
+    after each step, so every step attends over the same context."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(10, engine.vocab_size, (batch, context), generator=g)
+    cache = StaticCache(config=engine.model.config, max_cache_len=context + 1)
+    step_ids = torch.randint(10, engine.vocab_size, (batch, 1), generator=g)
+    positions = torch.full((batch, 1), context)
+    with torch.inference_mode():
+        engine.model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+    def step() -> Any:
+        with torch.inference_mode():
+            out = engine.model(input_ids=step_ids, position_ids=positions, past_key_values=cache,
+                               use_cache=True)
+        cache.crop(-1)
+        return out
+    return step
+
+
+def _timed(fn: Any, into: list[float]) -> None:
+    t = time.perf_counter()
+    fn()
+    into.append(time.perf_counter() - t)
+
+
 def equal_case(model: str, batch: int, steps: int, threads: int, compiled: bool) -> dict[str, float]:
-    """Engine passes and bare forwards alternate, so both see the same machine."""
+    """Engine passes, bare forwards and HF decode steps alternate, so all see the same machine."""
     engine = make_engine(model, [SHORT_CONTEXT] * batch, threads, compiled)
     fill(engine, [SHORT_CONTEXT] * batch)
-    timer, bare, bare_times = PassTimer(engine), bare_forward(engine, batch), []
+    timer, bare, hf = PassTimer(engine), bare_forward(engine, batch), hf_decode_step(engine, batch, SHORT_CONTEXT)
+    bare_times: list[float] = []
+    hf_times: list[float] = []
     bare()
+    hf()
     for _ in range(steps):
         timer.step()
-        t = time.perf_counter()
-        bare()
-        bare_times.append(time.perf_counter() - t)
-    row = timer.medians() | {"bare_ms": 1e3 * statistics.median(bare_times)}
+        _timed(bare, bare_times)
+        _timed(hf, hf_times)
+    row = timer.medians() | {"bare_ms": 1e3 * statistics.median(bare_times),
+                             "hf_decode_ms": 1e3 * statistics.median(hf_times)}
     row["pass_over_bare"] = row["pass_ms"] / row["bare_ms"]
     row["forward_over_bare"] = row["forward_ms"] / row["bare_ms"]
+    row["pass_over_hf_decode"] = row["pass_ms"] / row["hf_decode_ms"]
     return {"batch": batch, "context": SHORT_CONTEXT} | row
 
 
@@ -279,10 +315,12 @@ def main(argv: list[str] | None = None) -> dict:
         lines = [f"Decode passes: {args.model}, {attention}, {args.threads} torch thread(s), "
                  f"medians of {args.steps} passes",
                  f"equal contexts ({SHORT_CONTEXT} tokens): engine pass vs the model's bare forward over B tokens",
-                 f"{'B':>4}{'pass ms':>10}{'forward ms':>12}{'bare ms':>10}{'pass/bare':>11}{'fwd/bare':>10}"]
+                 f"{'B':>4}{'pass ms':>10}{'forward ms':>12}{'bare ms':>10}{'pass/bare':>11}{'fwd/bare':>10}"
+                 f"{'HF decode ms':>14}{'pass/HF decode':>16}"]
         for r in equal:
             lines.append(f"{r['batch']:>4}{r['pass_ms']:>10.2f}{r['forward_ms']:>12.2f}{r['bare_ms']:>10.2f}"
-                         f"{r['pass_over_bare']:>11.2f}{r['forward_over_bare']:>10.2f}")
+                         f"{r['pass_over_bare']:>11.2f}{r['forward_over_bare']:>10.2f}"
+                         f"{r['hf_decode_ms']:>14.2f}{r['pass_over_hf_decode']:>16.2f}")
         lines += [f"mixed contexts ({args.num_long} at {args.long_context}, the rest at {args.short_context}) "
                   "vs equal contexts with the same total",
                   f"{'B':>4}{'total ctx':>10}{'mixed ms':>10}{'equal ms':>10}{'ratio':>8}"

@@ -175,3 +175,19 @@ def test_decode_groups_cover_every_decode_once_and_bound_their_padding() -> None
             assert grp.mask.sum(dim=-1).flatten().tolist() == mine
             covered += b
         assert covered == n
+
+
+def test_compiled_decode_kernels_of_two_engines_in_one_process_stay_their_own(llama):
+    """Each runner compiles its decode kernel for its own cache (sizes fixed in an engine are
+    static in the kernel): two engines with different caches in one process never share graphs,
+    so neither pushes the other past torch.compile's recompile limit (past it the kernel would
+    silently run eagerly, materialising every context), and neither recompiles mid-stream."""
+    ps = prompts()
+    want = engine(llama).generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    with torch._dynamo.config.patch(recompile_limit=4, fail_on_recompile_limit_hit=True):
+        first = engine(llama, compile_decode_attention=True)
+        second = engine(llama, compile_decode_attention=True, max_batch_total_tokens=768)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for eng in (first, second, first):
+                outs = eng.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+                assert [o.token_ids for o in outs] == [o.token_ids for o in want]
