@@ -67,6 +67,9 @@ class IterationStats:
     prefill_budget: int | None = None
     predicted_s: float | None = None
     budget_fallback: bool = False  # the pass-time model was untrusted: the fixed budget applied
+    # The pass-time target the budget aimed at: tbt_slo_ms x budget_margin, lowered by the model's
+    # recent overruns (pass_time.calibrated_target) and the KV cap; None with the budget.
+    pass_target_s: float | None = None
 
 
 @dataclass
@@ -130,12 +133,13 @@ class Engine:
             target = config.tbt_slo_ms / 1000 * config.budget_margin
             self.pass_time = PassTimeModel(error_floor_s=target)
             if config.policy == "stall_free" and config.slo_budget:
+                slo_s = config.tbt_slo_ms / 1000
                 self.slo_budget = SloBudget(self.pass_time, target, config.slo_budget_floor, log,
                                             kv=self.blocks,
-                                            kv_reserve_blocks=self.scheduler.watermark_blocks)
+                                            kv_reserve_blocks=self.scheduler.watermark_blocks, slo_s=slo_s)
                 self.scheduler.prefill_budget = self.slo_budget
                 if config.slo_admission:
-                    self.slo_admission = SloAdmission(self.pass_time, target, config.slo_budget_floor)
+                    self.slo_admission = SloAdmission(self.pass_time, target, config.slo_budget_floor, slo_s)
             self._profile_passes()
             self.scheduler.may_admit = self.slo_admission  # after the profile: it runs unhindered
 
@@ -396,6 +400,7 @@ class Engine:
             num_stalled=batch.num_stalled, predicted_s=predicted)
         if self.slo_budget is not None:
             stats.prefill_budget, stats.budget_fallback = self.slo_budget.last, self.slo_budget.fallback
+            stats.pass_target_s = self.slo_budget.last_target_s
         self.iterations.append(stats)
         if self.pass_time is not None:
             self.pass_time.observe(shape, stats.duration, predicted)

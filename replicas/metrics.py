@@ -133,6 +133,9 @@ class EngineMetrics:
         self.token_load = g(p + "token_load", "Tokens held by running requests plus waiting prompt tokens.", t)
         self.budget = g(p + "prefill_budget_tokens", "Prefill tokens the TBT-SLO budget allowed the last "
                         "pass that had decodes.", t)
+        self.pass_target = g(p + "slo_pass_target_seconds", "Pass time the TBT-SLO budget aimed the last "
+                             "pass with decodes at (tbt_slo_ms x budget_margin, lowered by the model's "
+                             "recent overruns and the KV cap).", t)
         self.fallback = g(p + "slo_budget_fallback", "1 while the pass-time model is not trusted and the "
                           "fixed prefill budget applies.", t)
         self.pred_error = h(p + "pass_time_prediction_error", "Relative error of the predicted pass time "
@@ -179,6 +182,8 @@ class EngineMetrics:
             self.pred_error.record(abs(stats.predicted_s - stats.duration) / stats.duration, tags)
         if stats.prefill_budget is not None:
             self.budget.record(stats.prefill_budget, tags)
+        if stats.pass_target_s is not None:
+            self.pass_target.record(stats.pass_target_s, tags)
         if stats.prefill_budget is not None or stats.budget_fallback:
             self.fallback.record(1.0 if stats.budget_fallback else 0.0, tags)
         slo = self.tbt_slo_s

@@ -38,6 +38,13 @@ FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "sequences", "contex
 MAX_PREDICTION_ERROR = 0.25
 ERROR_WINDOW = 32  # predictions the trust check looks back over
 MIN_FIT_PASSES = 4  # observations before the model predicts at all
+# How much slower than predicted recent passes ran (`PassTimeModel.underestimate`): this quantile
+# of actual / predicted over the last RATIO_WINDOW passes predicted at least a quarter of the
+# error floor (the target), once there are MIN_RATIOS of them. A high quantile because an SLO
+# on gaps is judged at its tail: the passes that overran, not the typical one.
+RATIO_QUANTILE = 0.99
+RATIO_WINDOW = 128
+MIN_RATIOS = 16
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class PassTimeModel:
         self.refit_every = refit_every
         self.coef: np.ndarray | None = None
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.ratios: deque[float] = deque(maxlen=RATIO_WINDOW)  # actual / predicted
         self._since_fit = 0
         self._window_s = 0.0  # the seconds in `window`, summed
 
@@ -132,12 +140,15 @@ class PassTimeModel:
         self.window.clear()
         self._window_s = 0.0
         self.errors.clear()
+        self.ratios.clear()
         self._refit()
 
     def observe(self, shape: PassShape, seconds: float, predicted: float | None = None) -> None:
         """A pass ran; `predicted` is what the model said before it ran (tracks the error)."""
         if predicted is not None and seconds > 0:
             self.errors.append(abs(predicted - seconds) / max(seconds, self.error_floor_s))
+            if predicted > 0 and predicted >= self.error_floor_s / 4:
+                self.ratios.append(seconds / predicted)
         if len(self.window) == self.window.maxlen:
             self._window_s -= self.window[0][1]
         self.window.append((shape.features(), seconds))
@@ -168,6 +179,17 @@ class PassTimeModel:
         return float(np.median(self.errors)) if self.errors else None
 
     @property
+    def underestimate(self) -> float | None:
+        """How many times its prediction a pass takes at the tail: the RATIO_QUANTILE of actual /
+        predicted over the recent passes that were predicted at least a quarter of the error
+        floor (short ones' noise says little about a pass near the target); None until there are
+        MIN_RATIOS. On a machine whose passes are slowed by neighbours (the server's other
+        processes, other tenants) this is well above 1 even while the fit's median error is small."""
+        if len(self.ratios) < MIN_RATIOS:
+            return None
+        return float(np.quantile(np.fromiter(self.ratios, float), RATIO_QUANTILE, method="higher"))
+
+    @property
     def trusted(self) -> bool:
         err = self.recent_error
         return self.coef is not None and (err is None or err <= MAX_PREDICTION_ERROR)
@@ -182,6 +204,16 @@ class PassTimeModel:
 
     def coefficients(self) -> dict[str, float]:
         return dict(zip(FEATURES, (0.0,) * len(FEATURES) if self.coef is None else map(float, self.coef)))
+
+
+def calibrated_target(target_s: float, slo_s: float | None, underestimate: float | None) -> float:
+    """The pass-time target: `target_s` (the SLO x budget_margin), lowered to slo_s / underestimate
+    when recent passes overran their prediction by more than the margin leaves room for (a
+    pass predicted at that target then ends within the SLO at the ratio's tail). Never raised:
+    the margin is the least headroom. Without an SLO or a measured ratio: `target_s`."""
+    if slo_s is None or underestimate is None or underestimate <= 0:
+        return target_s
+    return min(target_s, slo_s / underestimate)
 
 
 def slo_prefill_budget(cost: Callable[[int], float], target_s: float, ceiling: int, floor: int) -> int:
@@ -235,6 +267,8 @@ class SloBudget:
     simulator's): every decode first, then the largest prefill chunk whose predicted pass time
     stays under `target_s`; the fixed ceiling while the model is not trusted.
 
+    With `slo_s` (the SLO itself) the target is first lowered to what the model's recent
+    under-estimates leave room for (`calibrated_target`).
     With `kv` (the scheduler's `BlockManager`) the target is also capped by `kv_pass_target`:
     the goal is the KV the scheduler may fill (its capacity less the `kv_reserve_blocks` admission
     keeps free) less what the request whose chunk comes next still needs, so that it can go on.
@@ -245,8 +279,8 @@ class SloBudget:
     """
 
     def __init__(self, model: PassTimeModel, target_s: float, floor: int, log: Any = None,
-                 kv: Any = None, kv_reserve_blocks: int = 0) -> None:
-        self.model, self.target_s, self.floor = model, target_s, floor
+                 kv: Any = None, kv_reserve_blocks: int = 0, slo_s: float | None = None) -> None:
+        self.model, self.target_s, self.floor, self.slo_s = model, target_s, floor, slo_s
         self.log = log
         self.kv, self.kv_reserve_blocks = kv, kv_reserve_blocks
         self.last_target_s: float | None = None
@@ -258,14 +292,16 @@ class SloBudget:
         self.last, self.fallback, self.last_target_s = None, False, None
 
     def target_for(self, nxt: Any) -> float:
-        """This pass's target: the SLO's, capped by the KV (`kv_pass_target`) when it is known."""
+        """This pass's target: the SLO's (calibrated by the model's recent under-estimates), capped
+        by the KV (`kv_pass_target`) when it is known."""
+        target = calibrated_target(self.target_s, self.slo_s, self.model.underestimate)
         kv = self.kv
         if kv is None:
-            return self.target_s
+            return target
         bs = kv.block_size
         used = (kv.num_blocks - kv.num_free) * bs
         goal = (kv.num_blocks - self.kv_reserve_blocks) * bs - max(0, nxt.num_tokens - nxt.num_computed_tokens)
-        return kv_pass_target(self.target_s, self.model.mean_pass_s, used, goal)
+        return kv_pass_target(target, self.model.mean_pass_s, used, goal)
 
     def __call__(self, decodes: Sequence[Any], nxt: Any, ceiling: int) -> int:
         """`decodes`: the pass's ScheduledSeqs so far; `nxt`: the request whose chunk comes next."""
@@ -309,12 +345,13 @@ class SloAdmission:
     protects it from the number of streams itself: past the point where their decodes alone fill
     the target, admitting more would stretch every stream's gap, so the request waits (and past
     the queue deadline is refused) instead. Running requests are never preempted for it. With an
-    untrusted model, or nothing running, it admits (the fixed rules apply).
+    untrusted model, or nothing running, it admits (the fixed rules apply). With `slo_s` the
+    target is calibrated as the budget's is (`calibrated_target`).
     `held` counts the passes in which it held the next request back (the queue is strict FCFS).
     """
 
-    def __init__(self, model: PassTimeModel, target_s: float, floor: int) -> None:
-        self.model, self.target_s, self.floor = model, target_s, floor
+    def __init__(self, model: PassTimeModel, target_s: float, floor: int, slo_s: float | None = None) -> None:
+        self.model, self.target_s, self.floor, self.slo_s = model, target_s, floor, slo_s
         self.held = 0
 
     def __call__(self, num_running: int, running_tokens: int, request: Any) -> bool:
@@ -325,7 +362,7 @@ class SloAdmission:
         context = running_tokens + request.num_tokens  # what the n decodes attend
         shape = PassShape(self.floor, n, n + 1, context + self.floor, context + chunk_pairs(0, self.floor))
         predicted = self.model.predict(shape)
-        if predicted is None or predicted <= self.target_s:
+        if predicted is None or predicted <= calibrated_target(self.target_s, self.slo_s, self.model.underestimate):
             return True
         self.held += 1
         return False

@@ -108,11 +108,12 @@ class SimReplica:
             for shape, seconds in profile_passes(spec.cost, cfg.max_batch_prefill_tokens):
                 self.pass_time.observe(shape, seconds)
             self.pass_time.freeze_seed()
+            slo_s = cfg.tbt_slo_ms / 1000
             self.slo_budget = SloBudget(self.pass_time, target, cfg.slo_budget_floor, kv=self.blocks,
-                                        kv_reserve_blocks=self.scheduler.watermark_blocks)
+                                        kv_reserve_blocks=self.scheduler.watermark_blocks, slo_s=slo_s)
             self.scheduler.prefill_budget = self.slo_budget
             if cfg.slo_admission:
-                self.scheduler.may_admit = SloAdmission(self.pass_time, target, cfg.slo_budget_floor)
+                self.scheduler.may_admit = SloAdmission(self.pass_time, target, cfg.slo_budget_floor, slo_s)
         self.rec = recorder
         self.on_finish = on_finish
         self.batch: SchedulerOutput | None = None  # the pass in flight

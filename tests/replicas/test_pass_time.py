@@ -10,8 +10,9 @@ import torch
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 from replicas.kv_cache import BlockManager
-from replicas.pass_time import (MAX_PREDICTION_ERROR, PassShape, PassTimeModel, SloBudget, chunk_pairs,
-                                fit_nonnegative, kv_pass_target, slo_prefill_budget)
+from replicas.pass_time import (MAX_PREDICTION_ERROR, MIN_RATIOS, PassShape, PassTimeModel, SloBudget,
+                                calibrated_target, chunk_pairs, fit_nonnegative, kv_pass_target,
+                                slo_prefill_budget)
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq
 
@@ -198,7 +199,10 @@ def test_the_engine_profiles_at_start_and_fits_its_own_passes(llama) -> None:
     model = eng.pass_time
     assert model.coef is not None and len(model.seed) >= 8 and not model.window
     assert not eng.iterations and eng.blocks.num_free == eng.blocks.num_blocks  # profile left nothing
-    assert model.coef[1] > 0  # a prompt token costs something
+    # Prompt tokens cost something (through the per-token, context or pair term: on this tiny
+    # model a busy machine's noise can leave any one of them at 0).
+    big, small = (PassShape(n, 0, 1, n, chunk_pairs(0, n)) for n in (256, 1))
+    assert model.predict(big) > model.predict(small)
 
 
 def test_outputs_stay_hf_identical_while_the_budget_varies_pass_to_pass(llama) -> None:
@@ -218,10 +222,22 @@ def test_outputs_stay_hf_identical_while_the_budget_varies_pass_to_pass(llama) -
     assert [o.token_ids for o in outs] == refs
     hybrid = [it for it in eng.iterations if it.prefill_budget is not None]
     assert hybrid and {it.prefill_budget for it in hybrid} == {30}
+    assert all(it.pass_target_s == pytest.approx(0.0008) for it in hybrid)  # 1 ms x margin 0.8
     assert all(it.num_prefill_tokens <= 30 for it in hybrid)
     # Without decodes there is no gap to protect: the ceiling (256 - 0 decodes).
     assert max(it.num_prefill_tokens for it in eng.iterations if not it.num_decode_tokens) > 30
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_the_engine_budget_leaves_room_for_the_overruns_its_passes_showed(llama) -> None:
+    eng = slo_engine(llama, 1.0)  # SLO 1 ms, margin 0.8
+    eng.pass_time.coef = np.array([2e-4, 2e-5, 0.0, 0.0, 0.0, 0.0])  # 0.2 ms + 0.02 ms a token
+    eng.pass_time.errors.clear()
+    eng.pass_time.ratios.extend([1.0] * 15 + [1.9])  # one recent pass ran 1.9x its prediction
+    nxt = Request("n", [6] * 400, SamplingParams(max_tokens=4), 0, 0.0)
+    # The target is SLO / 1.9 = 0.526 ms, not 0.8 ms: 0.2 + 16 x 0.02 = 0.52 ms, 16 tokens, not 30.
+    assert eng.slo_budget([], nxt, 255) == 16
+    assert eng.slo_budget.last_target_s == pytest.approx(0.001 / 1.9)
 
 
 def test_an_untrusted_model_falls_back_to_the_ceiling(llama) -> None:
@@ -285,3 +301,47 @@ def test_a_chunk_deep_into_a_long_prompt_gets_a_smaller_budget() -> None:
     at_start, at_3000 = budget(seqs, fresh, 2047), budget(seqs, deep, 2047)
     assert (at_start, at_3000) == (exact(0), exact(3000))
     assert at_3000 < 0.8 * at_start
+
+
+# ---- the target calibrated by the model's recent under-estimates --------------------------
+
+
+def test_the_target_drops_only_when_passes_overran_more_than_the_margin_allows() -> None:
+    assert calibrated_target(0.8, 1.0, None) == 0.8  # nothing measured yet
+    assert calibrated_target(0.8, None, 3.0) == 0.8  # no SLO given: the target as it was
+    assert calibrated_target(0.8, 1.0, 1.1) == 0.8  # within the margin's headroom
+    assert calibrated_target(0.8, 1.0, 2.0) == pytest.approx(0.5)  # a 2x overrun: SLO / 2
+    assert calibrated_target(0.8, 1.0, 0.5) == 0.8  # passes faster than predicted: never raised
+
+
+def test_underestimate_is_the_tail_of_actual_over_predicted_for_passes_near_the_target() -> None:
+    model = PassTimeModel(error_floor_s=0.8)  # passes predicted >= 0.2 s count
+    shape = PassShape(0, 4, 4, 400, 400)
+    for _ in range(MIN_RATIOS - 1):
+        model.observe(shape, 0.4, predicted=0.4)
+    assert model.underestimate is None  # too few yet
+    for _ in range(50):  # short passes 5x over their prediction: noise far below the target
+        model.observe(shape, 0.05, predicted=0.01)
+    assert model.underestimate is None
+    model.observe(shape, 0.9, predicted=0.3)  # one pass near the target ran 3x its prediction
+    assert model.underestimate == pytest.approx(3.0)
+    for _ in range(200):  # ... and ages out of the window
+        model.observe(shape, 0.44, predicted=0.4)
+    assert model.underestimate == pytest.approx(1.1)
+
+
+def test_the_budget_aims_at_what_the_overruns_leave_of_the_slo() -> None:
+    # 10 ms a pass + 1 ms a prefill token, SLO 200 ms, target 160.5 ms (a margin of ~0.8).
+    model = PassTimeModel(error_floor_s=0.16, refit_every=10**6)  # the known costs stay
+    model.coef = np.array([0.010, 1e-3, 0.0, 0.0, 0.0, 0.0])
+    budget = SloBudget(model, target_s=0.1605, floor=16, slo_s=0.200)
+    nxt = Request("f", [6] * 4000, SamplingParams(max_tokens=4), 0, 0.0)
+    assert budget([], nxt, 2048) == 150  # 10 + 150 ms = 160 ms: the margin's target
+    shape = PassShape(100, 0, 1, 100, 5050)
+    for _ in range(MIN_RATIOS - 1):
+        model.observe(shape, 0.11, predicted=0.11)
+    model.observe(shape, 0.209, predicted=0.11)  # one pass in 16 ran 1.9x its prediction
+    assert model.trusted  # the typical pass is predicted well ...
+    # ... but the tail sets the target: SLO / 1.9 = 105.3 ms, 10 + 95 ms.
+    assert budget([], nxt, 2048) == 95
+    assert budget.last_target_s == pytest.approx(0.2 / 1.9)
