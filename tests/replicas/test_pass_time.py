@@ -132,6 +132,18 @@ def test_the_kv_cap_is_the_pass_time_whose_kv_would_fit() -> None:
     assert kv_pass_target(0.4, 0.1, kv_used=500, kv_goal=-10) == 0.0
 
 
+def test_the_kv_cap_asks_the_passes_with_prompt_tokens_alone_to_move_the_mean() -> None:
+    # Every pass carries prompt tokens: as before, mean x goal / used.
+    assert kv_pass_target(0.4, 0.1, 625, 1000, prefill_mean_s=0.1, prefill_share=1.0) == pytest.approx(0.16)
+    # A quarter of the passes do (0.25 s each; the rest 0.05 s: mean 0.1 s). For the mean to reach
+    # 0.16 s they must reach 0.25 + 0.1 x 0.6 / 0.25 = 0.49 s: the 0.4 s target does not bind.
+    assert kv_pass_target(0.4, 0.1, 625, 1000, prefill_mean_s=0.25, prefill_share=0.25) == 0.4
+    # Past the goal they shrink, by more than the mean must (they alone move it) ...
+    assert kv_pass_target(0.4, 0.1, 1250, 1000, prefill_mean_s=0.25, prefill_share=0.25) == pytest.approx(0.17)
+    # ... down to 0 (the floor chunk) when even none would bring the mean back.
+    assert kv_pass_target(0.4, 0.1, 5000, 1000, prefill_mean_s=0.25, prefill_share=0.25) == 0.0
+
+
 def test_mean_pass_time_is_over_the_window() -> None:
     model = PassTimeModel(window=4)
     assert model.mean_pass_s is None
@@ -139,17 +151,27 @@ def test_mean_pass_time_is_over_the_window() -> None:
     for seconds in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
         model.observe(shape, seconds)
     assert model.mean_pass_s == pytest.approx(4.5)  # the last 4
+    assert model.mean_prefill_pass_s is None  # none of them carried prompt tokens
+    model.observe(PassShape(32, 1, 2, 42, 538), 7.0)
+    model.observe(PassShape(0, 1, 1, 10, 10), 1.0)
+    assert model.mean_pass_s == pytest.approx((5 + 6 + 7 + 1) / 4)
+    assert model.mean_prefill_pass_s == pytest.approx(7.0)  # the passes a prefill budget sizes
+    for seconds in (1.0, 1.0, 1.0):
+        model.observe(shape, seconds)
+    assert model.mean_prefill_pass_s is None  # the prefill pass left the window
+    model.observe(PassShape(32, 1, 2, 42, 538), 3.0)
     model.freeze_seed()
-    assert model.mean_pass_s is None
+    assert model.mean_pass_s is None and model.mean_prefill_pass_s is None
 
 
 def kv_budget_case(used_blocks: int, kv: bool = True) -> tuple[int, SloBudget]:
-    """A trusted model of the TRUE costs with 50 ms mean passes, 16 decodes, a next prompt of 64
+    """A trusted model of the TRUE costs with 50 ms mean passes with prefill, 16 decodes, a next prompt of 64
     tokens, and a 1000-block cache (16 tokens a block) with `used_blocks` taken."""
     model = PassTimeModel()
     for shape, t in synthetic_passes(np.random.default_rng(0), 64, TRUE):
         model.observe(shape, t)
-    model._window_s = 0.05 * len(model.window)  # the mean, set by hand: the rule's input
+    assert model.prefill_share == 1.0  # every synthetic pass carries prompt tokens
+    model._window_s = model._prefill_s = 0.05 * len(model.window)  # the mean, set by hand: the rule's input
     blocks = BlockManager(1000, 16)
     decodes = []
     for i in range(16):
