@@ -125,6 +125,8 @@ class PassTimeModel:
         self.coef: np.ndarray | None = None
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.ratios: deque[float] = deque(maxlen=RATIO_WINDOW)  # actual / predicted
+        self._underestimate: tuple[tuple[int, int], float | None] | None = None  # (key, value)
+        self._ratios_seen = 0  # ratios appended by observe, ever (keys the cached quantile)
         self._since_fit = 0
         self._window_s = 0.0  # the seconds in `window`, summed
         self._prefill_s, self._prefill_n = 0.0, 0  # the same over its passes that carried prefill
@@ -162,6 +164,7 @@ class PassTimeModel:
             self.errors.append(abs(predicted - seconds) / max(seconds, self.error_floor_s))
             if predicted > 0 and predicted >= self.error_floor_s / 4:
                 self.ratios.append(seconds / predicted)
+                self._ratios_seen += 1
         if len(self.window) == self.window.maxlen:
             old, old_s = self.window[0]
             self._window_s -= old_s
@@ -205,9 +208,12 @@ class PassTimeModel:
         floor (short ones' noise says little about a pass near the target); None until there are
         MIN_RATIOS. On a machine whose passes are slowed by neighbours (the server's other
         processes, other tenants) this is well above 1 even while the fit's median error is small."""
-        if len(self.ratios) < MIN_RATIOS:
-            return None
-        return float(np.quantile(np.fromiter(self.ratios, float), RATIO_QUANTILE, method="higher"))
+        key = (self._ratios_seen, len(self.ratios))  # computed once per new ratio, not per decision
+        if self._underestimate is None or self._underestimate[0] != key:
+            value = (None if len(self.ratios) < MIN_RATIOS else
+                     float(np.quantile(np.fromiter(self.ratios, float), RATIO_QUANTILE, method="higher")))
+            self._underestimate = (key, value)
+        return self._underestimate[1]
 
     @property
     def trusted(self) -> bool:
