@@ -9,6 +9,14 @@ from replicas.sampler import find_stop_string
 # Trailing prompt tokens decoded as context so the first output token gets its leading
 # space right (sentencepiece-style tokenizers drop it when a token is decoded alone).
 _CONTEXT_TOKENS = 5
+# A token that leaves the text ending in U+FFFD is held back until the next ones complete the
+# character. A UTF-8 character has at most 4 bytes and a token carries at least one, so a valid
+# character never holds more than 3 tokens; a longer held run is lone bytes that will never decode
+# (a degenerate output; with random weights, hundreds of tokens): past this many held tokens, the
+# text before the last 3 is final and goes out, instead of the whole run waiting for the finish
+# and being re-decoded at every token (SGLang fixed the same hold in its detokenizer).
+_MAX_HELD_TOKENS = 6
+_TAIL_TOKENS = 3
 
 
 class IncrementalDetokenizer:
@@ -47,17 +55,20 @@ class IncrementalDetokenizer:
         ids.append(token_id)
         if self._stream is not None:
             chunk = self._stream.step(self._backend, token_id)
-            if chunk is None:
-                return None
-            self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
-            self.read_offset = len(ids)
+            if chunk is not None:
+                self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
+                self.read_offset = len(ids)
         else:
             prefix = self._decode(ids[self.prefix_offset:self.read_offset])
             new = self._decode(ids[self.prefix_offset:])
-            if len(new) <= len(prefix) or new.endswith("\ufffd"):
-                return None
-            chunk = new[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            chunk = None
+            if len(new) > len(prefix) and not new.endswith("\ufffd"):
+                chunk = new[len(prefix):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        if chunk is None and len(ids) - self.read_offset > _MAX_HELD_TOKENS:
+            chunk = self._release_held()
+        if chunk is None:
+            return None
         if chunk:
             # A stop string ending in `chunk` starts at most `hold` characters before it, and
             # `take_delta` never hands out the last `hold`: all of it is in `pending`.
@@ -69,6 +80,23 @@ class IncrementalDetokenizer:
                     self.pending = self.pending[:hit[0]]
                     return hit[1]
         return None
+
+    def _release_held(self) -> str | None:
+        """A long held run: the text of all but its last `_TAIL_TOKENS` tokens, if that is where
+        the whole window's text starts (no character spans the cut), is final; hand it out and
+        restart the window at the cut. None when nothing new is settled."""
+        ids, start = self.ids, self.prefix_offset
+        cut = len(ids) - _TAIL_TOKENS
+        prefix = self._decode(ids[start:self.read_offset])
+        settled = self._decode(ids[start:cut])
+        if len(settled) <= len(prefix) or not self._decode(ids[start:]).startswith(settled):
+            return None
+        chunk = settled[len(prefix):]
+        self.prefix_offset, self.read_offset = max(0, cut - _CONTEXT_TOKENS), cut
+        # The Rust stream cannot be restarted from here (a prefilled stream re-emits a context that
+        # ends in U+FFFD): the rest of this output goes through the windowed decode.
+        self._stream = None
+        return chunk
 
     def flush(self) -> None:
         """At finish: take whatever the last tokens decode to, even a partial character."""

@@ -54,3 +54,40 @@ def test_stop_string_cuts_and_holds_back(tok, stream: bool) -> None:  # noqa: AN
     ids = tok.encode(TEXT, add_special_tokens=False)
     deltas, hit = run(tok, ids, [], stream, stop=("naïve",))
     assert hit == "naïve" and "".join(deltas) == TEXT[:TEXT.index("naïve")]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_lone_bytes_are_not_held_to_the_finish(tok, stream: bool) -> None:  # noqa: ANN001
+    """A run of tokens that never completes a character (a byte-level token holding one lone
+    UTF-8 continuation byte, again and again: what a random model emitted for 90 tokens) goes out
+    as it runs, not all at the finish; the deltas still join to the full decode."""
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    lone = tok.convert_tokens_to_ids("»")  # byte 0xBB alone: a continuation byte, never valid
+    assert tok.decode([lone]) == "\ufffd"
+    words = tok.encode(" louder", add_special_tokens=False)
+    emoji = tok.encode(" 🙂", add_special_tokens=False)  # one character over several tokens
+    ids = words + [lone] * 40 + emoji + [lone] * 3 + emoji + words
+    deltas, _ = run(tok, ids, prompt, stream)
+    full = tok.decode(prompt + ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    start = tok.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "".join(deltas) == full[len(start):]
+    assert full.count("🙂") == 2  # the emoji after the lone bytes is not split
+    held_run = deltas[len(words):len(words) + 40]
+    assert "".join(held_run[:10]).count("\ufffd") >= 1  # out within the first 10 lone tokens
+    assert "".join(held_run).count("\ufffd") >= 30  # and keeps going out, a few tokens behind
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_byte_soup_joins_to_the_full_decode(tok, stream: bool) -> None:  # noqa: ANN001
+    """Random runs of single-byte tokens (lead bytes, continuation bytes, the pieces of real
+    multi-byte characters) and words: whatever is released early, the deltas join to exactly
+    the text of one decode of them all."""
+    pieces = [tok.convert_tokens_to_ids(t) for t in ("»", "ð", "Ł", "Ļ", "Ĥ", "Ã", "¶", "æ", "Ĺ", "¥")]
+    pieces += tok.encode(" naïve 日本 🙂 x", add_special_tokens=False)
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    start = tok.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    rng = random.Random(1)
+    for _ in range(30):
+        ids = [rng.choice(pieces) for _ in range(rng.randrange(5, 120))]
+        full = tok.decode(prompt + ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "".join(run(tok, ids, prompt, stream)[0]) == full[len(start):]
