@@ -41,6 +41,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""  # decoded text not handed out yet (cut at a stop string)
+        self._releasing = False  # inside a held run that `_release_held` hands out token by token
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -65,8 +66,10 @@ class IncrementalDetokenizer:
             if len(new) > len(prefix) and not new.endswith("\ufffd"):
                 chunk = new[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        if chunk is None and len(ids) - self.read_offset > _MAX_HELD_TOKENS:
-            chunk = self._release_held()
+                self._releasing = False
+        held = len(ids) - self.read_offset
+        if chunk is None and held > (_TAIL_TOKENS if self._releasing else _MAX_HELD_TOKENS):
+            chunk = self._release_held()  # then each token while the run lasts, 3 tokens behind
         if chunk is None:
             return None
         if chunk:
@@ -96,6 +99,7 @@ class IncrementalDetokenizer:
         # The Rust stream cannot be restarted from here (a prefilled stream re-emits a context that
         # ends in U+FFFD): the rest of this output goes through the windowed decode.
         self._stream = None
+        self._releasing = True
         return chunk
 
     def flush(self) -> None:

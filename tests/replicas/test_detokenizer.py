@@ -74,7 +74,8 @@ def test_lone_bytes_are_not_held_to_the_finish(tok, stream: bool) -> None:  # no
     assert full.count("🙂") == 2  # the emoji after the lone bytes is not split
     held_run = deltas[len(words):len(words) + 40]
     assert "".join(held_run[:10]).count("\ufffd") >= 1  # out within the first 10 lone tokens
-    assert "".join(held_run).count("\ufffd") >= 30  # and keeps going out, a few tokens behind
+    first = next(i for i, d in enumerate(held_run) if d)
+    assert all(held_run[first:])  # then a delta at every token while the run lasts
 
 
 @pytest.mark.parametrize("stream", [True, False])
