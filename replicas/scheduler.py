@@ -225,11 +225,13 @@ class Scheduler:
             nxt = prefilling[0] if prefilling else self.waiting[0] if self.waiting else None
             if nxt is not None:
                 budget = self.prefill_budget(out.decodes, nxt, budget)
-        # Prompts already started continue before new ones are admitted.
+        # Prompts already started continue before new ones are admitted, leaving the running
+        # decodes the same headroom admission keeps.
+        reserve = self.watermark_blocks if out.decodes else 0
         for req in prefilling:
             if budget <= 0:
                 return
-            budget -= self._schedule_chunk(out, req, budget, reserve=0)
+            budget -= self._schedule_chunk(out, req, budget, reserve=reserve)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._waits_for_parent(req):

@@ -138,6 +138,30 @@ def test_mbt_limits_admission_and_blocks_return_to_free():
     assert s.blocks.num_free == s.blocks.num_blocks
 
 
+def test_a_started_prompt_leaves_the_decodes_the_admission_headroom():
+    """A prompt's later chunks take no more KV than admission would: with a request decoding, the
+    watermark block stays free for its next tokens (it was taken down to 0, and the decode then
+    preempted someone); with nothing decoding, the chunk takes every free block."""
+    s, clock = make("stall_free", mbp=8, mbt=48, block_size=4)  # 12 blocks, watermark 1
+    a, b = req("a", 4, 10, clock), req("b", 40, 2, clock)
+    s.add(a)
+    s.add(b)
+    assert tokens(step(s)) == {"a": 4, "b": 4}  # a's prompt (1 block), b's first chunk
+    preempted = []
+    while b.is_prefilling and s.has_unfinished():
+        out = step(s)
+        preempted += out.preempted
+        if "a" in tokens(out) and "b" in tokens(out):  # a decoding beside b's chunk
+            assert s.blocks.num_free >= s.watermark_blocks
+    assert not preempted and a.num_preemptions == 0
+    s2, clock2 = make("stall_free", mbp=8, mbt=48, block_size=4)
+    c = req("c", 47, 2, clock2)
+    s2.add(c)
+    while c.is_prefilling:
+        step(s2)
+    assert s2.blocks.num_free == 0  # nothing decoding: its chunks took the last block too
+
+
 def test_preemption_picks_least_urgent_latest_and_recomputes():
     s, clock = make("stall_free", mbp=64, mbt=24, block_size=4)  # 6 blocks
     a = req("a", 8, 8, clock, priority=0)
