@@ -21,7 +21,7 @@ from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner, PassLogits, kv_shape
 from replicas.models import load_model, model_max_length
-from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes
+from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes, slo_hooks
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)
 from replicas.request import FINISHED, Request, RequestStatus
@@ -130,16 +130,11 @@ class Engine:
         self.slo_budget: SloBudget | None = None
         self.slo_admission: SloAdmission | None = None
         if config.tbt_slo_ms is not None:
-            target = config.tbt_slo_ms / 1000 * config.budget_margin
-            self.pass_time = PassTimeModel(error_floor_s=target)
+            self.pass_time = PassTimeModel(error_floor_s=config.tbt_slo_ms / 1000 * config.budget_margin)
             if config.policy == "stall_free" and config.slo_budget:
-                slo_s = config.tbt_slo_ms / 1000
-                self.slo_budget = SloBudget(self.pass_time, target, config.slo_budget_floor, log,
-                                            kv=self.blocks,
-                                            kv_reserve_blocks=self.scheduler.watermark_blocks, slo_s=slo_s)
+                self.slo_budget, self.slo_admission = slo_hooks(config, self.pass_time, self.blocks,
+                                                                self.scheduler.watermark_blocks, log)
                 self.scheduler.prefill_budget = self.slo_budget
-                if config.slo_admission:
-                    self.slo_admission = SloAdmission(self.pass_time, target, config.slo_budget_floor, slo_s)
             self._profile_passes()
             self.scheduler.may_admit = self.slo_admission  # after the profile: it runs unhindered
 

@@ -38,6 +38,7 @@ FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "sequences", "contex
 MAX_PREDICTION_ERROR = 0.25
 ERROR_WINDOW = 32  # predictions the trust check looks back over
 MIN_FIT_PASSES = 4  # observations before the model predicts at all
+_PREFILL = FEATURES.index("prefill_tokens")  # in a window row's features
 # How much slower than predicted recent passes ran (`PassTimeModel.underestimate`): this quantile
 # of actual / predicted over the last RATIO_WINDOW passes predicted at least a quarter of the
 # error floor (the target), once there are MIN_RATIOS of them. A high quantile because an SLO
@@ -125,8 +126,8 @@ class PassTimeModel:
         self.coef: np.ndarray | None = None
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.ratios: deque[float] = deque(maxlen=RATIO_WINDOW)  # actual / predicted
-        self._underestimate: tuple[tuple[int, int], float | None] | None = None  # (key, value)
-        self._ratios_seen = 0  # ratios appended by observe, ever (keys the cached quantile)
+        self._underestimate: float | None = None  # the quantile of `ratios`, while it is fresh
+        self._ratios_changed = False
         self._since_fit = 0
         self._window_s = 0.0  # the seconds in `window`, summed
         self._prefill_s, self._prefill_n = 0.0, 0  # the same over its passes that carried prefill
@@ -156,6 +157,7 @@ class PassTimeModel:
         self._prefill_s, self._prefill_n = 0.0, 0
         self.errors.clear()
         self.ratios.clear()
+        self._ratios_changed = True
         self._refit()
 
     def observe(self, shape: PassShape, seconds: float, predicted: float | None = None) -> None:
@@ -164,11 +166,11 @@ class PassTimeModel:
             self.errors.append(abs(predicted - seconds) / max(seconds, self.error_floor_s))
             if predicted > 0 and predicted >= self.error_floor_s / 4:
                 self.ratios.append(seconds / predicted)
-                self._ratios_seen += 1
+                self._ratios_changed = True
         if len(self.window) == self.window.maxlen:
             old, old_s = self.window[0]
             self._window_s -= old_s
-            if old[1] > 0:
+            if old[_PREFILL] > 0:
                 self._prefill_s, self._prefill_n = self._prefill_s - old_s, self._prefill_n - 1
         self.window.append((shape.features(), seconds))
         self._window_s += seconds
@@ -185,7 +187,7 @@ class PassTimeModel:
         x = np.array([r[0] for r in rows])
         y = np.array([r[1] for r in rows])
         self._window_s = sum(seconds for _, seconds in self.window)  # the running sums, re-anchored
-        prefill = [seconds for f, seconds in self.window if f[1] > 0]
+        prefill = [seconds for f, seconds in self.window if f[_PREFILL] > 0]
         self._prefill_s, self._prefill_n = sum(prefill), len(prefill)
         self.coef = fit_nonnegative(x, y)
         self._since_fit = 0
@@ -208,12 +210,12 @@ class PassTimeModel:
         floor (short ones' noise says little about a pass near the target); None until there are
         MIN_RATIOS. On a machine whose passes are slowed by neighbours (the server's other
         processes, other tenants) this is well above 1 even while the fit's median error is small."""
-        key = (self._ratios_seen, len(self.ratios))  # computed once per new ratio, not per decision
-        if self._underestimate is None or self._underestimate[0] != key:
-            value = (None if len(self.ratios) < MIN_RATIOS else
-                     float(np.quantile(np.fromiter(self.ratios, float), RATIO_QUANTILE, method="higher")))
-            self._underestimate = (key, value)
-        return self._underestimate[1]
+        if self._ratios_changed:  # computed once per new ratio, not per decision
+            self._ratios_changed = False
+            self._underestimate = (None if len(self.ratios) < MIN_RATIOS else
+                                   float(np.quantile(np.fromiter(self.ratios, float), RATIO_QUANTILE,
+                                                     method="higher")))
+        return self._underestimate
 
     @property
     def trusted(self) -> bool:
@@ -376,6 +378,20 @@ def seed_shapes(ceiling: int) -> Iterable[tuple[int, int]]:
     ceiling, then their decodes (a handful of passes in all)."""
     sizes = sorted({max(1, ceiling // d) for d in (1, 2, 4, 8)})
     return [(n, 1) for n in sizes] + [(max(1, ceiling // 16), 8)]
+
+
+def slo_hooks(config: Any, model: PassTimeModel, kv: Any, kv_reserve_blocks: int,
+              log: Any = None) -> tuple[SloBudget, SloAdmission | None]:
+    """The stall_free scheduler's SLO budget and (with `config.slo_admission`) SLO admission, as
+    the engine and the simulator build them from an `EngineConfig` with `tbt_slo_ms`: the target
+    tbt_slo_ms x budget_margin, calibrated against the SLO itself, the KV cap over `kv` (the
+    scheduler's BlockManager) less the blocks admission keeps free."""
+    slo_s = config.tbt_slo_ms / 1000
+    target = slo_s * config.budget_margin
+    budget = SloBudget(model, target, config.slo_budget_floor, log, kv=kv,
+                       kv_reserve_blocks=kv_reserve_blocks, slo_s=slo_s)
+    admission = SloAdmission(model, target, config.slo_budget_floor, slo_s) if config.slo_admission else None
+    return budget, admission
 
 
 class SloAdmission:

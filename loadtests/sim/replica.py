@@ -21,7 +21,7 @@ from loadtests.sim.costmodel import CostModel, batch_features
 from loadtests.sim.metrics import Recorder
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
-from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes
+from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes, slo_hooks
 from replicas.protocol import InvalidRequestError, Limits
 from replicas.request import Request, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerOutput
@@ -103,17 +103,13 @@ class SimReplica:
         self.slo_budget: SloBudget | None = None
         cfg = spec.engine
         if cfg.tbt_slo_ms is not None and cfg.policy == "stall_free" and cfg.slo_budget:
-            target = cfg.tbt_slo_ms / 1000 * cfg.budget_margin
-            self.pass_time = PassTimeModel(error_floor_s=target)
+            self.pass_time = PassTimeModel(error_floor_s=cfg.tbt_slo_ms / 1000 * cfg.budget_margin)
             for shape, seconds in profile_passes(spec.cost, cfg.max_batch_prefill_tokens):
                 self.pass_time.observe(shape, seconds)
             self.pass_time.freeze_seed()
-            slo_s = cfg.tbt_slo_ms / 1000
-            self.slo_budget = SloBudget(self.pass_time, target, cfg.slo_budget_floor, kv=self.blocks,
-                                        kv_reserve_blocks=self.scheduler.watermark_blocks, slo_s=slo_s)
+            self.slo_budget, self.scheduler.may_admit = slo_hooks(cfg, self.pass_time, self.blocks,
+                                                                  self.scheduler.watermark_blocks)
             self.scheduler.prefill_budget = self.slo_budget
-            if cfg.slo_admission:
-                self.scheduler.may_admit = SloAdmission(self.pass_time, target, cfg.slo_budget_floor, slo_s)
         self.rec = recorder
         self.on_finish = on_finish
         self.batch: SchedulerOutput | None = None  # the pass in flight
