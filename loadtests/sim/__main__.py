@@ -5,6 +5,7 @@
     python -m loadtests.sim routing             # docs/sim_routing.json
     python -m loadtests.sim prefix-routing      # multi-turn chat: docs/sim_prefix_routing.json
     python -m loadtests.sim slo-budget          # docs/sim_slo_budget.json
+    python -m loadtests.sim slo-goodput         # docs/sim_slo_goodput.json
     python -m loadtests.sim autoscale           # docs/sim_autoscale.json (+ timeline CSV)
     python -m loadtests.sim speed               # 100k requests x 64 replicas: docs/sim_speed.json
     python -m loadtests.sim calibrate           # fit against the CPU engine: docs/sim_calibration.json
@@ -124,6 +125,27 @@ def cmd_slo_budget(a: argparse.Namespace) -> None:
     write_json(a.json, {"results": results})
 
 
+def cmd_slo_goodput(a: argparse.Namespace) -> None:
+    results = []
+    for gpu, model in a.deployments:
+        print(f"Goodput around fixed 128's saturating rate: {model} on {gpu}, {a.workload}, "
+              f"{a.num_requests} requests per point, TTFT SLO {a.ttft_slo:g} s")
+        results.append(ex.slo_goodput(gpu, model, a.workload, a.num_requests, a.seed, ttft_slo_s=a.ttft_slo,
+                                      rate_factors=tuple(a.factors)))
+    print()
+    table([r for res in results for r in res["rows"]],
+          [("model", "model", "s"), ("slo", "slo", "s"), ("rate_rps", "req/s", ".2f"), ("system", "system", "s"),
+           ("mbp", "mbp", "d"), ("goodput_rps", "goodput", ".3f"), ("ttft_p50_s", "p50 TTFT s", ".2f"),
+           ("ttft_p99_s", "p99 TTFT s", ".2f"), ("tbt_bucket_p99_s", "bucket p99 TBT s", ".3f")])
+    for res in results:
+        for c in res["checks"]:
+            print(f"{res['model']:10s} {c['slo']:7s} x{c['factor']:.2f} ({c['rate_rps']:.2f} req/s): SLO budget "
+                  f"goodput {c['goodput_vs_fixed128']:.2f}x fixed 128, {c['goodput_vs_dynamic']:.2f}x dynamic; "
+                  f"p99 TTFT {c['ttft_p99_vs_dynamic']:.2f}x dynamic's; p99 TBT {c['tbt_p99_s']:.3f} s "
+                  f"(targets at x1: >= 1.5x, >= 3x, <= 1.5x, within the SLO)")
+    write_json(a.json, {"results": results})
+
+
 def cmd_autoscale(a: argparse.Namespace) -> None:
     res = ex.autoscale(a.per_replica_rps, a.peak, a.low, a.duration, a.startup, seed=a.seed,
                        progress=not a.quiet)
@@ -197,6 +219,20 @@ def _add_slo_budget(sub: Any) -> None:
     p.set_defaults(fn=cmd_slo_budget)
 
 
+def _add_slo_goodput(sub: Any) -> None:
+    p = sub.add_parser("slo-goodput", help="goodput of the SLO budget, fixed budgets and dynamic around "
+                                           "fixed 128's saturating rate")
+    p.add_argument("--deployments", nargs="+", type=_deployment,
+                   default=[("A100-80GB", "mistral-7b"), ("H100-SXM", "llama-70b")], help="GPU/model ...")
+    p.add_argument("--workload", default="sharegpt")
+    p.add_argument("-n", "--num-requests", type=int, default=1000, help="requests per rate tried")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO (s) of goodput")
+    p.add_argument("--factors", type=float, nargs="+", default=[0.75, 1.0, 1.25, 1.5],
+                   help="rates tried, as multiples of fixed 128's capacity")
+    _seed_json(p, "sim_slo_goodput.json")
+    p.set_defaults(fn=cmd_slo_goodput)
+
+
 def _add_capacity(sub: Any) -> None:
     p = sub.add_parser("capacity", help="capacity of each policy under a strict and a relaxed SLO")
     _gpu_model(p)
@@ -257,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for add in (_add_run, _add_capacity, _add_slo_budget, _add_routing, _add_prefix_routing, _add_autoscale,
-                _add_speed):
+    for add in (_add_run, _add_capacity, _add_slo_budget, _add_slo_goodput, _add_routing, _add_prefix_routing,
+                _add_autoscale, _add_speed):
         add(sub)
     p = sub.add_parser("calibrate", help="fit the cost model to the CPU engine (see: calibrate --help)")
     p.set_defaults(fn=lambda _: main(["calibrate"]))

@@ -121,6 +121,67 @@ def slo_budget_capacity(gpu: str = "A100-80GB", model: str = "mistral-7b", workl
             "target": "SLO budget >= the best fixed budget, >= 1.2x the worst, at every SLO"}
 
 
+# ---- goodput at the saturating rate ------------------------------------------------------------
+
+GOODPUT_SYSTEMS = (("stall_free", 128, False), ("stall_free", 512, False), ("stall_free", 2048, False),
+                   ("stall_free+slo", SLO_BUDGET_CEILING, True), ("dynamic", None, False))
+
+
+def slo_goodput(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str = "sharegpt",
+                num_requests: int = 1000, seed: int = 0, slos: dict[str, float] | None = None,
+                ttft_slo_s: float = 2.0, rate_factors: tuple[float, ...] = (0.75, 1.0, 1.25, 1.5),
+                log: Any = print) -> dict[str, Any]:
+    """The sweep's goodput comparison on a GPU: stall_free with fixed budgets (128, the engine's
+    CPU default, 512 and 2048), the SLO budget (ceiling 2048, `tbt_slo_ms` = the SLO) and dynamic,
+    at multiples of the rate where fixed 128 saturates (its capacity by Sarathi's criteria).
+
+    Goodput counts the requests that finish with TTFT <= `ttft_slo_s` and every gap <= the TBT SLO
+    (the sweep's definition), over the window the trace was offered in (n / rate), so every line is
+    divided by the same time and refused or unfinished requests count as missed."""
+    slos = slos or SLOS
+    unit = make_trace(workload, "poisson", n=num_requests, rate=1.0, seed=seed)
+    rows, checks = [], []
+    for slo_name, slo in slos.items():
+        spec128 = replica_spec(gpu, model, "stall_free", 128)
+        saturating = find_capacity(SimConfig(spec128, 1, router="round_robin", tbt_slo_s=slo), unit,
+                                   Criteria(slo), start_rate=1.0)["capacity_rps"]
+        log(f"  {model} {gpu} {slo_name}: fixed 128 saturates at {saturating:.3f} req/s")
+        for factor in rate_factors:
+            rate = factor * saturating
+            at_rate = {}
+            for name, mbp, slo_budget in GOODPUT_SYSTEMS:
+                spec = replica_spec(gpu, model, name.split("+")[0], mbp or baseline_mbp(workload))
+                if slo_budget:
+                    spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, tbt_slo_ms=1000 * slo))
+                cfg = SimConfig(spec, 1, router="round_robin", tbt_slo_s=slo, ttft_slo_s=ttft_slo_s, seed=seed)
+                s = Simulator(cfg, unit.at_rate(rate)).run().summary
+                row = {"gpu": gpu, "model": model, "slo": slo_name, "tbt_slo_s": slo, "ttft_slo_s": ttft_slo_s,
+                       "factor": factor, "rate_rps": rate, "system": name, "mbp": spec.engine.max_batch_prefill_tokens,
+                       "goodput_rps": s["max_gap_slo_request_share"] * rate,
+                       **{k: s[k] for k in ("max_gap_slo_request_share", "ttft_p50_s", "ttft_p99_s",
+                                            "tbt_bucket_p99_s", "throughput_rps", "preemptions")}}
+                rows.append(row)
+                at_rate[(name, mbp)] = row
+                log(f"    x{factor:.2f} {rate:.3f} req/s {name:15s} mbp {row['mbp']:5d}: goodput "
+                    f"{row['goodput_rps']:.3f} req/s, TTFT p99 {row['ttft_p99_s']:.2f} s, "
+                    f"TBT p99 {row['tbt_bucket_p99_s']:.3f} s")
+            mine, fixed128 = at_rate[("stall_free+slo", SLO_BUDGET_CEILING)], at_rate[("stall_free", 128)]
+            dyn = at_rate[("dynamic", None)]
+
+            def ratio(a: float, b: float) -> float:
+                return a / b if b else math.inf
+
+            checks.append({"slo": slo_name, "factor": factor, "rate_rps": rate,
+                           "goodput_vs_fixed128": ratio(mine["goodput_rps"], fixed128["goodput_rps"]),
+                           "goodput_vs_dynamic": ratio(mine["goodput_rps"], dyn["goodput_rps"]),
+                           "ttft_p99_vs_dynamic": ratio(mine["ttft_p99_s"], dyn["ttft_p99_s"]),
+                           "tbt_p99_s": mine["tbt_bucket_p99_s"], "tbt_within_slo": mine["tbt_bucket_p99_s"] <= slo})
+    return {"gpu": gpu, "model": model, "workload": workload, "num_requests": num_requests, "seed": seed,
+            "ttft_slo_s": ttft_slo_s, "rows": rows, "checks": checks,
+            "target": "at the rate where fixed 128 saturates: goodput >= 1.5x fixed 128 and >= 3x dynamic, "
+                      "p99 TTFT <= 1.5x dynamic's, p99 TBT within the SLO (issue 12's sweep targets)"}
+
+
 # ---- routing -------------------------------------------------------------------------------------
 
 

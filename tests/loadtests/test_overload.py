@@ -308,16 +308,29 @@ def test_overload_targets_without_429s_are_not_applicable() -> None:
     assert next(r for t, r in rows.items() if "TBT" in t)["status"] == "n/a"
 
 
+def test_rss_slopes_separate_a_cache_filling_early_from_a_leak() -> None:
+    mb = ov.MB
+    # The engine grows 2 MB/min for 10 min, then holds; the ingress grows 0.5 MB/min throughout.
+    samples = [(60.0 * m, {"LLMServer": int((500 + 2 * min(m, 10)) * mb), "OpenAIIngress": int((100 + m / 2) * mb)})
+               for m in range(31)]
+    whole, late = ov.rss_slopes(samples, 0.0, 1800.0), ov.rss_slopes(samples, 900.0, 1800.0)
+    assert whole["LLMServer"] > 0.5 and late["LLMServer"] == pytest.approx(0.0, abs=1e-6)
+    assert whole["OpenAIIngress"] == pytest.approx(0.5, rel=1e-3)
+    assert late["OpenAIIngress"] == pytest.approx(0.5, rel=1e-3)
+    assert whole["ProxyActor"] is None
+
+
 def test_soak_targets() -> None:
     sk = {"summary": ov.summarize([rec(status=200, done=True)] * 3 + [rec(status=500)], 60.0),
-          "rss_slope_mb_per_min": {"LLMServer": 0.2, "OpenAIIngress": 3.0, "ProxyActor": None},
+          "rss_slope_mb_per_min": {"LLMServer": 1.1, "OpenAIIngress": 3.0, "ProxyActor": None},
+          "rss_late_slope_mb_per_min": {"LLMServer": 0.2, "OpenAIIngress": 3.0, "ProxyActor": None},
           "engine": {"measured": True, "kv_cache_usage_perc": 0.0, "num_requests_running": 0.0},
           "health": 200}
     rows = {r["target"]: r["status"] for r in ov.soak_targets(sk, CFG)}
     assert rows["0 errors (anything but a complete 200)"] == "MISS"
-    assert rows["LLMServer RSS slope <= 1 MB/min"] == "PASS"
-    assert rows["OpenAIIngress RSS slope <= 1 MB/min"] == "MISS"
-    assert rows["ProxyActor RSS slope <= 1 MB/min"] == "n/a"
+    assert rows["LLMServer RSS slope, 2nd half <= 1 MB/min"] == "PASS"  # grew early, then level: not a leak
+    assert rows["OpenAIIngress RSS slope, 2nd half <= 1 MB/min"] == "MISS"
+    assert rows["ProxyActor RSS slope, 2nd half <= 1 MB/min"] == "n/a"
     assert rows["KV cache usage 0 after quiet"] == "PASS"
     assert rows["0 requests waiting after quiet"] == "n/a"
     assert rows["healthy after the soak"] == "PASS"

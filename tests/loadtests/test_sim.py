@@ -182,6 +182,29 @@ def test_a_simulated_replica_with_a_tbt_slo_runs_the_engines_slo_budget():
     assert hybrid_times[60.0] and sum(within) >= 0.95 * len(within)
 
 
+def test_slo_goodput_compares_every_system_on_the_same_offered_window():
+    """Goodput counts the requests within both SLOs over the window the trace was offered in, for
+    every system at the same rates (multiples of fixed 128's capacity), and the checks are the
+    rows' own ratios."""
+    from loadtests.sim.experiments import GOODPUT_SYSTEMS, slo_goodput
+
+    res = slo_goodput(num_requests=60, slos={"strict": 0.1}, rate_factors=(1.0, 2.0), log=lambda _: None)
+    rows = res["rows"]
+    assert len(rows) == 2 * len(GOODPUT_SYSTEMS)
+    assert [r["mbp"] for r in rows[:5]] == [128, 512, 2048, 2048, 8192]
+    assert rows[0]["rate_rps"] > 0 and rows[5]["rate_rps"] == pytest.approx(2 * rows[0]["rate_rps"])
+    for r in rows:
+        assert r["goodput_rps"] == pytest.approx(r["max_gap_slo_request_share"] * r["rate_rps"])
+        assert 0 <= r["goodput_rps"] <= r["rate_rps"]
+    slo_row, fixed128, dyn = rows[3], rows[0], rows[4]
+    check = res["checks"][0]
+    assert check["goodput_vs_fixed128"] == pytest.approx(slo_row["goodput_rps"] / fixed128["goodput_rps"])
+    assert check["goodput_vs_dynamic"] == pytest.approx(slo_row["goodput_rps"] / dyn["goodput_rps"])
+    assert check["tbt_within_slo"] == (slo_row["tbt_bucket_p99_s"] <= 0.1)
+    # Twice the saturating rate: dynamic's long prompts stall every decode, so no strict-SLO request is good.
+    assert rows[9]["goodput_rps"] < rows[8]["goodput_rps"]
+
+
 def test_prefix_router_keeps_each_conversation_where_its_history_is_cached():
     """Multi-turn chat with the prefix cache on: under `prefix` every later turn of a
     conversation goes to the replica that served its first turn (loads stay within the bound)
