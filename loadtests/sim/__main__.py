@@ -125,6 +125,10 @@ def cmd_slo_budget(a: argparse.Namespace) -> None:
     write_json(a.json, {"results": results})
 
 
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio != float("inf") else "any multiple of (0 good)"
+
+
 def cmd_slo_goodput(a: argparse.Namespace) -> None:
     results = []
     for gpu, model in a.deployments:
@@ -140,7 +144,7 @@ def cmd_slo_goodput(a: argparse.Namespace) -> None:
     for res in results:
         for c in res["checks"]:
             print(f"{res['model']:10s} {c['slo']:7s} x{c['factor']:.2f} ({c['rate_rps']:.2f} req/s): SLO budget "
-                  f"goodput {c['goodput_vs_fixed128']:.2f}x fixed 128, {c['goodput_vs_dynamic']:.2f}x dynamic; "
+                  f"goodput {_times(c['goodput_vs_fixed128'])} fixed 128, {_times(c['goodput_vs_dynamic'])} dynamic; "
                   f"p99 TTFT {c['ttft_p99_vs_dynamic']:.2f}x dynamic's; p99 TBT {c['tbt_p99_s']:.3f} s "
                   f"(targets at x1: >= 1.5x, >= 3x, <= 1.5x, within the SLO)")
     write_json(a.json, {"results": results})
