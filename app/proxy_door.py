@@ -63,6 +63,13 @@ logger = logging.getLogger("ray.serve")  # the proxy's own log file
 
 IMPORT_PATH = "app.proxy_door:middlewares"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+# Ray starts its worker processes, and so every replica and the proxy, at nice 15 (so that its own
+# daemons stay responsive under task load). A server's replicas are the latency path: at 15 any
+# other process on the node, a co-located client, Ray's dashboard agent, takes the cores first
+# (guidellm's throughput profile beside `make serve` on 2 cores: 0 requests completed in 30 s at
+# 15, 105 at 0). Nodes started for this app run them at 0 unless the caller chose.
+NICENESS_ENV = "RAY_worker_niceness"
+SERVING_NICENESS = "0"
 DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_WAIT_TARGET_MS = 2000.0
 DEFAULT_GAP_TARGET_MS = 250.0
@@ -153,8 +160,9 @@ def _refusal_counter() -> Callable[[str], None] | None:
 
 
 def proxy_env(env: Mapping[str, str], tbt_slo_ms: float | None = None) -> dict[str, str]:
-    """`env` with the proxy door's callback set (unless the caller set one of their own), its
-    settings checked here, before a proxy fails on them.
+    """The environment a Ray node serving this app starts with: `env` with the proxy door's
+    callback set and Ray's workers at `SERVING_NICENESS` (each unless the caller set their own),
+    the door's settings checked here, before a proxy fails on them.
 
     With the app's `tbt_slo_ms` and no gap target of the caller's, the gap target is the SLO, as
     a p99 (`SLO_GAP_QUANTILE`, unless the caller set the quantile): the gaps the operator called
@@ -163,7 +171,7 @@ def proxy_env(env: Mapping[str, str], tbt_slo_ms: float | None = None) -> dict[s
     streams keep under overload (docs/overload.md: with 100 ms as a p90, the
     admitted streams' p99 gap was 2.3x the full-load one; at 250 ms, 4-7x).
     """
-    out = {CALLBACK_ENV: IMPORT_PATH, **env}
+    out = {CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: SERVING_NICENESS, **env}
     if tbt_slo_ms is not None and not env.get(GAP_ENV, "").strip():
         out[GAP_ENV] = f"{tbt_slo_ms:g}"
         if not env.get(QUANTILE_ENV, "").strip():
@@ -390,8 +398,8 @@ if __name__ == "__main__":
         slo = config_tbt_slo_ms(sys.argv[1]) if len(sys.argv) > 1 else None
         env = proxy_env(os.environ, slo)
         print(ProxyDoorConfig.from_env(env), file=sys.stderr)
-        derived = [k for k in (GAP_ENV, QUANTILE_ENV) if k in env and env[k] != os.environ.get(k)]
-        if derived:  # from the SLO
+        derived = [k for k in (NICENESS_ENV, GAP_ENV, QUANTILE_ENV) if k in env and env[k] != os.environ.get(k)]
+        if derived:  # the workers' priority; the gap target from the SLO
             print(" ".join(f"{k}={env[k]}" for k in derived))
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
         sys.exit(f"proxy door: {exc}")

@@ -15,8 +15,8 @@ import pytest
 from starlette.types import Message
 
 from app.middleware import StreamLimitMiddleware
-from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, IMPORT_PATH, Pending, PendingMiddleware,
-                            ProxyDoorConfig, config_tbt_slo_ms, middlewares, proxy_env)
+from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, IMPORT_PATH, NICENESS_ENV, Pending,
+                            PendingMiddleware, ProxyDoorConfig, config_tbt_slo_ms, middlewares, proxy_env)
 
 
 class Clock:
@@ -375,7 +375,8 @@ def test_serves_callback_builds_both_parts_and_none_when_off() -> None:
 
 
 def test_proxy_env_sets_the_callback_unless_given_and_checks_the_settings() -> None:
-    assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH}
+    assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: "0"}
+    assert proxy_env({NICENESS_ENV: "5"})[NICENESS_ENV] == "5"  # the caller's priority wins
     assert proxy_env({CALLBACK_ENV: "mine:f"})[CALLBACK_ENV] == "mine:f"
     with pytest.raises(ValueError, match="STALLFREE_PROXY_MAX_REQUESTS"):
         proxy_env({"STALLFREE_PROXY_MAX_REQUESTS": "0"})
@@ -404,9 +405,11 @@ def test_the_config_files_tbt_slo_is_read_for_make_serve(tmp_path) -> None:  # n
                    "  - name: b\n    args: {tbt_slo_ms: 1200}\n  - name: c\n    args: {}\n")
     assert config_tbt_slo_ms(str(cfg)) == 1200.0
     out = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("STALLFREE_PROXY_")},
+                         env={k: v for k, v in os.environ.items()
+                              if not k.startswith("STALLFREE_PROXY_") and k != NICENESS_ENV},
                          cwd=base.parent, check=True)
-    assert out.stdout.split() == ["STALLFREE_PROXY_GAP_TARGET_MS=1200", "STALLFREE_PROXY_GAP_QUANTILE=0.99"]
+    assert out.stdout.split() == [f"{NICENESS_ENV}=0", "STALLFREE_PROXY_GAP_TARGET_MS=1200",
+                                  "STALLFREE_PROXY_GAP_QUANTILE=0.99"]
     assert "gap_target_ms=1200.0" in out.stderr
     bad = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
                          env={**os.environ, "STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, cwd=base.parent)
