@@ -67,7 +67,7 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 # daemons stay responsive under task load). A server's replicas are the latency path: at 15 any
 # other process on the node, a co-located client, Ray's dashboard agent, takes the cores first
 # (guidellm's throughput profile beside `make serve` on 2 cores: 0 requests completed in 30 s at
-# 15, 105 at 0). Nodes started for this app run them at 0 unless the caller chose.
+# 15, 105 and 213 in two runs at 0). Nodes started for this app run them at 0 unless the caller chose.
 NICENESS_ENV = "RAY_worker_niceness"
 SERVING_NICENESS = "0"
 DEFAULT_MAX_REQUESTS = 1024
@@ -398,7 +398,8 @@ if __name__ == "__main__":
         slo = config_tbt_slo_ms(sys.argv[1]) if len(sys.argv) > 1 else None
         env = proxy_env(os.environ, slo)
         print(ProxyDoorConfig.from_env(env), file=sys.stderr)
-        derived = [k for k in (NICENESS_ENV, GAP_ENV, QUANTILE_ENV) if k in env and env[k] != os.environ.get(k)]
+        derived = [k for k in (NICENESS_ENV, GAP_ENV, QUANTILE_ENV)
+                   if k in env and env[k] != os.environ.get(k)]
         if derived:  # the workers' priority; the gap target from the SLO
             print(" ".join(f"{k}={env[k]}" for k in derived))
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:

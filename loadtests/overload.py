@@ -1111,8 +1111,8 @@ async def soak(ctx: Ctx, rate: float, sampler: RssSampler, root_pid: int | None)
     await asyncio.sleep(a.quiet_s)
     kinds = sorted({r.kind for r in run.recs})
     by_kind = {k: counts([r for r in run.recs if r.kind == k]) for k in kinds}
-    # A leak grows for the whole soak; caches filling to their bounds (the allocator's, the prefix
-    # cache's) grow early and level off. The target is read on the second half, the whole is reported.
+    # A leak grows for the whole soak; warm-up (allocator pools, caches filling to their bounds)
+    # grows early and levels off. The target is read on the second half; the whole is reported.
     whole = rss_slopes(sampler.samples, t_start + a.soak_warmup_s, t_end)
     late = rss_slopes(sampler.samples, (t_start + t_end) / 2, t_end)
     rss = {g: rss_report(sampler.samples, g, t_start, t_end, a.quiet_s, a.rss_tolerance) for g in GROUPS}
