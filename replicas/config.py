@@ -101,6 +101,11 @@ class EngineConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         _positive("tbt_sample_window", self.tbt_sample_window)
 
+    @property
+    def slo_pass_target_s(self) -> float | None:
+        """The pass time the SLO budget aims at: tbt_slo_ms x budget_margin (None without an SLO)."""
+        return None if self.tbt_slo_ms is None else self.tbt_slo_ms / 1000 * self.budget_margin
+
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -130,7 +130,7 @@ class Engine:
         self.slo_budget: SloBudget | None = None
         self.slo_admission: SloAdmission | None = None
         if config.tbt_slo_ms is not None:
-            self.pass_time = PassTimeModel(error_floor_s=config.tbt_slo_ms / 1000 * config.budget_margin)
+            self.pass_time = PassTimeModel(error_floor_s=config.slo_pass_target_s)
             if config.policy == "stall_free" and config.slo_budget:
                 self.slo_budget, self.slo_admission = slo_hooks(config, self.pass_time, self.blocks,
                                                                 self.scheduler.watermark_blocks, log)

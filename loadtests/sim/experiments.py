@@ -141,8 +141,12 @@ def slo_goodput(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str
     slos = slos or SLOS
     unit = make_trace(workload, "poisson", n=num_requests, rate=1.0, seed=seed)
     rows, checks = [], []
+    spec128 = replica_spec(gpu, model, "stall_free", 128)
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else math.inf
+
     for slo_name, slo in slos.items():
-        spec128 = replica_spec(gpu, model, "stall_free", 128)
         saturating = find_capacity(SimConfig(spec128, 1, router="round_robin", tbt_slo_s=slo), unit,
                                    Criteria(slo), start_rate=1.0)["capacity_rps"]
         log(f"  {model} {gpu} {slo_name}: fixed 128 saturates at {saturating:.3f} req/s")
@@ -167,10 +171,6 @@ def slo_goodput(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str
                     f"TBT p99 {row['tbt_bucket_p99_s']:.3f} s")
             mine, fixed128 = at_rate[("stall_free+slo", SLO_BUDGET_CEILING)], at_rate[("stall_free", 128)]
             dyn = at_rate[("dynamic", None)]
-
-            def ratio(a: float, b: float) -> float:
-                return a / b if b else math.inf
-
             checks.append({"slo": slo_name, "factor": factor, "rate_rps": rate,
                            "goodput_vs_fixed128": ratio(mine["goodput_rps"], fixed128["goodput_rps"]),
                            "goodput_vs_dynamic": ratio(mine["goodput_rps"], dyn["goodput_rps"]),

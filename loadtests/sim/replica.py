@@ -103,7 +103,7 @@ class SimReplica:
         self.slo_budget: SloBudget | None = None
         cfg = spec.engine
         if cfg.tbt_slo_ms is not None and cfg.policy == "stall_free" and cfg.slo_budget:
-            self.pass_time = PassTimeModel(error_floor_s=cfg.tbt_slo_ms / 1000 * cfg.budget_margin)
+            self.pass_time = PassTimeModel(error_floor_s=cfg.slo_pass_target_s)
             for shape, seconds in profile_passes(spec.cost, cfg.max_batch_prefill_tokens):
                 self.pass_time.observe(shape, seconds)
             self.pass_time.freeze_seed()
