@@ -89,6 +89,9 @@ class AppArgs(BaseModel):
                                       "a stream's tokens go out at most this often (the first and "
                                       "the last at once), those between merged into one chunk: fewer, "
                                       "larger items through Serve and SSE with many streams; 0: every pass")
+    pass_trace_dir: str | None = Field(None, min_length=1, description="each replica writes one "
+                                       "JSON line per forward pass here (passes-<pid>.jsonl): wall "
+                                       "and CPU time, predicted time, the SLO target and budget")
     wedge_timeout_s: float = Field(_REPLICA.wedge_timeout_s, gt=0, description="one iteration longer than this "
                                    "fails the health check")
 
@@ -215,4 +218,5 @@ class AppArgs(BaseModel):
     def replica_config(self) -> ReplicaConfig:
         return ReplicaConfig(self.model, self.engine_config(), self.max_queued_tokens,
                              self.wedge_timeout_s, self.kv_cache_memory_fraction,
-                             stream_interval_s=self.stream_interval_ms / 1000)
+                             stream_interval_s=self.stream_interval_ms / 1000,
+                             pass_trace_dir=self.pass_trace_dir)

@@ -59,7 +59,8 @@ def app_args(args: argparse.Namespace, policy: str, mix: MixSpec) -> dict[str, A
     return {"model": args.model, "policy": "stall_free" if policy == SLO_POLICY else policy,
             "max_batch_prefill_tokens": mbp, "slo_budget": policy == SLO_POLICY,
             "max_batch_total_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
-            "num_cpus": 1, "torch_threads": args.threads, "tbt_slo_ms": args.tbt_slo_ms}
+            "num_cpus": 1, "torch_threads": args.threads, "tbt_slo_ms": args.tbt_slo_ms,
+            "pass_trace_dir": str((args.runs_dir / f"passes_{policy}").resolve())}
 
 
 def warm_up(base_url: str, mix: MixSpec, model: str) -> None:

@@ -127,6 +127,9 @@ class ReplicaConfig:
     # between merged: fewer, larger items on every hop (Serve's streams, SSE) for many streams.
     # 0: one delta per pass (vLLM's and SGLang's stream_interval count tokens instead).
     stream_interval_s: float = 0.0
+    # A directory where the replica writes one JSON line per forward pass (replicas/pass_trace.py):
+    # wall and CPU time, prediction, SLO target and budget. None: no trace.
+    pass_trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         _positive("max_queued_tokens", self.max_queued_tokens)

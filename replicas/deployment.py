@@ -31,6 +31,7 @@ from replicas.config import ReplicaConfig
 from replicas.engine import Engine
 from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
+from replicas.pass_trace import PassTrace
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, Started, prompt_batch, sample_id)
@@ -95,6 +96,8 @@ class LLMServer:
         if backend is not None:
             slo = config.engine.tbt_slo_ms / 1000 if config.engine.tbt_slo_ms else None
             engine.observers.append(EngineMetrics(backend, config.model, slo))
+        if config.pass_trace_dir is not None:
+            engine.observers.append(PassTrace(config.pass_trace_dir))
         self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s,
                                   stream_interval_s=config.stream_interval_s)
         # Load reports to the controller at iteration granularity (only inside Serve).

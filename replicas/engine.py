@@ -70,6 +70,9 @@ class IterationStats:
     # The pass-time target the budget aimed at: tbt_slo_ms x budget_margin, lowered by the model's
     # recent overruns (pass_time.calibrated_target) and the KV cap; None with the budget.
     pass_target_s: float | None = None
+    # CPU seconds the process used during the pass (all its threads): well under `duration` with
+    # one torch thread means the pass waited for a core (other processes on the machine).
+    cpu_s: float | None = None
 
 
 @dataclass
@@ -259,13 +262,14 @@ class Engine:
             return expired
         shape = PassShape.of(batch)
         predicted = self.pass_time.predict(shape) if self.pass_time is not None else None
+        cpu_start = time.process_time()
         self.pass_started = start = time.perf_counter()
         logits = self.runner.execute(batch)
         token_ids = self._sample(logits, [s.request for s in batch.seqs if s.samples])
         prompt_logprobs(logits.prompt, logits.prompt_spans)
-        now = time.perf_counter()
+        now, cpu_s = time.perf_counter(), time.process_time() - cpu_start
         self.pass_started = None
-        stats = self._record(batch, start, now, shape, predicted)
+        stats = self._record(batch, start, now, shape, predicted, cpu_s)
         outputs = self._postprocess(batch, token_ids, now)
         self.last_load = self.scheduler.load()
         for observer in self.observers:
@@ -388,11 +392,11 @@ class Engine:
         return text
 
     def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape,
-                predicted: float | None) -> IterationStats:
+                predicted: float | None, cpu_s: float | None = None) -> IterationStats:
         stats = IterationStats(
             start, end - start, shape.prefill_tokens, shape.decode_tokens, shape.sequences,
             shape.context_tokens, len(batch.preempted),
-            num_stalled=batch.num_stalled, predicted_s=predicted)
+            num_stalled=batch.num_stalled, predicted_s=predicted, cpu_s=cpu_s)
         if self.slo_budget is not None:
             stats.prefill_budget, stats.budget_fallback = self.slo_budget.last, self.slo_budget.fallback
             stats.pass_target_s = self.slo_budget.last_target_s

@@ -31,6 +31,8 @@ def test_defaults_make_a_valid_engine_config() -> None:
     assert AppArgs(num_gpus=1).engine_config().device == "cuda"
     assert args.replica_config().stream_interval_s == 0  # every pass's delta, as vLLM and TGI
     assert AppArgs(stream_interval_ms=50).replica_config().stream_interval_s == 0.05
+    assert args.replica_config().pass_trace_dir is None  # no trace unless asked
+    assert AppArgs(pass_trace_dir="/tmp/t").replica_config().pass_trace_dir == "/tmp/t"
     slo = AppArgs(tbt_slo_ms=200, slo_admission=True).engine_config()
     assert slo.tbt_slo_ms == 200 and slo.slo_budget and slo.slo_admission and not args.slo_admission
 
