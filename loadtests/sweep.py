@@ -35,6 +35,7 @@ from loadtests.loadtest import (add_mix_arguments, add_slo_arguments, load_sampl
                                 run_locust, summarize)
 from loadtests.mix import MixSpec, mixed_requests
 from loadtests.plot_sweep import plot
+from replicas.config import EngineConfig
 
 POLICIES = ("static", "dynamic", "stall_free")
 # stall_free with its prefill budget chosen per pass from the TBT SLO (ceiling: the whole-prompt MBP).
@@ -60,7 +61,8 @@ def app_args(args: argparse.Namespace, policy: str, mix: MixSpec) -> dict[str, A
             "max_batch_prefill_tokens": mbp, "slo_budget": policy == SLO_POLICY,
             "max_batch_total_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
             "num_cpus": 1, "torch_threads": args.threads, "tbt_slo_ms": args.tbt_slo_ms,
-            "pass_trace_dir": str((args.runs_dir / f"passes_{policy}").resolve())}
+            "pass_trace_dir": str((args.runs_dir / f"passes_{policy}").resolve()),
+            "budget_margin": args.budget_margin}
 
 
 def warm_up(base_url: str, mix: MixSpec, model: str) -> None:
@@ -143,6 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity (MBT), every policy")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the replica")
+    p.add_argument("--budget-margin", type=float, default=EngineConfig.budget_margin,
+                   help=f"{SLO_POLICY}: each pass aimed at the TBT SLO x this")
     p.add_argument("--out", type=Path, default=Path("docs"), help="sweep.json/.csv and the PNG go here")
     p.add_argument("--runs-dir", type=Path, default=Path("loadtests/out/sweep"),
                    help="Locust reports and server logs of every point")
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "whole_prompt_mbp": whole_prompt_mbp(mix), "kv_tokens": args.kv_tokens,
               "max_num_seqs": args.max_num_seqs, "torch_threads": args.threads,
               "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms,
-              "mix": {k: v for k, v in mix.to_dict().items() if k != "rps"},
+              "budget_margin": args.budget_margin, "mix": {k: v for k, v in mix.to_dict().items() if k != "rps"},
               "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows: list[dict[str, Any]] = []

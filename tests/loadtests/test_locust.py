@@ -125,3 +125,7 @@ def test_the_sweep_lets_only_its_slo_line_choose_the_budget() -> None:
     for kwargs in (fixed, slo):
         engine = AppArgs(**kwargs).engine_config()
         assert engine.tbt_slo_ms == args.tbt_slo_ms and engine.slo_budget == kwargs["slo_budget"]
+        assert engine.budget_margin == 0.8  # the engine's default unless asked
+    assert fixed["pass_trace_dir"].endswith("passes_stall_free") and slo["pass_trace_dir"].endswith(SLO_POLICY)
+    narrow = parse_args(["--quick", "--budget-margin", "0.7"])
+    assert AppArgs(**app_args(narrow, SLO_POLICY, SWEEP_MIX)).engine_config().budget_margin == 0.7
