@@ -64,7 +64,7 @@ def format_report(rep: dict[str, Any], slo_s: float) -> str:
     if not rep["passes"]:
         return "no passes"
     cpu = rep["cpu_per_wall"]
-    lines = [f"{rep['passes']} passes over {rep['span_s']:.0f} s, busy {rep['busy_s']:.0f} s; duration "
+    lines = [f"{rep['passes']} passes over {rep['span_s']:.0f} s, busy {rep['busy_s']:.1f} s; duration "
              f"p50 {1e3 * rep['duration_p50_s']:.0f} / p99 {1e3 * rep['duration_p99_s']:.0f} / max "
              f"{1e3 * rep['duration_max_s']:.0f} ms; {rep['prefill_tokens_per_busy_s']:.0f} prompt tokens "
              f"per busy s; CPU / wall {'-' if cpu is None else f'{cpu:.2f}'}",
