@@ -40,3 +40,29 @@ def test_every_pass_is_one_line_with_its_times_and_the_slo_budgets_decision(llam
     starts = [line["time"] for line in lines]
     assert starts == sorted(starts) and starts[0] > 1.6e9  # wall clock, in order
     trace.close()
+
+
+class _FullDisk:
+    closed = False
+
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        raise OSError(28, "No space left on device")
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_trace_that_cannot_write_stops_itself_and_the_engine_goes_on(llama, tmp_path, caplog):
+    engine = Engine(*llama, EngineConfig(policy="stall_free", max_batch_prefill_tokens=32,
+                                         max_batch_total_tokens=512, block_size=4, max_num_seqs=4))
+    trace = PassTrace(tmp_path)
+    trace._file.close()
+    trace._file = _FullDisk()
+    engine.observers.append(trace)
+    out = engine.generate([[7] * 20], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 5  # every pass ran
+    assert trace._file.closed and "pass trace" in caplog.text and "No space left" in caplog.text
+    trace.on_idle(engine)  # a closed trace ignores the rest
