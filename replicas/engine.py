@@ -392,7 +392,7 @@ class Engine:
         return text
 
     def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape,
-                predicted: float | None, cpu_s: float | None = None) -> IterationStats:
+                predicted: float | None, cpu_s: float) -> IterationStats:
         stats = IterationStats(
             start, end - start, shape.prefill_tokens, shape.decode_tokens, shape.sequences,
             shape.context_tokens, len(batch.preempted),
