@@ -1,0 +1,76 @@
+"""Start-up time of `make serve` as a newcomer meets it: cold (the default model converted from its
+GGUF on first use) and warm (loaded from the cache), each timed from the command's start to the
+first 200 from `/v1/chat/completions`.
+
+    python -m loadtests.start_time [--runs 1] [--json PATH]
+
+Cold runs point STALLFREE_CACHE at a fresh temporary directory (the user's cache is untouched);
+warm runs reuse it. Needs port 8000 free (serve_config.yaml's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+URL = "http://127.0.0.1:8000/v1/chat/completions"
+BODY = {"model": "embedded-smollm2", "max_tokens": 16, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]}
+
+
+def time_to_first_answer(cache: Path, log: Path, timeout_s: float = 600.0) -> tuple[float, str]:
+    """Seconds from `make serve` to the first 200 from the chat endpoint, and that answer."""
+    env = {**os.environ, "STALLFREE_CACHE": str(cache)}
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["make", "serve"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        while time.monotonic() - start < timeout_s:
+            if proc.poll() is not None:
+                raise RuntimeError(f"make serve exited with {proc.returncode}; see {log}")
+            try:
+                resp = httpx.post(URL, json=BODY, timeout=60)
+                if resp.status_code == 200:
+                    return time.monotonic() - start, resp.json()["choices"][0]["message"]["content"]
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"no 200 within {timeout_s:.0f} s; see {log}")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=1, help="cold + warm pairs")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--logs", type=Path, default=Path("loadtests/out/start_time"))
+    args = p.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="stallfree-cold-") as cache:
+            for kind in ("cold", "warm"):
+                seconds, answer = time_to_first_answer(Path(cache), args.logs / f"{kind}-{run}.log")
+                rows.append({"run": run, "start": kind, "seconds": round(seconds, 1), "answer": answer})
+                print(f"{kind:5} run {run}: first 200 after {seconds:6.1f} s  {answer!r}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
