@@ -22,7 +22,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 def test_defaults_make_a_valid_engine_config() -> None:
     args = AppArgs()
     engine = args.engine_config()
-    assert args.model == "embedded:tiny" and args.name == "embedded-tiny"  # no colon in the served name
+    assert args.model == "embedded:smollm2" and args.name == "embedded-smollm2"  # no colon in the served name
     assert engine.policy == "stall_free" and engine.device == "cpu"
     assert engine.num_threads == 1  # from num_cpus=1, not from whatever Ray put in OMP_NUM_THREADS
     assert AppArgs(num_cpus=4).engine_config().num_threads == 4
