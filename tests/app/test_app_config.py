@@ -89,7 +89,7 @@ def test_serve_config_yaml_is_valid_and_local() -> None:
     [application] = config["applications"]
     assert application["import_path"] == "app.builder:build_app"
     args = AppArgs.model_validate(application["args"])
-    assert args.model == "embedded:tiny" and args.max_ongoing_requests > 5
+    assert args.model == "embedded:smollm2" and args.max_ongoing_requests > 5
 
 
 def test_replica_refusals_map_to_4xx_through_ray_wrappers() -> None:

@@ -11,7 +11,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_streams_the_engines_greedy_text():
-    proc = run("--prompt", "Hello, world", "--max-tokens", "12")
+    proc = run("--model", "embedded:tiny", "--prompt", "Hello, world", "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr
     assert "[12 tokens in" in proc.stderr and "finish_reason=length" in proc.stderr
     engine = Engine.from_pretrained("embedded:tiny", EngineConfig())
@@ -20,5 +20,5 @@ def test_cli_streams_the_engines_greedy_text():
 
 
 def test_cli_rejects_an_empty_prompt():
-    proc = run("--prompt", "", "--max-tokens", "5")
+    proc = run("--model", "embedded:tiny", "--prompt", "", "--max-tokens", "5")
     assert proc.returncode == 2 and "prompt must not be empty" in proc.stderr
