@@ -91,7 +91,7 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits (n, V) of non-greedy requests -> (n,) token ids."""
     n, vocab = logits.shape
     params = [r.params for r in requests]
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
     logits = logits / temps
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     ps = [p.top_p for p in params]
@@ -156,9 +156,9 @@ def _seeded_noise(requests: list[Request], plain: list[bool], vocab: int, dtype:
         if r.generator is None:
             out.append(None)
         elif whole:
-            out.append(torch.rand(1, dtype=dtype, generator=r.generator).to(device))
+            out.append(torch.rand(1, dtype=dtype, generator=r.generator, device="cpu").to(device))
         else:
-            out.append(torch.empty(vocab, dtype=dtype).exponential_(generator=r.generator).to(device))
+            out.append(torch.empty(vocab, dtype=dtype, device="cpu").exponential_(generator=r.generator).to(device))
     return out
 
 
