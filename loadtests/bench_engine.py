@@ -1,6 +1,20 @@
 """Engine benchmark: HF baselines and the three scheduling policies, side by side in one run.
 
     python -m loadtests.bench_engine [--quick] [--json PATH] [--model embedded:mid]
+    python -m loadtests.bench_engine --model embedded:smollm2 --quick --poisson-rate 2.5  # ~15 min
+    python -m loadtests.bench_engine --model embedded:smollm2 --poisson-rate 1.75        # ~1 hour
+
+On a real model (embedded:smollm2, SmolLM2-135M-Instruct) chat and chat_poisson send real chat
+prompts (`--prompts real`, the default on any model but the random-weight embedded:tiny/mid):
+the questions and passage tasks of loadtests/real_text.py in the model's own chat template
+(~40 tokens; a quarter quote a passage, ~300), the same token ids to every system, HF baselines
+included. Output lengths stay the fixed-seed draws, run with ignore_eos, so every system makes
+the same number of tokens. long_prompt and long_context keep random ids: prompt length is what
+they test, and 2k tokens fit the model's 8192 positions. The prefix cache is off for every
+system unless `--prefix-caching` (real prompts repeat a system prompt and a few passages, which
+HF's static batches cannot share). SmolLM2's 30 layers make it ~4x slower per token than
+embedded:mid, so the default Poisson rates (set for embedded:mid, below) would be a t=0 burst
+on it: the rates above make its arrivals span about half of what stall_free takes.
 
 Four fixed-seed workloads (see loadtests/workloads.py; `--workloads` picks a subset):
 - chat: mixed heavy-tailed prompt/output lengths, all requests at t=0 (offline throughput);
@@ -49,8 +63,9 @@ import transformers
 from tqdm import tqdm
 
 from autoscale.load import percentile
-from loadtests.workloads import (LengthDist, Workload, WorkloadRequest, chat_workload,
-                                 long_context_workload, long_prompt_workload, with_poisson_arrivals)
+from loadtests.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthDist, Workload, WorkloadRequest,
+                                 chat_workload, default_prompt_source, long_context_workload,
+                                 long_prompt_workload, with_chat_prompts, with_poisson_arrivals)
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 
@@ -169,15 +184,16 @@ def run_hf_static(model, pad_id: int, workload: Workload, desc: str) -> list[Tra
 
 
 def run_hf_cb(model, pad_id: int, workload: Workload, kv_tokens: int, max_batch_tokens: int,
-              max_seqs: int, desc: str) -> tuple[list[Trace], dict]:
+              max_seqs: int, desc: str, block_sharing: bool = False) -> tuple[list[Trace], dict]:
     """transformers' continuous batching manager (what `generate_batch` wraps), fed each
-    request at its arrival with its own max_new_tokens; EOS disabled (eos_token_id=-1)."""
+    request at its arrival with its own max_new_tokens; EOS disabled (eos_token_id=-1).
+    `block_sharing`: its prefix cache, as the engine's `enable_prefix_caching`."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     page = 256  # transformers' default page size
     cb_config = ContinuousBatchingConfig(
         page_size=page, num_blocks=max(1, kv_tokens // page), max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=max_seqs, allow_block_sharing=False)  # random prompts share nothing
+        max_requests_per_batch=max_seqs, allow_block_sharing=block_sharing)
     gen_config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens),
                                                eos_token_id=-1, pad_token_id=pad_id)
     manager = model.init_continuous_batching(generation_config=gen_config,
@@ -196,7 +212,7 @@ def run_hf_cb(model, pad_id: int, workload: Workload, kv_tokens: int, max_batch_
         manager.destroy()
     info = {"attn_implementation": attn, "page_size": page,
             "num_blocks": cb_config.num_blocks, "max_batch_tokens": max_batch_tokens,
-            "max_requests_per_batch": max_seqs, "allow_block_sharing": False}
+            "max_requests_per_batch": max_seqs, "allow_block_sharing": block_sharing}
     traces = []
     for r in workload.requests:
         res = results[r.request_id]
@@ -233,8 +249,11 @@ def _cb_collect(manager, reqs: list[WorkloadRequest], t0: float, bar: tqdm | Non
 def build_workloads(vocab_size: int, avoid_ids: list[int], quick: bool, seed: int, *,
                     chat_requests: int | None = None, long_shorts: int | None = None,
                     poisson_rate: float | None = None, context_longs: int = 2,
-                    context_shorts: int | None = None) -> list[Workload]:
-    """The four workloads, in WORKLOADS order; `quick` shrinks each to a short run."""
+                    context_shorts: int | None = None,
+                    pool: ChatPromptPool | None = None) -> list[Workload]:
+    """The four workloads, in WORKLOADS order; `quick` shrinks each to a short run. With a
+    `pool`, chat (and so chat_poisson) sends its real chat prompts; long_prompt and long_context
+    keep random ids, whose lengths are what they test."""
     if quick:
         chat = chat_workload(
             chat_requests or 32, vocab_size, seed, avoid_ids=avoid_ids,
@@ -254,6 +273,8 @@ def build_workloads(vocab_size: int, avoid_ids: list[int], quick: bool, seed: in
         long = long_prompt_workload(vocab_size, seed, num_short=long_shorts or 16, avoid_ids=avoid_ids)
         context = long_context_workload(vocab_size, seed, num_long=context_longs,
                                         num_short=context_shorts or 32, avoid_ids=avoid_ids)
+    if pool is not None:
+        chat = with_chat_prompts(chat, pool)
     rate = poisson_rate or POISSON_RATE["quick" if quick else "full"]
     return [chat, with_poisson_arrivals(chat, rate, name="chat_poisson"), long, context]
 
@@ -281,9 +302,9 @@ class Runner:
     """Loads the model once per system family and runs one system on one workload."""
 
     def __init__(self, model_name: str, block_size: int, max_num_seqs: int,
-                 compile_decode_attention: bool = False) -> None:
+                 compile_decode_attention: bool = False, prefix_caching: bool = False) -> None:
         self.model_name, self.block_size, self.max_num_seqs = model_name, block_size, max_num_seqs
-        self.compile_decode_attention = compile_decode_attention
+        self.compile_decode_attention, self.prefix_caching = compile_decode_attention, prefix_caching
         self._models: dict[str, tuple] = {}
 
     def model(self, family: str):
@@ -303,11 +324,12 @@ class Runner:
             return run_hf_static(lm, tok.pad_token_id, workload, desc), {"batch_size": HF_BATCH}
         if spec.kind == "hf_cb":
             lm, tok = self.model("hf_cb")
-            return run_hf_cb(lm, tok.pad_token_id, workload, kv, spec.mbp, self.max_num_seqs, desc)
+            return run_hf_cb(lm, tok.pad_token_id, workload, kv, spec.mbp, self.max_num_seqs, desc,
+                             self.prefix_caching)
         lm, tok = self.model("engine")
         config = EngineConfig(policy=spec.policy, max_batch_prefill_tokens=spec.mbp,
                               max_batch_total_tokens=kv, block_size=self.block_size,
-                              max_num_seqs=self.max_num_seqs,
+                              max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.prefix_caching,
                               compile_decode_attention=self.compile_decode_attention)
         engine = Engine(lm, tok, config)
         engine.generate([[5, 6, 7, 8] * 4] * 2, _greedy(4))  # warm-up
@@ -404,6 +426,13 @@ def format_targets(targets: list[dict]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtests.bench_engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="embedded:mid")
+    p.add_argument("--prompts", choices=PROMPT_SOURCES,
+                   help="chat and chat_poisson prompts: random ids, or real chat prompts in the model's "
+                        "template (default: random on embedded:tiny/mid, real on real models); "
+                        "long_prompt and long_context always send random ids")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="the engine's prefix cache and generate_batch's block sharing (off: every "
+                        "system computes every prompt token; real prompts share a system prompt)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
     p.add_argument("--json", metavar="PATH", help="write every row and the config as JSON")
     p.add_argument("--seed", type=int, default=0)
@@ -430,6 +459,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile-decode-attention", action="store_true",
                    help="the engine systems with EngineConfig.compile_decode_attention")
     args = p.parse_args(argv)
+    args.prompts = args.prompts or default_prompt_source(args.model)
     if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
         p.error(f"--workloads: unknown {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     return args
@@ -439,13 +469,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    runner = Runner(args.model, args.block_size, args.max_num_seqs, args.compile_decode_attention)
+    runner = Runner(args.model, args.block_size, args.max_num_seqs, args.compile_decode_attention,
+                    args.prefix_caching)
     lm, tok = runner.model("engine")
     vocab = lm.get_output_embeddings().weight.shape[0]
+    pool = ChatPromptPool.from_tokenizer(tok, args.seed) if args.prompts == "real" else None
     workloads = build_workloads(vocab, list(tok.all_special_ids), args.quick, args.seed,
                                 chat_requests=args.chat_requests, long_shorts=args.long_shorts,
                                 poisson_rate=args.poisson_rate, context_longs=args.context_longs,
-                                context_shorts=args.context_shorts)
+                                context_shorts=args.context_shorts, pool=pool)
     workloads = [w for w in workloads if w.name in args.workloads.split(",")]
     chosen = set(args.systems.split(",")) if args.systems else None
     mbps = {"chat": args.chat_mbp, "chat_poisson": args.chat_mbp, "long_prompt": args.long_mbp,
@@ -473,10 +505,11 @@ def main(argv: list[str] | None = None) -> dict:
             runs.setdefault((w.name, spec.name), []).append(row)
     rows = [median_row(r) for r in runs.values()]
 
-    header = [f"Engine benchmark: {args.model}, torch {torch.__version__} on {torch.get_num_threads()} "
-              f"threads, transformers {transformers.__version__}, seed {args.seed}, "
+    header = [f"Engine benchmark: {args.model}, {args.prompts} chat prompts, torch {torch.__version__} "
+              f"on {torch.get_num_threads()} threads, transformers {transformers.__version__}, seed {args.seed}, "
               f"{'quick' if args.quick else 'full'} run, {args.repeats} repeat(s), medians"
-              + (", engine decode attention compiled" if args.compile_decode_attention else "")]
+              + (", engine decode attention compiled" if args.compile_decode_attention else "")
+              + (", prefix caching on" if args.prefix_caching else "")]
     tables = []
     for w in workloads:
         wrows = [r for r in rows if r["workload"] == w.name]
@@ -487,7 +520,8 @@ def main(argv: list[str] | None = None) -> dict:
     text = "\n".join(header) + "\n\n" + "\n\n".join(tables) + "\n\n" + format_targets(targets)
     print(text)
     result = {"command": " ".join(["python -m loadtests.bench_engine", *(argv if argv is not None else sys.argv[1:])]),
-              "config": {**vars(args), "hf_batch": HF_BATCH, "torch": torch.__version__,
+              "config": {**vars(args), "real_prompt_lens": pool.summary() if pool else None,
+                         "hf_batch": HF_BATCH, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version(),
                          "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - started},
               "workloads": {w.name: w.summary() for w in workloads},

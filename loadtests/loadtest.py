@@ -34,6 +34,7 @@ import numpy as np
 
 from autoscale.load import percentile
 from loadtests.mix import MixSpec
+from loadtests.workloads import PROMPT_SOURCES
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 PREFIX = "loadtest"
@@ -72,7 +73,7 @@ def run_locust(host: str, out_dir: Path, *, duration_s: float, drain_s: float, m
            "--rps", str(mix.rps), "--prompt-median", str(mix.prompt_median),
            "--output-median", str(mix.output_median), "--long-share", str(mix.long_share),
            "--long-min", str(mix.long_min), "--long-max", str(mix.long_max),
-           "--vocab-size", str(mix.vocab_size), "--seed", str(mix.seed),
+           "--vocab-size", str(mix.vocab_size), "--seed", str(mix.seed), "--prompts", mix.prompts,
            "--ttft-slo-ms", str(ttft_slo_ms), "--tbt-slo-ms", str(tbt_slo_ms)]
     if model:
         cmd += ["--model", model]
@@ -173,6 +174,9 @@ def add_mix_arguments(p: Any, defaults: MixSpec) -> None:
     p.add_argument("--vocab-size", type=int, default=defaults.vocab_size,
                    help="prompt token ids are drawn below it (the embedded models have >= 2048)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="workload seed")
+    p.add_argument("--prompts", choices=PROMPT_SOURCES, default=defaults.prompts,
+                   help="random token ids, or real chat prompts in --model's chat template "
+                        "(loadtests/real_text: questions, and passage tasks for the long share)")
 
 
 def add_slo_arguments(p: Any, ttft_ms: float = TTFT_SLO_MS, tbt_ms: float = TBT_SLO_MS) -> None:
@@ -183,7 +187,7 @@ def add_slo_arguments(p: Any, ttft_ms: float = TTFT_SLO_MS, tbt_ms: float = TBT_
 def mix_from_args(args: argparse.Namespace, rps: float) -> MixSpec:
     return MixSpec(rps=rps, prompt_median=args.prompt_median, output_median=args.output_median,
                    long_share=args.long_share, long_min=args.long_min, long_max=args.long_max,
-                   vocab_size=args.vocab_size, seed=args.seed)
+                   vocab_size=args.vocab_size, seed=args.seed, prompts=args.prompts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     add_slo_arguments(p)
     add_mix_arguments(p, MixSpec())
     args = p.parse_args(argv)
+    if args.prompts == "real" and not args.model:
+        p.error("--prompts real needs --model: its tokenizer templates the prompts")
     mix = mix_from_args(args, args.rps)
     samples = run_locust(args.host, args.out, duration_s=args.duration, drain_s=args.drain, mix=mix,
                          ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms, model=args.model)

@@ -6,7 +6,8 @@
 Open loop: each user is an arrival process that starts every request of `loadtests.mix` in
 its own greenlet at its scheduled time (Poisson, `--rps` over all users), never waiting for
 earlier ones, so the offered rate holds however slow the server gets. Requests are token-id
-prompts with `ignore_eos` and the workload's `max_tokens`, so output lengths are exact.
+prompts with `ignore_eos` and the workload's `max_tokens`, so output lengths are exact; with
+`--prompts real --model M` they are chat prompts in M's own template (token ids still).
 
 Per request, custom request events go to Locust's stats (response_time in ms):
 `TTFT` (send -> first content chunk), `TBT` (one per gap between content chunks) and `E2E`
@@ -21,6 +22,7 @@ soon as every request has finished; requests still open at the end are written a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -34,7 +36,7 @@ from locust.stats import CSV_STATS_INTERVAL_SEC
 
 from loadtests.loadtest import add_mix_arguments, add_slo_arguments, mix_from_args
 from loadtests.mix import MixSpec, mixed_requests
-from loadtests.workloads import WorkloadRequest
+from loadtests.workloads import ChatPromptPool, WorkloadRequest
 
 PATH = "/v1/completions"
 _stream_ids = itertools.count()
@@ -57,6 +59,14 @@ def _add_arguments(parser: Any) -> None:
 def mix_spec(options: Any, num_users: int) -> MixSpec:
     """The workload of one user: the offered rate split evenly between users."""
     return mix_from_args(options, options.rps / max(1, num_users))
+
+
+@functools.cache
+def prompt_pool(model: str, seed: int) -> ChatPromptPool:
+    """The real prompts of `model` (its tokenizer loaded once per Locust process)."""
+    if not model:
+        raise ValueError("--prompts real needs --model: its tokenizer templates the prompts")
+    return ChatPromptPool.for_model(model, seed)
 
 
 @events.test_start.add_listener
@@ -94,6 +104,7 @@ class StreamingUser(FastHttpUser):
     def on_start(self) -> None:
         opts = self.environment.parsed_options
         self.spec = mix_spec(opts, opts.num_users if opts else 1)
+        self.pool = prompt_pool(opts.model, self.spec.seed) if self.spec.prompts == "real" else None
         self.stream_id = next(_stream_ids)
         self.requests = Group()
 
@@ -108,7 +119,7 @@ class StreamingUser(FastHttpUser):
         if opts and opts.run_time:
             window = max(0.0, opts.run_time - opts.drain_s)
         t0 = time.perf_counter()
-        for req in mixed_requests(self.spec, self.stream_id):
+        for req in mixed_requests(self.spec, self.stream_id, self.pool):
             if req.arrival_s >= window:
                 break
             gevent.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
@@ -132,7 +143,7 @@ class StreamingUser(FastHttpUser):
                                   "prompt_len": req.prompt_len, "max_tokens": req.max_tokens,
                                   "scheduled_s": req.arrival_s, "finished": False, "error": None,
                                   "ttft_s": None, "e2e_s": None, "gaps_s": [], "num_chunks": 0,
-                                  "completion_tokens": None, "status": None}
+                                  "completion_tokens": None, "prompt_tokens": None, "status": None}
         start = time.perf_counter()
         sample["start_s"] = start - t0
         try:
@@ -173,6 +184,7 @@ class StreamingUser(FastHttpUser):
                 return f"in-band error: {chunk['error'].get('message', chunk['error'])}"
             if chunk.get("usage"):
                 sample["completion_tokens"] = chunk["usage"]["completion_tokens"]
+                sample["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
             if not chunk.get("choices"):
                 continue
             sample["num_chunks"] += 1

@@ -5,6 +5,10 @@ poisson_arrivals), so Locust, `make loadtest` and the sweep send the same reques
 prompts, the same exact output lengths (sent with `ignore_eos`) and, per rate, the same
 arrival schedule. The unit-rate gaps are drawn from the seed alone and divided by the rate,
 so a sweep's runs differ only in how fast the same sequence arrives.
+
+With `prompts="real"` each request's prompt is drawn from a `ChatPromptPool` instead (a chat
+question for a short request, a passage task for a long one); kinds, output lengths and
+arrivals are the very ones the random mix draws.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from loadtests.workloads import LengthDist, WorkloadRequest, poisson_arrivals, random_prompt
+from loadtests.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthDist, PromptSource,
+                                 WorkloadRequest, poisson_arrivals, random_prompt)
 
 BLOCK = 64  # requests drawn per RNG block; block k always uses the seed sequence (seed, stream, k)
 EMBEDDED_SPECIAL_IDS = (0, 1, 2)  # pad/bos/eos of the embedded tokenizers: kept out of prompts
@@ -27,7 +32,9 @@ class MixSpec:
 
     Short requests: lognormal prompt and output lengths around the medians (clipped). A
     `long_share` of requests instead carries a long prompt, uniform in [long_min, long_max]:
-    the prompts a prefill-first scheduler stalls every running stream for.
+    the prompts a prefill-first scheduler stalls every running stream for. With
+    `prompts="real"` the prompt lengths are those of the real prompts drawn (the length
+    settings then shape only the outputs).
     """
 
     rps: float = 1.0
@@ -39,8 +46,11 @@ class MixSpec:
     vocab_size: int = 2048
     seed: int = 0
     avoid_ids: tuple[int, ...] = field(default=EMBEDDED_SPECIAL_IDS)
+    prompts: PromptSource = "random"
 
     def __post_init__(self) -> None:
+        if self.prompts not in PROMPT_SOURCES:
+            raise ValueError(f"prompts must be one of {PROMPT_SOURCES}, got {self.prompts!r}")
         if self.rps <= 0:
             raise ValueError(f"rps must be > 0, got {self.rps}")
         if not 0.0 <= self.long_share <= 1.0:
@@ -71,8 +81,13 @@ class MixSpec:
         return asdict(self)
 
 
-def mixed_requests(spec: MixSpec, stream: int = 0) -> Iterator[WorkloadRequest]:
-    """Requests in arrival order, forever; `stream` separates independent users' sequences."""
+def mixed_requests(spec: MixSpec, stream: int = 0,
+                   pool: ChatPromptPool | None = None) -> Iterator[WorkloadRequest]:
+    """Requests in arrival order, forever; `stream` separates independent users' sequences.
+    Real prompts come from `pool`."""
+    real = pool if spec.prompts == "real" else None
+    if spec.prompts == "real" and real is None:
+        raise ValueError("prompts='real' needs a ChatPromptPool")
     start = 0.0
     for block in itertools.count():
         rng = np.random.default_rng([spec.seed, stream, block])
@@ -85,7 +100,8 @@ def mixed_requests(spec: MixSpec, stream: int = 0) -> Iterator[WorkloadRequest]:
         for i in range(BLOCK):
             n = long_lens[i] if is_long[i] else short_lens[i]
             kind = "long" if is_long[i] else "short"
-            prompt = random_prompt(rng, n, spec.vocab_size, spec.avoid_ids)
+            prompt = (real.draw(rng, bool(is_long[i])) if real else
+                      random_prompt(rng, n, spec.vocab_size, spec.avoid_ids))
             yield WorkloadRequest(f"{kind}-{stream}-{block * BLOCK + i}", prompt, out_lens[i],
                                   times[i], kind)
 

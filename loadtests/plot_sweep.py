@@ -43,12 +43,15 @@ def plot(rows: list[dict[str, Any]], config: dict[str, Any], path: Path) -> Path
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    mix = config["mix"]
+    mix, real = config["mix"], config.get("real_prompt_lens")
+    prompts = (f"chat prompts {real['short'][0]}-{real['short'][1]} tokens with {mix['long_share']:.0%} "
+               f"passage tasks ({real['long'][0]}-{real['long'][1]})" if real else
+               f"prompts ~{mix['prompt_median']} tokens with {mix['long_share']:.0%} long "
+               f"({mix['long_min']}-{mix['long_max']})")
     fig.suptitle(
         f"{config['model']} on {config.get('machine', 'CPU')}, {config['torch_threads']} torch thread(s): "
         f"stall_free MBP {config['chunk_mbp']}, dynamic/static MBP {config['whole_prompt_mbp']}, "
-        f"KV {config['kv_tokens']} tokens for all\nprompts ~{mix['prompt_median']} tokens with "
-        f"{mix['long_share']:.0%} long ({mix['long_min']}-{mix['long_max']}), outputs "
+        f"KV {config['kv_tokens']} tokens for all\n{prompts}, outputs "
         f"~{mix['output_median']} tokens; open-loop Poisson, {config['duration_s']:g} s per point",
         fontsize=10)
     fig.tight_layout()

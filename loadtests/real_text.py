@@ -106,6 +106,10 @@ LONG_TASKS: tuple[str, ...] = (
 )
 
 
+# The share of prompts that quote a passage (~300 tokens on SmolLM2; questions are ~40).
+LONG_FRACTION = 0.25
+
+
 def chat_messages(rng: random.Random, long_fraction: float) -> list[dict[str, str]]:
     """One user turn: a short question, or (with probability `long_fraction`) a passage and a
     task about it."""
@@ -116,7 +120,7 @@ def chat_messages(rng: random.Random, long_fraction: float) -> list[dict[str, st
     return [{"role": "user", "content": text}]
 
 
-def chat_prompts(tokenizer: Any, n: int, seed: int = 0, long_fraction: float = 0.25) -> list[list[int]]:
+def chat_prompts(tokenizer: Any, n: int, seed: int = 0, long_fraction: float = LONG_FRACTION) -> list[list[int]]:
     """`n` chat-templated prompts (token ids, the model's own template with the generation
     prompt), the same for a given seed."""
     rng = random.Random(seed)

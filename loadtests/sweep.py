@@ -2,6 +2,7 @@
 
     python -m loadtests.sweep            # the full sweep (about 16 minutes on 2 CPU cores)
     python -m loadtests.sweep --quick    # a short run: two rates, short windows
+    python -m loadtests.sweep --model embedded:smollm2 --out docs/sweep_smollm2   # real model and prompts
 
 For each policy (static, dynamic, stall_free) it starts the server on a private Ray instance
 (`loadtests/serve_local.py`) with the same model and KV capacity, warms it up, then drives it
@@ -9,6 +10,15 @@ with the same Locust workload (`loadtests/locustfile.py`, open-loop Poisson, a s
 prompts) at each rate of a rising series, and stops it. Budgets: `stall_free` gets the chunk
 budget `--chunk`; `dynamic` and `static` prefill whole prompts, so their MBP is the longest
 prompt of the workload (rounded up to 256) -- with a smaller one they could never admit it.
+
+On a real model (any but the random-weight embedded:tiny/mid) the prompts are real chat prompts
+(`--prompts real`; `--prompts random` for random ids): a short request gets one of the
+questions of `loadtests/real_text.py`, a long one (`--long-share`) a passage and a task about
+it, in the model's own chat template (~40 and ~300 tokens on SmolLM2), sent as token ids by the
+Locust process, which loads the model's tokenizer (no weights). Kinds, output lengths and
+arrivals are the very ones the random mix draws; the prompt-length flags then do nothing.
+The replicas' prefix cache is off unless `--prefix-caching`: real prompts repeat a system
+prompt and a few passages, and a cache would hide the prefills the policies differ on.
 
 Writes `docs/sweep.json` (config + one row per policy and rate), `docs/sweep.csv` and the
 figure: p99 TBT and p99 TTFT against the offered rate with the SLOs as horizontal lines, and
@@ -35,6 +45,7 @@ from loadtests.loadtest import (add_mix_arguments, add_slo_arguments, load_sampl
                                 run_locust, summarize)
 from loadtests.mix import MixSpec, mixed_requests
 from loadtests.plot_sweep import plot
+from loadtests.workloads import ChatPromptPool, default_prompt_source
 from replicas.config import EngineConfig
 
 POLICIES = ("static", "dynamic", "stall_free")
@@ -49,26 +60,30 @@ CSV_COLUMNS = ("policy", "rps", "requests", "finished", "errors", "unfinished", 
                "output_tok_s", "req_s", "goodput_req_s", "max_gap_slo_request_share", "mbp")
 
 
-def whole_prompt_mbp(mix: MixSpec, multiple: int = 256) -> int:
-    """The smallest MBP (rounded up) that lets a whole-prompt policy prefill the longest prompt."""
-    return -(-max(mix.long_max, mix.short_prompt.hi) // multiple) * multiple
+def whole_prompt_mbp(mix: MixSpec, pool: ChatPromptPool | None = None, multiple: int = 256) -> int:
+    """The smallest MBP (rounded up) that lets a whole-prompt policy prefill the longest prompt
+    (of `pool` when the mix sends real prompts)."""
+    longest = pool.max_prompt_len if pool else max(mix.long_max, mix.short_prompt.hi)
+    return -(-longest // multiple) * multiple
 
 
-def app_args(args: argparse.Namespace, policy: str, mix: MixSpec) -> dict[str, Any]:
+def app_args(args: argparse.Namespace, policy: str, mix: MixSpec,
+             pool: ChatPromptPool | None = None) -> dict[str, Any]:
     """Every line gets the SLO (metrics); only `stall_free+slo` lets it choose the budget."""
-    mbp = args.chunk if policy == "stall_free" else whole_prompt_mbp(mix)
+    mbp = args.chunk if policy == "stall_free" else whole_prompt_mbp(mix, pool)
     return {"model": args.model, "policy": "stall_free" if policy == SLO_POLICY else policy,
             "max_batch_prefill_tokens": mbp, "slo_budget": policy == SLO_POLICY,
+            "enable_prefix_caching": args.prefix_caching,
             "max_batch_total_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
             "num_cpus": 1, "torch_threads": args.threads, "tbt_slo_ms": args.tbt_slo_ms,
             "pass_trace_dir": str((args.runs_dir / f"passes_{policy}").resolve()),
             "budget_margin": args.budget_margin}
 
 
-def warm_up(base_url: str, mix: MixSpec, model: str) -> None:
+def warm_up(base_url: str, mix: MixSpec, model: str, pool: ChatPromptPool | None = None) -> None:
     """One long and two short requests, one after another: first-call costs stay out of the
     first point."""
-    reqs = mixed_requests(mix, stream=99)
+    reqs = mixed_requests(mix, stream=99, pool=pool)
     picked = [next(r for r in reqs if r.kind == "long")] + [next(r for r in reqs if r.kind == "short")
                                                            for _ in range(2)]
     with httpx.Client(base_url=base_url, timeout=600) as client:
@@ -77,11 +92,12 @@ def warm_up(base_url: str, mix: MixSpec, model: str) -> None:
                                                  "max_tokens": 8, "ignore_eos": True}).raise_for_status()
 
 
-def run_policy(args: argparse.Namespace, policy: str, mix: MixSpec, bar: tqdm) -> list[dict[str, Any]]:
+def run_policy(args: argparse.Namespace, policy: str, mix: MixSpec, pool: ChatPromptPool | None,
+               bar: tqdm) -> list[dict[str, Any]]:
     """Start the server for `policy`, run every rate against it, stop it."""
     port = serve_local.free_port()
     base = f"http://127.0.0.1:{port}"
-    server_args = app_args(args, policy, mix)
+    server_args = app_args(args, policy, mix, pool)
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     bar.set_postfix_str(f"{policy}: starting server")
     proc = serve_local.launch(port, server_args, log_path=str(args.runs_dir / f"server_{policy}.log"))
@@ -89,7 +105,7 @@ def run_policy(args: argparse.Namespace, policy: str, mix: MixSpec, bar: tqdm) -
     try:
         serve_local.wait_healthy(base, proc, timeout_s=600)
         bar.set_postfix_str(f"{policy}: warm-up")
-        warm_up(base, mix, args.model)
+        warm_up(base, mix, args.model, pool)
         for rps in args.rates:
             point_mix = dataclasses.replace(mix, rps=rps)
             label = f"{policy} @ {rps:g} req/s"
@@ -154,7 +170,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # 128-token hybrid pass 120-450 ms, a whole 1.5k-2k-token prefill 1.2-5 s.
     add_slo_arguments(p, ttft_ms=5000.0, tbt_ms=1000.0)
     add_mix_arguments(p, SWEEP_MIX)
+    p.set_defaults(prompts=None)  # chosen by the model below
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="let the replicas share cached prompt prefixes (off: every prompt token is "
+                        "computed; real prompts repeat a system prompt and a few passages)")
     args = p.parse_args(argv)
+    args.prompts = args.prompts or default_prompt_source(args.model)
     if args.rates is None:
         args.rates = "0.3,0.8" if args.quick else "0.2,0.4,0.6,0.8"
     args.rates = [float(x) for x in args.rates.split(",")]
@@ -169,21 +190,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     mix = mix_from_args(args, args.rates[0])
-    config = {"model": args.model, "policies": args.policies, "rates": args.rates,
+    pool = ChatPromptPool.for_model(args.model, mix.seed) if mix.prompts == "real" else None
+    config = {"model": args.model, "prompts": mix.prompts,
+              "real_prompt_lens": pool.summary() if pool else None,
+              "prefix_caching": args.prefix_caching, "policies": args.policies, "rates": args.rates,
               "duration_s": args.duration, "drain_s": args.drain, "chunk_mbp": args.chunk,
-              "whole_prompt_mbp": whole_prompt_mbp(mix), "kv_tokens": args.kv_tokens,
+              "whole_prompt_mbp": whole_prompt_mbp(mix, pool), "kv_tokens": args.kv_tokens,
               "max_num_seqs": args.max_num_seqs, "torch_threads": args.threads,
               "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms,
               "budget_margin": args.budget_margin, "mix": {k: v for k, v in mix.to_dict().items() if k != "rps"},
               "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows: list[dict[str, Any]] = []
-    print(f"sweep: {args.model}, policies {args.policies}, rates {args.rates} req/s, "
-          f"{args.duration:g} s per point; long prompts {mix.long_share:.0%} of requests")
+    print(f"sweep: {args.model}, {mix.prompts} prompts, policies {args.policies}, rates {args.rates} "
+          f"req/s, {args.duration:g} s per point; long prompts {mix.long_share:.0%} of requests")
     print(HEADER)
     with tqdm(total=len(args.policies) * len(args.rates), desc="sweep", unit="point") as bar:
         for policy in args.policies:
-            rows += run_policy(args, policy, mix, bar)
+            rows += run_policy(args, policy, mix, pool, bar)
             write_outputs(args.out, config, rows)  # partial results survive an interrupted run
     config["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write_outputs(args.out, config, rows)

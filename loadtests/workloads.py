@@ -16,6 +16,13 @@ prompts, the same lengths and the same arrival schedule.
 - `multi_turn_conversations`: conversations whose every turn resends the whole history (system
   prompt, earlier turns and answers) plus a new user message; driven closed-loop.
 - `poisson_arrivals` / `with_poisson_arrivals`: an open-loop arrival schedule.
+
+Prompts are random token ids by default: lengths are exact and nothing is shared, which is all a
+random-weight test model (embedded:tiny, embedded:mid) can use. A real model gets real prompts:
+`ChatPromptPool` holds chat-templated prompts in the model's own template
+(`loadtests/real_text.chat_prompts`: short questions and passage tasks), and
+`with_chat_prompts` puts them in place of a workload's random ones, keeping every request's id,
+arrival and output length (still exact, run with `ignore_eos`).
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from autoscale.load import percentile
+from loadtests.real_text import LONG_FRACTION, chat_prompts
+from replicas.model_files import EMBEDDED_MODELS, EMBEDDED_PREFIX, load_tokenizer
 
 DistKind = Literal["lognormal", "pareto", "uniform", "fixed"]
 
@@ -300,3 +309,64 @@ def multi_turn_conversations(vocab_size: int, seed: int = 0, *, num_conversation
         turns = [(random_prompt(rng, n, vocab_size, avoid_ids), output) for n in user.sample(rng, num_turns)]
         out.append(Conversation(f"conv-{c}", system, turns))
     return out
+
+
+# ---- prompt sources -----------------------------------------------------------------
+
+PromptSource = Literal["random", "real"]
+PROMPT_SOURCES: tuple[PromptSource, ...] = ("random", "real")
+
+
+def default_prompt_source(model: str) -> PromptSource:
+    """`random` for the random-weight test models (their text means nothing), `real` otherwise."""
+    test_model = model.startswith(EMBEDDED_PREFIX) and model[len(EMBEDDED_PREFIX):] in EMBEDDED_MODELS
+    return "random" if test_model else "real"
+
+
+@dataclass(frozen=True)
+class ChatPromptPool:
+    """Chat-templated prompts in a model's own template, by kind: short questions and long
+    passage tasks (`loadtests/real_text`), drawn from with a workload's RNG."""
+
+    short: tuple[tuple[int, ...], ...]
+    long: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, seed: int = 0, size: int = 64) -> ChatPromptPool:
+        """`size` prompts of each kind, the same for a given seed."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("real prompts need a tokenizer with a chat template")
+        return cls(*(tuple(tuple(p) for p in chat_prompts(tokenizer, size, seed, long_fraction))
+                     for long_fraction in (0.0, 1.0)))
+
+    @classmethod
+    def for_model(cls, model: str, seed: int = 0) -> ChatPromptPool:
+        """The pool of `model`'s tokenizer (no weights loaded, no torch imported)."""
+        return cls.from_tokenizer(load_tokenizer(model), seed)
+
+    def draw(self, rng: np.random.Generator, long: bool) -> list[int]:
+        prompts = self.long if long else self.short
+        return list(prompts[rng.integers(len(prompts))])
+
+    def summary(self) -> dict:
+        """Prompt-length range of each kind, for JSON configs."""
+        return {kind: [min(map(len, p)), max(map(len, p))]
+                for kind, p in (("short", self.short), ("long", self.long))}
+
+    @property
+    def max_prompt_len(self) -> int:
+        return max(len(p) for p in self.short + self.long)
+
+
+def with_chat_prompts(workload: Workload, pool: ChatPromptPool,
+                      long_fraction: float = LONG_FRACTION) -> Workload:
+    """The same requests (ids, arrivals, output lengths) with chat prompts from `pool` in place
+    of their own: a `long_fraction` share are passage tasks (kind "long"), the rest questions
+    ("short"); drawn from the workload's seed."""
+    rng = np.random.default_rng(workload.seed)
+    longs = rng.random(len(workload)) < long_fraction
+    reqs = [dataclasses.replace(r, prompt_token_ids=pool.draw(rng, bool(long)),
+                                kind="long" if long else "short")
+            for r, long in zip(workload.requests, longs)]
+    prompt = {"source": "real", "long_fraction": long_fraction, "lengths": pool.summary()}
+    return Workload(workload.name, reqs, workload.seed, {**workload.settings, "prompt": prompt})

@@ -1,6 +1,7 @@
 """The engine benchmark runs end to end on the tiny model: every system produces a row with
 positive throughput on every workload, the JSON holds the rows and config, the workloads are
-what they claim, and the metrics and target ratios are computed right."""
+what they claim, and the metrics and target ratios are computed right. On the real model the
+chat workloads send its chat-templated prompts to every system, HF baselines included."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from loadtests.bench_engine import (POISSON_RATE, WORKLOADS, Trace, build_workloads, check_targets,
                                     kv_capacity, main, summarize)
-from loadtests.workloads import long_prompt_workload
+from loadtests.workloads import ChatPromptPool, long_prompt_workload
+from replicas.model_files import load_tokenizer
 
 ENGINE = ["engine_static", "engine_dynamic", "engine_stall_free"]
 ALL = ["hf_generate_static16", "hf_generate_batch", *ENGINE]
@@ -51,6 +53,22 @@ def test_workloads_are_deterministic_and_chat_poisson_is_chat_retimed(quick: boo
     assert 0.5 * len(chat) / rate < arrivals[-1] < 2 * len(chat) / rate
     assert poisson.settings["poisson_rate"] == rate
     assert build_workloads(VOCAB, [], quick, 0, poisson_rate=3.0)[1].settings["poisson_rate"] == 3.0
+
+
+def test_real_prompts_go_to_chat_and_chat_poisson_only() -> None:
+    """With a pool, chat carries real prompts (arrivals and output lengths unchanged) and
+    chat_poisson is still chat re-timed; long_prompt and long_context keep their random ids."""
+    pool = ChatPromptPool.from_tokenizer(load_tokenizer("embedded:smollm2"), seed=0)
+    random, real = (build_workloads(VOCAB, [0, 1, 2], True, seed=0, pool=p) for p in (None, pool))
+    chat, poisson = real[0], real[1]
+    assert chat.output_lens == random[0].output_lens and poisson.output_lens == random[1].output_lens
+    assert [r.arrival_s for r in poisson.requests] == [r.arrival_s for r in random[1].requests]
+    assert [dataclasses.replace(r, arrival_s=0.0) for r in poisson.requests] == chat.requests
+    prompts = set(pool.short + pool.long)
+    assert all(tuple(r.prompt_token_ids) in prompts for r in chat.requests)
+    assert {r.kind for r in chat.requests} == {"short", "long"}
+    assert chat.settings["prompt"]["source"] == "real"
+    assert [w.requests for w in real[2:]] == [w.requests for w in random[2:]]
 
 
 def test_long_context_sizes_and_kv_capacity() -> None:
@@ -125,3 +143,27 @@ def test_bench_smoke_on_tiny_model(tmp_path: Path) -> None:
     assert got[("long_prompt", "engine_dynamic")]["mbp"] >= data["workloads"]["long_prompt"]["prompt_len_max"]
     assert data["config"]["model"] == "embedded:tiny"
     assert "engine_stall_free" in data["table"]
+
+
+def test_bench_smoke_on_the_real_model_with_real_prompts(tmp_path: Path) -> None:
+    """Two chat requests (seed 22: a question and a passage task, 10 and 18 tokens out) on
+    SmolLM2 through HF static batches, generate_batch and stall_free: every system makes every
+    token of the same real prompts, and the config says which prompts and model ran."""
+    out = tmp_path / "bench.json"
+    systems = ["hf_generate_static16", "hf_generate_batch", "engine_stall_free"]
+    main(["--model", "embedded:smollm2", "--quick", "--workloads", "chat", "--chat-requests", "2",
+          "--seed", "22", "--systems", ",".join(systems), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["config"]["model"] == "embedded:smollm2" and data["config"]["prompts"] == "real"
+    assert data["config"]["prefix_caching"] is False
+    short, long = data["config"]["real_prompt_lens"]["short"], data["config"]["real_prompt_lens"]["long"]
+    chat = data["workloads"]["chat"]
+    assert chat["settings"]["prompt"]["source"] == "real" and chat["num_requests"] == 2
+    assert short[0] <= chat["prompt_len_p50"] <= short[1] and long[0] <= chat["prompt_len_max"] <= long[1]
+    rows = {r["system"]: r for r in data["rows"]}
+    assert sorted(rows) == sorted(systems)
+    for row in rows.values():
+        assert "error" not in row, row.get("error")
+        assert row["output_tokens"] == chat["output_tokens"] == 10 + 18
+    assert rows["hf_generate_batch"]["allow_block_sharing"] is False
+    assert "embedded:smollm2, real chat prompts" in data["table"]

@@ -1,5 +1,6 @@
 """A short Locust run against a live server ends with zero failures and TTFT/TBT/E2E entries;
-the summary's numbers (percentiles, goodput, censored TTFTs) are computed as documented.
+the summary's numbers (percentiles, goodput, censored TTFTs) are computed as documented. Real
+chat prompts change the prompts of the mix and nothing else, and reach the server as sent.
 
 The server runs in a subprocess on its own Ray instance (`loadtests/serve_local.py`), so this
 test may share a pytest session with tests/app, whose Ray lives in the pytest process.
@@ -8,6 +9,7 @@ test may share a pytest session with tests/app, whose Ray lives in the pytest pr
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,8 @@ from loadtests.loadtest import main as loadtest_main
 from loadtests.loadtest import parse_duration, summarize
 from loadtests.mix import MixSpec, mixed_requests
 from loadtests.sweep import whole_prompt_mbp
+from loadtests.workloads import ChatPromptPool
+from replicas.model_files import load_tokenizer
 
 SERVER_ARGS = {"model": "embedded:tiny", "policy": "stall_free", "max_batch_prefill_tokens": 256,
                "max_batch_total_tokens": 8192, "max_num_seqs": 32, "num_cpus": 1,
@@ -78,6 +82,26 @@ def test_whole_prompt_budget_admits_the_longest_prompt() -> None:
     assert whole_prompt_mbp(mix) == 1536 >= mix.long_max
 
 
+def test_real_mix_is_the_random_mix_with_chat_prompts() -> None:
+    """Same ids, kinds, output lengths and arrivals; a short request gets a question, a long
+    one a passage task, both from the pool."""
+    pool = ChatPromptPool.for_model("embedded:smollm2", seed=7)
+    spec = MixSpec(rps=2.0, seed=7, long_share=0.2)
+    rand = [r for r, _ in zip(mixed_requests(spec), range(150))]
+    real = [r for r, _ in zip(mixed_requests(dataclasses.replace(spec, prompts="real"), pool=pool), range(150))]
+    keep = lambda reqs: [(r.request_id, r.kind, r.max_tokens, r.arrival_s) for r in reqs]  # noqa: E731
+    assert keep(real) == keep(rand)
+    assert real == [r for r, _ in zip(mixed_requests(dataclasses.replace(spec, prompts="real"), pool=pool),
+                                     range(150))]
+    assert all(tuple(r.prompt_token_ids) in (pool.long if r.kind == "long" else pool.short) for r in real)
+    assert 0.1 < sum(r.kind == "long" for r in real) / 150 < 0.3
+    assert whole_prompt_mbp(spec, pool) == 512 >= pool.max_prompt_len
+    with pytest.raises(ValueError, match="ChatPromptPool"):
+        next(mixed_requests(dataclasses.replace(spec, prompts="real")))
+    with pytest.raises(ValueError, match="prompts"):
+        MixSpec(prompts="text")  # type: ignore[arg-type]
+
+
 # ---- against a live server ------------------------------------------------------------------
 
 
@@ -113,6 +137,25 @@ def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: 
     assert (tmp_path / "loadtest.html").stat().st_size > 0
 
 
+def test_real_prompts_reach_the_server_as_sent(live_server: str, tmp_path: Path) -> None:
+    """`--prompts real`: the Locust process builds the pool from --model's tokenizer; every
+    request is one of its prompts and gets exactly its max_tokens."""
+    pool = ChatPromptPool.from_tokenizer(load_tokenizer("embedded:tiny"), seed=3)
+    code = loadtest_main(["--host", live_server, "--duration", "4s", "--drain", "30s", "--rps", "2",
+                          "--out", str(tmp_path), "--prompts", "real", "--model", "embedded:tiny",
+                          *SMOKE_MIX])
+    assert code == 0
+    samples = [json.loads(line) for line in (tmp_path / "loadtest_samples.jsonl").read_text().splitlines()]
+    assert samples[0]["mix"]["prompts"] == "real"
+    reqs = samples[1:]
+    assert reqs and all(r["finished"] and r["completion_tokens"] == r["max_tokens"] for r in reqs)
+    for r in reqs:
+        assert r["prompt_len"] in {len(p) for p in (pool.long if r["kind"] == "long" else pool.short)}
+        assert r["prompt_tokens"] == r["prompt_len"]  # the server's count of the ids it got
+    with pytest.raises(SystemExit):
+        loadtest_main(["--host", live_server, "--prompts", "real"])  # which tokenizer? no --model
+
+
 def test_the_sweep_lets_only_its_slo_line_choose_the_budget() -> None:
     from app.args import AppArgs
     from loadtests.sweep import SLO_POLICY, SWEEP_MIX, app_args, parse_args
@@ -129,3 +172,23 @@ def test_the_sweep_lets_only_its_slo_line_choose_the_budget() -> None:
     assert fixed["pass_trace_dir"].endswith("passes_stall_free") and slo["pass_trace_dir"].endswith(SLO_POLICY)
     narrow = parse_args(["--quick", "--budget-margin", "0.7"])
     assert AppArgs(**app_args(narrow, SLO_POLICY, SWEEP_MIX)).engine_config().budget_margin == 0.7
+
+
+def test_the_sweep_sends_real_prompts_on_a_real_model() -> None:
+    """The prompt source follows the model; whole-prompt policies get a budget that admits the
+    longest real prompt; the prefix cache stays off unless asked (real prompts repeat)."""
+    from app.args import AppArgs
+    from loadtests.loadtest import mix_from_args
+    from loadtests.sweep import app_args, parse_args
+
+    assert parse_args(["--quick"]).prompts == "random"  # embedded:mid, random weights
+    args = parse_args(["--quick", "--model", "embedded:smollm2"])
+    assert args.prompts == "real" and parse_args(["--model", "embedded:smollm2", "--prompts", "random"]).prompts == "random"
+    mix = mix_from_args(args, 1.0)
+    pool = ChatPromptPool.for_model(args.model, mix.seed)
+    dynamic = app_args(args, "dynamic", mix, pool)
+    assert dynamic["max_batch_prefill_tokens"] == 512 >= pool.max_prompt_len
+    assert dynamic["enable_prefix_caching"] is False and dynamic["model"] == "embedded:smollm2"
+    assert AppArgs(**dynamic).engine_config().enable_prefix_caching is False
+    cached = parse_args(["--quick", "--model", "embedded:smollm2", "--prefix-caching"])
+    assert app_args(cached, "stall_free", mix, pool)["enable_prefix_caching"] is True

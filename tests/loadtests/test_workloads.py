@@ -1,5 +1,6 @@
 """Workloads are pure functions of their seed: same seed, same requests; lengths stay in bounds
-and keep the heavy tail and arrival rate they are built to have."""
+and keep the heavy tail and arrival rate they are built to have. Real chat prompts replace a
+workload's prompts and nothing else."""
 
 from __future__ import annotations
 
@@ -7,11 +8,20 @@ import numpy as np
 import pytest
 
 from autoscale.load import percentile
-from loadtests.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LengthDist, Workload, chat_workload,
-                                 long_context_workload, long_prompt_workload, poisson_arrivals,
-                                 random_prompt, with_poisson_arrivals)
+from loadtests.real_text import LONG_FRACTION
+from loadtests.workloads import (CHAT_OUTPUT, CHAT_PROMPT, ChatPromptPool, LengthDist, Workload,
+                                 chat_workload, default_prompt_source, long_context_workload,
+                                 long_prompt_workload, poisson_arrivals, random_prompt,
+                                 with_chat_prompts, with_poisson_arrivals)
+from replicas.model_files import load_tokenizer
 
 VOCAB = 32000
+REAL_MODEL = "embedded:smollm2"
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    return load_tokenizer(REAL_MODEL)  # the tokenizer only: no weights, no torch
 
 
 def test_chat_workload_is_deterministic_under_its_seed() -> None:
@@ -154,3 +164,52 @@ def test_shared_prefix_and_multi_turn_workloads_repeat_exactly_what_they_say():
     p2 = c.prompt(2, answers)
     assert p2 == c.system + c.turns[0][0] + [1, 2] + c.turns[1][0] + [3] + c.turns[2][0]
     assert c.prompt(1, answers[:1]) == p2[:len(c.prompt(1, answers[:1]))]  # each turn extends the last
+
+
+def test_real_prompts_are_the_default_only_for_real_models() -> None:
+    assert default_prompt_source("embedded:tiny") == default_prompt_source("embedded:mid") == "random"
+    assert default_prompt_source(REAL_MODEL) == default_prompt_source("/models/x.gguf") == "real"
+    assert default_prompt_source("tiny") == "real"  # a path or hub id, not the test model
+
+
+def test_chat_prompt_pool_is_chat_templated_short_and_long(smol_tokenizer) -> None:
+    pool = ChatPromptPool.from_tokenizer(smol_tokenizer, seed=0)
+    assert pool == ChatPromptPool.from_tokenizer(smol_tokenizer, seed=0)
+    assert pool != ChatPromptPool.from_tokenizer(smol_tokenizer, seed=1)
+    for prompt in pool.short + pool.long:
+        text = smol_tokenizer.decode(prompt)
+        assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert all(len(p) < 64 for p in pool.short) and all(len(p) > 256 for p in pool.long)
+    assert "text above" in smol_tokenizer.decode(pool.long[0])  # a passage and a task about it
+    lens = pool.summary()
+    assert lens["short"][1] < 64 < 256 < lens["long"][0] and pool.max_prompt_len == lens["long"][1]
+
+
+def test_chat_prompt_pool_needs_a_chat_template(smol_tokenizer) -> None:
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="chat template"):
+        ChatPromptPool.from_tokenizer(NoTemplate())
+
+
+def test_with_chat_prompts_replaces_prompts_only(smol_tokenizer) -> None:
+    """Ids, arrivals and output lengths stay; a LONG_FRACTION share are passage tasks; the same
+    workload and pool give the same prompts."""
+    pool = ChatPromptPool.from_tokenizer(smol_tokenizer, seed=0)
+    base = with_poisson_arrivals(chat_workload(400, VOCAB, seed=3), rate=5.0)
+    real = with_chat_prompts(base, pool)
+    assert real.requests == with_chat_prompts(base, pool).requests
+    assert real.requests != with_chat_prompts(with_poisson_arrivals(chat_workload(400, VOCAB, seed=4),
+                                                                    rate=5.0), pool).requests
+    keep = lambda w: [(r.request_id, r.arrival_s, r.max_tokens) for r in w.requests]  # noqa: E731
+    assert keep(real) == keep(base) and real.name == base.name and real.seed == base.seed
+    shorts = [r for r in real.requests if r.kind == "short"]
+    longs = [r for r in real.requests if r.kind == "long"]
+    assert len(shorts) + len(longs) == 400
+    assert abs(len(longs) / 400 - LONG_FRACTION) < 0.07
+    assert {tuple(r.prompt_token_ids) for r in shorts} <= set(pool.short)
+    assert {tuple(r.prompt_token_ids) for r in longs} <= set(pool.long)
+    assert real.settings["prompt"] == {"source": "real", "long_fraction": LONG_FRACTION,
+                                       "lengths": pool.summary()}
+    assert real.settings["poisson_rate"] == 5.0  # the rest of the settings stay
