@@ -5,9 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replicas.protocol import SamplingParams
 
@@ -67,7 +65,9 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
+    # A seeded request's own random generator (torch.Generator), made by the sampler on its first
+    # draw: this module stays free of torch for the scheduler and the simulator.
+    generator: Any = None
     # With params.logprobs: (logprob of each output token, ((id, logprob) of the top alternatives)).
     output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     # With params.prompt_logprobs: the same for prompt tokens 1, 2, ... (token 0 has none), appended
@@ -93,8 +93,6 @@ class Request:
 
     def __post_init__(self) -> None:
         params = self.params
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
         # Its token is the logits' argmax and nothing else reads them: no sampling, no logprobs,
         # no logits processing, no grammar (a pass of only such rows skips those steps).
         self.argmax_only = (params.greedy and params.logprobs is None and not params.processes_logits

@@ -153,9 +153,12 @@ def _seeded_noise(requests: list[Request], plain: list[bool], vocab: int, dtype:
     not on what else is in the batch."""
     out: list[torch.Tensor | None] = []
     for r, whole in zip(requests, plain):
-        if r.generator is None:
+        if r.params.seed is None:
             out.append(None)
-        elif whole:
+            continue
+        if r.generator is None:  # the first seeded draw of this request
+            r.generator = torch.Generator().manual_seed(r.params.seed)
+        if whole:
             out.append(torch.rand(1, dtype=dtype, generator=r.generator, device="cpu").to(device))
         else:
             out.append(torch.empty(vocab, dtype=dtype, device="cpu").exponential_(generator=r.generator).to(device))

@@ -261,3 +261,16 @@ def test_a_prompt_only_request_samples_nothing_and_leaves_after_its_prefill(poli
     assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [] and a.token_times == []
     assert len(b.output_token_ids) == 3
     assert s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_the_scheduler_path_imports_no_torch() -> None:
+    """The scheduler, its request state, the block manager and the pass-time model are what the
+    simulator and the router reuse: they must load without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, replicas.scheduler, replicas.request, replicas.kv_cache, replicas.pass_time; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
