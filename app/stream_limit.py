@@ -2,8 +2,8 @@
 
 The token door (`app.admission`) asks whether the engine replicas can *start* a request within
 the queue deadline. It cannot see the path the tokens take back (replica -> ingress -> proxy ->
-client), which in Python and Ray costs about a millisecond of CPU per item per hop (README,
-"Admission and overload"). When that path saturates the engine still has room, so the token door
+client), which in Python and Ray costs about a millisecond of CPU per item per hop
+(docs/results/overload.md). When that path saturates the engine still has room, so the token door
 keeps admitting, and every stream slows together: the collapse the door exists to prevent.
 
 `StreamLimit` is an adaptive concurrency limit (AIMD, as TCP's congestion window and Netflix's

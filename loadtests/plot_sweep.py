@@ -1,6 +1,6 @@
-"""Draw `docs/latency_vs_load.png` from the sweep's rows (or re-draw it from docs/sweep.json).
+"""Draw `docs/results/latency_vs_load.png` from the sweep's rows (or from docs/results/sweep.json).
 
-    python -m loadtests.plot_sweep docs/sweep.json
+    python -m loadtests.plot_sweep docs/results/sweep.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def plot(rows: list[dict[str, Any]], config: dict[str, Any], path: Path) -> Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    src = Path((argv or sys.argv[1:] or ["docs/sweep.json"])[0])
+    src = Path((argv or sys.argv[1:] or ["docs/results/sweep.json"])[0])
     data = json.loads(src.read_text())
     print(plot(data["rows"], data["config"], src.with_name("latency_vs_load.png")))
 

@@ -1,8 +1,8 @@
-"""Latency against load, one line per scheduling policy: `docs/latency_vs_load.png`.
+"""Latency against load, one line per scheduling policy: `docs/results/latency_vs_load.png`.
 
     python -m loadtests.sweep            # the full sweep (about 16 minutes on 2 CPU cores)
     python -m loadtests.sweep --quick    # a short run: two rates, short windows
-    python -m loadtests.sweep --model embedded:smollm2 --out docs/sweep_smollm2   # real model and prompts
+    python -m loadtests.sweep --model embedded:smollm2 --out docs/results/sweep_smollm2   # real model and prompts
 
 For each policy (static, dynamic, stall_free) it starts the server on a private Ray instance
 (`loadtests/serve_local.py`) with the same model and KV capacity, warms it up, then drives it
@@ -20,8 +20,8 @@ arrivals are the very ones the random mix draws; the prompt-length flags then do
 The replicas' prefix cache is off unless `--prefix-caching`: real prompts repeat a system
 prompt and a few passages, and a cache would hide the prefills the policies differ on.
 
-Writes `docs/sweep.json` (config + one row per policy and rate), `docs/sweep.csv` and the
-figure: p99 TBT and p99 TTFT against the offered rate with the SLOs as horizontal lines, and
+Writes `docs/results/sweep.json` (config + one row per policy and rate), `docs/results/sweep.csv`
+and the figure: p99 TBT and p99 TTFT against the offered rate with the SLOs as horizontal lines, and
 output throughput. Locust's own reports of every point land in `--runs-dir`.
 """
 
@@ -163,7 +163,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the replica")
     p.add_argument("--budget-margin", type=float, default=EngineConfig.budget_margin,
                    help=f"{SLO_POLICY}: each pass aimed at the TBT SLO x this")
-    p.add_argument("--out", type=Path, default=Path("docs"), help="sweep.json/.csv and the PNG go here")
+    p.add_argument("--out", type=Path, default=Path("docs/results"), help="sweep.json/.csv and the PNG go here")
     p.add_argument("--runs-dir", type=Path, default=Path("loadtests/out/sweep"),
                    help="Locust reports and server logs of every point")
     # SLOs for a 56M model on a shared 2-core CPU: a decode step takes 60-200 ms there, a

@@ -59,7 +59,7 @@ class EngineConfig:
     slo_budget: bool = True  # False: keep the fixed budget (the SLO then serves metrics and scaling)
     # With the SLO budget: a waiting request starts only while the running requests' decodes and
     # it, beside a slo_budget_floor chunk, are predicted within the target (pass_time.SloAdmission).
-    # Opt-in: it trades throughput and TTFT for the SLO (measured in the README).
+    # Opt-in: it trades throughput and TTFT for the SLO (measured: docs/results/engine.md).
     slo_admission: bool = False
     budget_margin: float = 0.8
     slo_budget_floor: int = 16

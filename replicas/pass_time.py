@@ -47,7 +47,7 @@ _PREFILL = FEATURES.index("prefill_tokens")  # in a window row's features
 # pass over the SLO is a gap over it for every stream in the pass. The window's own quantile
 # cannot see past its 128 passes; on this project's 2-core CPU, passes near the target ran at a
 # median 1.0x their prediction, p90 ~1.15x, and in 1-2% of them 1.25-1.35x, each of those a gap
-# over the SLO (docs/sweep.md); the spread's tail there is ~1.4x. On a quiet accelerator the
+# over the SLO (docs/results/sweep.md); the spread's tail there is ~1.4x. On a quiet accelerator the
 # spread is a few percent and the margin alone applies.
 RATIO_QUANTILE = 0.99
 TAIL_Z = 3.09  # the standard normal's 99.9th percentile

@@ -1,14 +1,14 @@
 """Cluster simulator CLI: every command prints a table and writes JSON.
 
     python -m loadtests.sim run --policy stall_free --mbp 512 --rate 3 -n 2000
-    python -m loadtests.sim capacity            # docs/capacity.png + docs/sim_capacity.json
-    python -m loadtests.sim routing             # docs/sim_routing.json
-    python -m loadtests.sim prefix-routing      # multi-turn chat: docs/sim_prefix_routing.json
-    python -m loadtests.sim slo-budget          # docs/sim_slo_budget.json
-    python -m loadtests.sim slo-goodput         # docs/sim_slo_goodput.json
-    python -m loadtests.sim autoscale           # docs/sim_autoscale.json (+ timeline CSV)
-    python -m loadtests.sim speed               # 100k requests x 64 replicas: docs/sim_speed.json
-    python -m loadtests.sim calibrate           # fit against the CPU engine: docs/sim_calibration.json
+    python -m loadtests.sim capacity            # docs/results/capacity.png + sim_capacity.json
+    python -m loadtests.sim routing             # docs/results/sim_routing.json
+    python -m loadtests.sim prefix-routing      # multi-turn chat: docs/results/sim_prefix_routing.json
+    python -m loadtests.sim slo-budget          # docs/results/sim_slo_budget.json
+    python -m loadtests.sim slo-goodput         # docs/results/sim_slo_goodput.json
+    python -m loadtests.sim autoscale           # docs/results/sim_autoscale.json (+ timeline CSV)
+    python -m loadtests.sim speed               # 100k requests x 64 replicas: docs/results/sim_speed.json
+    python -m loadtests.sim calibrate           # fit against the CPU engine: docs/results/sim_calibration.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from loadtests.sim.simulator import SimConfig, Simulator
 from loadtests.sim.traffic import make_trace
 from replicas.config import POLICIES
 
-DOCS = Path("docs")
+DOCS = Path("docs/results")
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -183,7 +183,7 @@ def _gpu_model(p: argparse.ArgumentParser) -> None:
 
 
 def _seed_json(p: argparse.ArgumentParser, json_name: str, seed: bool = True) -> None:
-    """What experiments share: a seed, and where the JSON goes (under docs/)."""
+    """What experiments share: a seed, and where the JSON goes (under docs/results/)."""
     if seed:
         p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=DOCS / json_name)

@@ -1,6 +1,6 @@
 """Calibrate the cost model against the real engine, then check the simulator on a held-out run.
 
-    python -m loadtests.sim.calibrate [--model embedded:mid] [--json docs/sim_calibration.json]
+    python -m loadtests.sim.calibrate [--model embedded:mid] [--json docs/results/sim_calibration.json]
     python -m loadtests.sim.calibrate --iterations iters.json   # fit timings logged elsewhere (a GPU)
 
 1. Fit run: the real `replicas.Engine` serves a fixed-seed chat trace (Poisson arrivals, one
@@ -36,7 +36,7 @@ from loadtests.sim.replica import ReplicaSpec
 from loadtests.sim.simulator import SimConfig, Simulator
 from replicas.config import EngineConfig
 
-DEFAULT_JSON = Path("docs/sim_calibration.json")
+DEFAULT_JSON = Path("docs/results/sim_calibration.json")
 
 
 # Each compared metric: the engine run's key (exact nearest-rank) and the simulator's (its TBT

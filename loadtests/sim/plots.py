@@ -1,4 +1,4 @@
-"""Figures: capacity per policy and SLO (docs/capacity.png)."""
+"""Figures: capacity per policy and SLO (docs/results/capacity.png)."""
 
 from __future__ import annotations
 
