@@ -149,7 +149,8 @@ class LLMServer:
         finished = started = False
         unfinished = len(batch) * params.n  # choices still generating (their deltas share the stream)
         try:
-            yield Acknowledged(request_id, "", [], False, None, num_prompt_tokens, 0,
+            yield Acknowledged(request_id=request_id, delta_text="", delta_token_ids=[], finished=False,
+                               finish_reason=None, num_prompt_tokens=num_prompt_tokens, num_output_tokens=0,
                                replica_id=self.replica_id, at=time.time())
             async for out in stream:
                 self._queued.pop(request_id, None)

@@ -31,9 +31,9 @@ from replicas.scheduler import Scheduler, SchedulerOutput
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CompletionOutput:
-    """A finished request, as `Engine.generate` returns it."""
+    """A finished request, as `Engine.generate` returns it (built by keyword)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -356,12 +356,13 @@ class Engine:
         # The prompt's logprobs go with the first output after it is computed.
         scored = (params.prompt_logprobs is not None and sent == 0
                   and req.num_computed_tokens >= req.num_prompt_tokens)
-        out = RequestOutput(req.request_id, detok.take_delta(finished), out_ids[sent:],
-                            finished, req.finish_reason if finished else None,
-                            len(req.prompt_token_ids), n_out, req.stop_reason,
-                            self._logprobs(req, sent) if params.logprobs is not None else None,
-                            self._prompt_logprobs(req) if scored else None,
-                            num_cached_tokens=req.num_cached_tokens, index=req.index)
+        out = RequestOutput(
+            request_id=req.request_id, delta_text=detok.take_delta(finished), delta_token_ids=out_ids[sent:],
+            finished=finished, finish_reason=req.finish_reason if finished else None,
+            num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=n_out, stop_reason=req.stop_reason,
+            logprobs=self._logprobs(req, sent) if params.logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs(req) if scored else None,
+            num_cached_tokens=req.num_cached_tokens, index=req.index)
         req.num_sent_tokens = n_out
         if finished:
             del self.requests[req.request_id]
@@ -442,13 +443,13 @@ class Engine:
             for out in self.step():
                 if out.request_id in texts:
                     texts[out.request_id].append(out.delta_text)
-        return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                                 "".join(texts[r.request_id]), r.finish_reason, list(r.token_times),
-                                 r.arrival_time, r.num_preemptions,
-                                 list(r.output_logprobs) if r.params.logprobs is not None else None,
-                                 list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
-                                 r.num_cached_tokens)
-                for r in reqs]
+        return [CompletionOutput(
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=list(r.output_token_ids),
+            text="".join(texts[r.request_id]), finish_reason=r.finish_reason, token_times=list(r.token_times),
+            arrival_time=r.arrival_time, num_preemptions=r.num_preemptions,
+            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+            prompt_logprobs=list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
+            num_cached_tokens=r.num_cached_tokens) for r in reqs]
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -315,9 +315,10 @@ def check_priority(priority: object) -> int:
 # ---- responses ---------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestOutput:
-    """What one iteration produced for one request (a streaming delta)."""
+    """What one iteration produced for one request (a streaming delta). Built by keyword: it
+    crosses processes, and its fields grow."""
 
     request_id: str
     delta_text: str
@@ -338,11 +339,13 @@ class RequestOutput:
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One delta carrying this one and the `later` one of the same request."""
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.delta_text + later.delta_text,
-                             self.delta_token_ids + later.delta_token_ids, later.finished,
-                             later.finish_reason, later.num_prompt_tokens, later.num_output_tokens,
-                             later.stop_reason, logprobs, self.prompt_logprobs or later.prompt_logprobs,
-                             later.num_cached_tokens, later.index)
+        return RequestOutput(
+            request_id=self.request_id, delta_text=self.delta_text + later.delta_text,
+            delta_token_ids=self.delta_token_ids + later.delta_token_ids, finished=later.finished,
+            finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens, stop_reason=later.stop_reason, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            num_cached_tokens=later.num_cached_tokens, index=later.index)
 
 
 @dataclass(frozen=True)
@@ -356,7 +359,7 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), most likely first
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Acknowledged(RequestOutput):
     """The first item of a stream: queued on `replica_id` at `at` (the replica's wall clock, the
     clock of its load reports, so a reader can tell whether a report counts this request)."""
@@ -365,7 +368,7 @@ class Acknowledged(RequestOutput):
     at: float = 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Started(RequestOutput):
     """The first output of a stream: it left the replica's queue at `left_at` (same clock)."""
 

@@ -108,7 +108,8 @@ async def _outputs(text: str, pieces: int, reason: str) -> AsyncIterator[Request
     chunks = [text[i:i + step] for i in range(0, len(text), step)]
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
-        yield RequestOutput("r", chunk, [1], last, reason if last else None, 3, i + 1)
+        yield RequestOutput(request_id="r", delta_text=chunk, delta_token_ids=[1], finished=last,
+                            finish_reason=reason if last else None, num_prompt_tokens=3, num_output_tokens=i + 1)
 
 
 async def test_a_streamed_call_is_one_delta_before_finish_reason_tool_calls() -> None:
