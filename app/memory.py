@@ -2,8 +2,8 @@
 garbage and ask glibc to return its free heap pages to the system (`malloc_trim`).
 
 Why: an overload leaves the front's Python processes holding hundreds of MB of freed arena
-memory (measured: ingress RSS 181 -> 250 MB and proxy 146 -> 180 MB 30 s after a 10x overload had
-ended, docs/results/overload.md), which the allocator keeps for reuse. A trim costs a few
+memory after the overload has ended (docs/results/overload.md has the measurement), which the
+allocator keeps for reuse. A trim costs a few
 milliseconds, so it runs at most once per quiet spell, never in a busy one.
 """
 

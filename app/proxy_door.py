@@ -2,11 +2,10 @@
 shape, Retry-After), before it crosses to an ingress replica, while the server is already behind.
 
 Why in the proxy: every HTTP request goes client -> proxy -> ingress -> engine replica, and each
-Ray hop costs milliseconds of Python per request and per streamed item. Measured under a 10x
-overload on one small host, a refusal made by the ingress cost ~4 ms of ingress and ~4 ms of proxy
-CPU, and refused requests waited seconds on the way to it (the ingress itself decided in ~0.4 s
-p50; 429 p99 26 s in a 30 s run, docs/results/overload.md). Refused here, a request costs
-the proxy its HTTP parsing and one small response, and the ingress nothing.
+Ray hop costs milliseconds of Python per request and per streamed item. Under overload a refusal
+made by the ingress costs ingress and proxy CPU for every refused request, and refused requests
+queue on the way to it for seconds (docs/results/overload.md has the runs). Refused here, a
+request costs the proxy its HTTP parsing and one small response, and the ingress nothing.
 
 It closes (`Pending`): while at least 4 of the requests it forwarded wait for their first token
 and their median wait is over a target (a standing queue, whatever it stands in: the Ray hops, a
@@ -168,8 +167,7 @@ def proxy_env(env: Mapping[str, str], tbt_slo_ms: float | None = None) -> dict[s
     a p99 (`SLO_GAP_QUANTILE`, unless the caller set the quantile): the gaps the operator called
     acceptable. A longer SLO must not be refused for gaps it allows (under the SLO budget a 1 s SLO
     makes passes, and so gaps, of up to 800 ms on purpose); a shorter one is what the admitted
-    streams keep under overload (docs/results/overload.md: with 100 ms as a p90, the
-    admitted streams' p99 gap was 2.3x the full-load one; at 250 ms, 4-7x).
+    streams keep under overload (docs/results/overload.md compares the targets).
     """
     out = {CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: SERVING_NICENESS, **env}
     if tbt_slo_ms is not None and not env.get(GAP_ENV, "").strip():

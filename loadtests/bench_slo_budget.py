@@ -1,4 +1,4 @@
-"""Fixed prefill budgets against the SLO budget, side by side in one run (issue 12).
+"""Fixed prefill budgets against the SLO budget, side by side in one run.
 
     python -m loadtests.bench_slo_budget [--quick] [--slos 150,400] [--json PATH]
 

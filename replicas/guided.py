@@ -42,8 +42,7 @@ CACHE_SIZE = 256  # compiled grammars kept per engine, least recently used dropp
 POOL_THREADS = min(32, int(0.8 * (os.cpu_count() or 1)))
 POOL_MIN_ROWS = 8
 # Byte -> the 8 additive biases of its bits (bit set: allowed, 0; clear: blocked, -inf). Adding
-# a row of biases is branch-free; on CPU it is 15x faster than masked_fill with a bool mask
-# (32 x 32000 logits, half allowed: 0.4 ms against 6 ms).
+# a row of biases is branch-free, and on CPU far cheaper than masked_fill with a bool mask.
 _BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
                       np.float32(0.0), np.float32(-np.inf))  # (256, 8)
 

@@ -331,9 +331,8 @@ class SloBudget:
     keeps free) less what the request whose chunk comes next still needs, so that it can go on.
     Only the passes carrying prompt tokens are sized by this budget, so the cap asks them alone to
     bring the mean of all passes where Little's law wants it (capping them at the mean of all
-    passes times goal / used, once decode-only passes were most of them, held the CPU engine's
-    hybrid passes near twice a decode pass: a median target of 190 ms under a 1 s SLO at the
-    sweep's saturating rate).
+    passes times goal / used would, once decode-only passes are most of them, hold hybrid passes
+    near twice a decode pass, far under the SLO).
 
     After each `schedule()`, `last` is the budget it chose (None: the ceiling applied),
     `last_target_s` the target it aimed at, and `fallback` whether the ceiling applied because the

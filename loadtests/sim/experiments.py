@@ -179,7 +179,7 @@ def slo_goodput(gpu: str = "A100-80GB", model: str = "mistral-7b", workload: str
     return {"gpu": gpu, "model": model, "workload": workload, "num_requests": num_requests, "seed": seed,
             "ttft_slo_s": ttft_slo_s, "rows": rows, "checks": checks,
             "target": "at the rate where fixed 128 saturates: goodput >= 1.5x fixed 128 and >= 3x dynamic, "
-                      "p99 TTFT <= 1.5x dynamic's, p99 TBT within the SLO (issue 12's sweep targets)"}
+                      "p99 TTFT <= 1.5x dynamic's, p99 TBT within the SLO (the sweep's targets)"}
 
 
 # ---- routing -------------------------------------------------------------------------------------
