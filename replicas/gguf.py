@@ -14,6 +14,7 @@ attention does not support (`models.check_supported`).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 # Tensor types stored unquantized: no dequantization step is needed for them.
@@ -42,12 +43,12 @@ def inspect_gguf(path: str | Path) -> tuple[str, dict[str, int]]:
     except (ValueError, OSError) as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     arch = _field_str(reader, "general.architecture") or "<none>"
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES or arch in ("general", "tokenizer"):
+    # "general" and "tokenizer" are metadata sections of transformers' mapping, not models.
+    loadable = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
+    if arch not in loadable:
         raise ValueError(f"{path}: GGUF architecture {arch!r} cannot be loaded by transformers "
-                         f"(it loads: {', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))})")
-    types: dict[str, int] = {}
-    for tensor in reader.tensors:
-        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+                         f"(it loads: {', '.join(loadable)})")
+    types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     dequantizable = _PLAIN_TYPES | {t.name for t in _type_traits}
     if bad := sorted(set(types) - dequantizable):
         raise ValueError(f"{path}: GGUF tensor type(s) {', '.join(bad)} cannot be dequantized "
@@ -72,9 +73,6 @@ def convert_gguf(path: str | Path, out_dir: Path) -> None:
     # save_pretrained refuses a model with its GGUF quantizer attached; the tensors are plain
     # float32 now, so the quantizer and its config entry are dropped and they save as they are.
     model.hf_quantizer = None
-    model.config.quantization_config = None
-    if hasattr(model, "is_quantized"):
-        model.is_quantized = False
     model.config.dtype = torch.float32
     gen = model.generation_config
     if gen.eos_token_id is None and tokenizer.eos_token_id is not None:
@@ -90,8 +88,8 @@ def convert_gguf(path: str | Path, out_dir: Path) -> None:
 
 
 def _drop_quantization_entry(config_json: Path) -> None:
-    # A `quantization_config: null` left in config.json would make from_pretrained look for a
-    # quantizer again; the directory holds plain tensors.
+    # The GGUF quantization_config the saved config still carries would make from_pretrained look
+    # for a quantizer again; the directory holds plain tensors.
     cfg = json.loads(config_json.read_text())
     if cfg.pop("quantization_config", "absent") != "absent":
         config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -97,7 +97,8 @@ def cache_root() -> Path:
 def ensure_embedded(name: str) -> Path:
     """Return the directory of embedded model ``name``, building it once if needed."""
     if name in EMBEDDED_GGUF_MODELS:
-        return ensure_gguf(EMBEDDED_GGUF_MODELS[name].locate(), f"{name}-{EMBEDDED_GGUF_MODELS[name].version()}")
+        wheel = EMBEDDED_GGUF_MODELS[name]
+        return ensure_gguf(wheel.locate(), f"{name}-{wheel.version()}")
     if name not in EMBEDDED_MODELS:
         known = ", ".join(EMBEDDED_PREFIX + k for k in (*EMBEDDED_GGUF_MODELS, *EMBEDDED_MODELS))
         raise ValueError(f"unknown embedded model {name!r}; known: {known}")

@@ -58,9 +58,9 @@ def test_a_chat_answer_is_hf_greedy_under_the_models_template(url: str, hf) -> N
     answer = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": question}],
                                             max_tokens=40, temperature=0)
     model, tok = hf
-    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                  tokenize=False)
-    ids = tok.encode(ids, add_special_tokens=False)
+    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
     expected = tok.decode(out[0, len(ids):], skip_special_tokens=True)
