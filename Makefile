@@ -6,9 +6,9 @@ STAMP   := $(VENV)/.installed
 
 export RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false
-# The HTTP proxy of the Ray node `make serve` starts runs our door (app/proxy_door.py); tests
-# start their own servers and choose for themselves.
-PROXY_DOOR ?= app.proxy_door:middlewares
+# Ray starts its workers at nice 15 unless told otherwise; a server's replicas are the latency
+# path (replicas/priority.py). The proxy door comes with serve_config.yaml's controller_options.
+export RAY_worker_niceness ?= 0
 
 .PHONY: install test serve loadtest bench clean
 
@@ -34,12 +34,8 @@ test: $(STAMP)
 # RAY_AUTH_MODE of your own (token | disabled) wins.
 SERVE_AUTH := $(if $(RAY_ADDRESS),$(if $(RAY_AUTH_MODE),,$(if $(RAY_AUTH_TOKEN)$(RAY_AUTH_TOKEN_PATH)$(wildcard $(HOME)/.ray/auth_token),RAY_AUTH_MODE=token)))
 
-# The proxy door's STALLFREE_PROXY_* settings are checked (and printed) before Ray starts; its gap
-# target is the config's tbt_slo_ms (as a p99) where it sets one (app/proxy_door.py).
 serve: $(STAMP)
-	door=$$($(BIN)/python -m app.proxy_door serve_config.yaml) && \
-	$(SERVE_AUTH) RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=$${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-$(PROXY_DOOR)} \
-		env $$door $(BIN)/serve run serve_config.yaml
+	$(SERVE_AUTH) $(BIN)/serve run serve_config.yaml
 
 # Against a running server (`make serve` in another shell); extra flags: LOADTEST_ARGS="--rps 4".
 loadtest: $(STAMP)

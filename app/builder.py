@@ -21,6 +21,10 @@ from autoscale.serve_options import deployment_options, graceful_shutdown_timeou
 from replicas.deployment import LLMServer
 
 LLM_DEPLOYMENT = "LLMServer"
+# The shutdown grace of a replica is sized before the model loads: without an SLO or a length
+# limit it assumes a slow token (100 ms) and a common context length.
+UNSET_TBT_SLO_MS = 100.0
+UNSET_MAX_MODEL_LEN = 4096
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 # The ingress's handlers run on the replica's own event loop, not on a second one in a thread:
 # one loop relays every token, so its lag (what the in-flight limit, app/stream_limit.py, reads)
@@ -37,7 +41,7 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         # A backstop behind the door's token admission: Serve's own handle queue is bounded too
         # (BackPressureError -> 429 in app.errors).
         "max_queued_requests": args.max_queued_requests,
-        "ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus},
+        "ray_actor_options": {"num_cpus": args.resolved_num_cpus, "num_gpus": args.num_gpus},
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
     }
@@ -52,10 +56,10 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         }
     if args.max_replicas is None:
         options["num_replicas"] = args.num_replicas
-    # A replica chosen to go away finishes its streams: the longest generation at twice the SLO
-    # (or 100 ms a token without one).
-    tbt_s = (args.tbt_slo_ms or 100.0) / 1000
-    max_len = args.max_model_len or 4096
+    # A replica chosen to go away finishes its streams: the longest generation at twice the SLO.
+    engine = args.engine
+    tbt_s = (engine.tbt_slo_ms or UNSET_TBT_SLO_MS) / 1000
+    max_len = engine.max_model_len or UNSET_MAX_MODEL_LEN
     router_kwargs = {"prefix_imbalance": args.prefix_imbalance} if args.router == "prefix" else {}
     options.update(deployment_options(
         args.router, scaling, graceful_shutdown_timeout_s=graceful_shutdown_timeout(max_len, tbt_s),

@@ -12,6 +12,7 @@ so refusals (400, 429) are answered before a 200 and SSE headers are sent.
 # so every module-level name its methods use is defined above it.
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -25,10 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from app import prometheus
+from app import prometheus, proxy_door
 from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
 from app.errors import OpenAIError, from_exception, install_handlers, replica_gone
+from app.proxy_door import CALLBACK_ENV, IMPORT_PATH, PASSED_HEADER
 from app.middleware import BodyLimitMiddleware, StatusCountMiddleware, StreamLimitMiddleware, arrival_time
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
@@ -37,6 +39,7 @@ from app.streaming import (DONE, Gathered, StreamMeta, chat_events, chat_respons
                            completion_events, completion_response, sse)
 from replicas.model_files import load_tokenizer
 from replicas.protocol import ReplicaUnhealthyError, RequestRejected, prompt_batch
+from replicas.priority import serve_at_full_priority
 from replicas.serve_logs import use_serve_log
 
 logger = logging.getLogger(__name__)
@@ -97,14 +100,17 @@ class OpenAIIngress:
 
     def __init__(self, llm: DeploymentHandle, args: AppArgs) -> None:
         use_serve_log()
+        self._niceness = serve_at_full_priority(logger, "the ingress")
+        self._warned_door = False
         self.args = args
         self.llm = llm
         self.stream_llm = llm.options(stream=True)
-        self.tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+        self.tokenizer = load_tokenizer(args.model, args.engine.trust_remote_code)
         self._info: dict[str, Any] | None = None
         # One thread: long prompts never block the event loop, and the tokenizer (not safe to
         # call from several threads at once) is only ever used from this one.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        proxy_door.publish(args.proxy_door.settings(args.engine.tbt_slo_ms))
         api.state.max_body_bytes = args.max_body_bytes
         api.state.body_timeout_s = args.body_timeout_s
         api.state.stream_limit = None
@@ -121,13 +127,23 @@ class OpenAIIngress:
     # ---- routes ------------------------------------------------------------------------
 
     @api.get("/health")
-    async def health(self) -> JSONResponse:
-        """200 when a replica's engine loop is alive, 503 otherwise."""
+    async def health(self, request: Request) -> JSONResponse:
+        """200 when a replica's engine loop is alive, 503 otherwise. Its body also says whether
+        the request came through the proxy door and the ingress's niceness: what a server started
+        without them lacks under overload (README, 'On a Ray cluster')."""
         try:
             await asyncio.wait_for(self.llm.check_health.remote(), HEALTH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure means not healthy
             return OpenAIError(503, f"unhealthy: {exc}", code="unhealthy").response()
-        return JSONResponse({"status": "ok"})
+        passed = request.headers.get(PASSED_HEADER.decode())
+        door = json.loads(passed) if passed else None
+        if door is None and self.args.proxy_door.enabled and not self._warned_door:
+            self._warned_door = True
+            logger.warning("requests reach this ingress without the proxy door: Serve was started "
+                           "without %s=%s (serve_config.yaml's controller_options set it for a Serve "
+                           "instance it starts; a running one keeps its own): overload is refused "
+                           "late, by the ingress (README, 'On a Ray cluster')", CALLBACK_ENV, IMPORT_PATH)
+        return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness})
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -277,7 +293,7 @@ class OpenAIIngress:
         The acknowledgement itself is waited for until the queue deadline (plus a little):
         a request stuck in Serve's handle queue is answered like one stuck in a replica's.
         """
-        timeout = self.args.queue_timeout_s
+        timeout = self.args.engine.queue_timeout_s
         try:
             if timeout is None:
                 ack = await gen.__anext__()
@@ -285,7 +301,7 @@ class OpenAIIngress:
                 left = timeout + ACK_SLACK_S - (time.time() - arrived_at)
                 ack = await asyncio.wait_for(gen.__anext__(), max(left, ACK_SLACK_S))
         except (asyncio.TimeoutError, TimeoutError):
-            raise OpenAIError(429, f"the request waited {timeout} s (queue_timeout_s) without reaching "
+            raise OpenAIError(429, f"the request waited {timeout} s (engine.queue_timeout_s) without reaching "
                               "a model replica: the server is overloaded; retry later",
                               code="queue_timeout", headers={"Retry-After": "1"}) from None
         if isinstance(ack, RequestRejected):

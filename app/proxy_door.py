@@ -24,36 +24,38 @@ one falling behind. The ingress keeps its own limit
 and the token door (`app.admission`): this door only answers early what they would refuse late.
 
 Serve builds its proxy's middleware from the callable named by the environment variable
-`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read in the Ray node's environment when the proxy
-starts: `make serve` and `loadtests/serve_local.py` set it to `app.proxy_door:middlewares`; on a
-cluster started with `ray start`, set it there (on every node with a proxy). Settings, from the
-same environment, checked when the proxy starts:
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read where the proxy starts. serve_config.yaml sets it
+for the Serve controller it starts (`controller_options.runtime_env`), and the proxies inherit it,
+so `make serve` and `serve run serve_config.yaml` on any Ray instance get the door; a Serve
+instance started without it has none, which the ingress reports (`/health`, a warning).
 
-  STALLFREE_PROXY_WAIT_TARGET_MS  the median wait for a first token over which it closes (2000)
-  STALLFREE_PROXY_GAP_TARGET_MS   it closes while the gaps between a stream's chunks in the last
-                                  second are longer at their STALLFREE_PROXY_GAP_QUANTILE (the
-                                  app's tbt_slo_ms at p99 where it has one: `proxy_env`; else
-                                  250 ms at p90); "off": never
-  STALLFREE_PROXY_LAG_TARGET_MS   the in-flight limit's lag target (default 50); "off": no door
-  STALLFREE_PROXY_MAX_REQUESTS    the most in flight at one proxy (default 1024)
-  STALLFREE_PROXY_MIN_REQUESTS    the in-flight limit never falls below this (default 8)
+Its settings are the app's `proxy_door:` section (`ProxyDoorConfig`), validated with the rest of
+the app's arguments; the app builder publishes them in Ray's KV store and each proxy's door picks
+them up within `REFRESH_S` (until then it runs on the defaults).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
+import json
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass as std_dataclass
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
+from replicas.config import STRICT
+from replicas.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
 from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, refuse
 from app.stream_limit import (DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS, MAX_RETRY_AFTER_S, StreamLimit,
                               limit_observer)
@@ -67,84 +69,142 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 # other process on the node, a co-located client, Ray's dashboard agent, takes the cores first
 # (guidellm's throughput profile beside `make serve` on 2 cores: 0 requests completed in 30 s at
 # 15, 105 and 213 in two runs at 0). Nodes started for this app run them at 0 unless the caller chose.
-NICENESS_ENV = "RAY_worker_niceness"
-SERVING_NICENESS = "0"
 DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_WAIT_TARGET_MS = 2000.0
 DEFAULT_GAP_TARGET_MS = 250.0
-GAP_ENV = "STALLFREE_PROXY_GAP_TARGET_MS"
 DEFAULT_GAP_QUANTILE = 0.9
 SLO_GAP_QUANTILE = 0.99  # a TBT SLO is a p99 (the autoscaler reads it so: autoscale/scaling.py)
-QUANTILE_ENV = "STALLFREE_PROXY_GAP_QUANTILE"
+KV_KEY, KV_NAMESPACE = b"proxy_door", "stallfree"
+REFRESH_S = 2.0  # how often a door reads its settings again
+PASSED_HEADER = b"x-stallfree-proxy-door"  # on every request the door lets through: its settings
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class ProxyDoorConfig:
-    """The proxy door's settings; `target_ms` None: no door."""
+    """The door in Serve's HTTP proxy (`proxy_door:` in serve_config.yaml)."""
 
-    target_ms: float | None = DEFAULT_TARGET_MS
-    max_requests: int = DEFAULT_MAX_REQUESTS
-    min_requests: int = DEFAULT_MIN_LIMIT
-    wait_target_ms: float = DEFAULT_WAIT_TARGET_MS
-    gap_target_ms: float | None = DEFAULT_GAP_TARGET_MS
-    gap_quantile: float = DEFAULT_GAP_QUANTILE
+    enabled: bool = Field(True, description=
+        "answer generation requests 429 in the HTTP proxy while the server is behind (false: "
+        "the ingress's own limits answer, later)")
+    lag_target_ms: float = Field(DEFAULT_TARGET_MS, gt=0, description=
+        "the proxy's in-flight limit adapts to keep its event-loop lag under this")
+    max_requests: int = Field(DEFAULT_MAX_REQUESTS, ge=1, description=
+        "generation requests in flight at one proxy, at most")
+    min_requests: int = Field(DEFAULT_MIN_LIMIT, ge=1, description=
+        "the in-flight limit and the stream cap never go below this")
+    wait_target_ms: float = Field(DEFAULT_WAIT_TARGET_MS, gt=0, description=
+        "the door closes while the median wait for a first token is over this")
+    gap_target_ms: float | None = Field(None, gt=0, description=
+        "the door closes while the gaps between a stream's chunks in the last second are longer "
+        f"at gap_quantile; null: engine.tbt_slo_ms, else {DEFAULT_GAP_TARGET_MS:g} ms")
+    gap_quantile: float | None = Field(None, gt=0, lt=1, description=
+        f"null: {SLO_GAP_QUANTILE:g} when the gap target is the SLO (a p99), else {DEFAULT_GAP_QUANTILE:g}")
+    watch_gaps: bool = Field(True, description="false: stream gaps never close the door")
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> ProxyDoorConfig:
-        """Read and check the STALLFREE_PROXY_* variables; ValueError naming the bad one."""
-        target = _setting(env, "STALLFREE_PROXY_LAG_TARGET_MS", float, DEFAULT_TARGET_MS, may_be_off=True)
-        top = _setting(env, "STALLFREE_PROXY_MAX_REQUESTS", int, DEFAULT_MAX_REQUESTS)
-        low = _setting(env, "STALLFREE_PROXY_MIN_REQUESTS", int, DEFAULT_MIN_LIMIT)
-        if low > top:
-            raise ValueError(f"need STALLFREE_PROXY_MIN_REQUESTS ({low}) <= STALLFREE_PROXY_MAX_REQUESTS ({top})")
-        wait = _setting(env, "STALLFREE_PROXY_WAIT_TARGET_MS", float, DEFAULT_WAIT_TARGET_MS)
-        gap = _setting(env, GAP_ENV, float, DEFAULT_GAP_TARGET_MS, may_be_off=True)
-        quantile = _setting(env, QUANTILE_ENV, float, DEFAULT_GAP_QUANTILE)
-        if not quantile < 1:
-            raise ValueError(f"{QUANTILE_ENV} must be in (0, 1), got {quantile!r}")
-        return cls(target, top, low, wait, gap, quantile)
+    def __post_init__(self) -> None:
+        if self.min_requests > self.max_requests:
+            raise ValueError(f"need min_requests ({self.min_requests}) <= max_requests ({self.max_requests})")
+
+    def settings(self, tbt_slo_ms: float | None) -> DoorSettings:
+        """The door's numbers, the gap target following the app's TBT SLO where not set: the gaps
+        the operator called acceptable, at the SLO's own quantile."""
+        follows_slo = self.gap_target_ms is None and tbt_slo_ms is not None
+        gap = self.gap_target_ms or tbt_slo_ms or DEFAULT_GAP_TARGET_MS
+        quantile = self.gap_quantile or (SLO_GAP_QUANTILE if follows_slo else DEFAULT_GAP_QUANTILE)
+        return DoorSettings(self.enabled, self.lag_target_ms / 1000, self.max_requests,
+                            self.min_requests, self.wait_target_ms / 1000,
+                            gap / 1000 if self.watch_gaps else None, 1 - quantile)
 
 
-def _setting(env: Mapping[str, str], name: str, kind: type, default: float,  # noqa: ANN202 - int or float
-             may_be_off: bool = False):
-    """`env[name]` as a positive `kind`: `default` when unset, None for "off" where allowed."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    if may_be_off and raw.lower() == "off":
-        return None
+@std_dataclass(frozen=True)
+class DoorSettings:
+    """What a running door reads (seconds; `slow_share` = 1 - the gap quantile)."""
+
+    enabled: bool
+    lag_target_s: float
+    max_requests: int
+    min_requests: int
+    wait_target_s: float
+    gap_target_s: float | None
+    slow_share: float
+
+
+def publish(settings: DoorSettings) -> None:
+    """Hand the app's door settings to every proxy (they read them within REFRESH_S)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(KV_KEY, json.dumps(dataclasses.asdict(settings)).encode(),
+                                 overwrite=True, namespace=KV_NAMESPACE)
+
+
+def published() -> DoorSettings | None:
+    """The settings an app published, or None (none yet, or no Ray here)."""
     try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {raw!r}")
-    return value
+        from ray.experimental import internal_kv
+
+        raw = internal_kv._internal_kv_get(KV_KEY, namespace=KV_NAMESPACE)
+    except Exception:  # noqa: BLE001 - no Ray connection (unit tests)
+        return None
+    return DoorSettings(**json.loads(raw)) if raw else None
 
 
-def middlewares(env: Mapping[str, str] | None = None) -> list[Middleware]:
-    """Serve's proxy callback: the door as a Starlette middleware (none when turned off)."""
-    config = ProxyDoorConfig.from_env(os.environ if env is None else env)
-    if config.target_ms is None:
-        logger.info("proxy door off (STALLFREE_PROXY_LAG_TARGET_MS=off)")
-        return []
-    limit = StreamLimit(config.max_requests, target_s=config.target_ms / 1000,
-                        min_limit=config.min_requests, clock=time.perf_counter)
+def middlewares() -> list[Middleware]:
+    """Serve's proxy callback: the door as Starlette middleware, on the default settings until an
+    app publishes its own."""
+    serve_at_full_priority(logger, "the HTTP proxy")
+    settings = ProxyDoorConfig().settings(None)
+    limit = StreamLimit(settings.max_requests, target_s=settings.lag_target_s,
+                        min_limit=settings.min_requests, clock=time.perf_counter)
     limit.on_step = limit_observer(limit, "proxy", logger)
-    logger.info("proxy door: at most %d generation requests in flight, the limit adapting to keep "
-                "the proxy's event-loop lag under %.0f ms; closed while the median wait for a first "
-                "token is over %.0f ms or the stream gaps' p%g is over %s", config.max_requests,
-                config.target_ms, config.wait_target_ms, 100 * config.gap_quantile,
-                "(off)" if config.gap_target_ms is None else f"{config.gap_target_ms:.0f} ms")
-    gap_s = config.gap_target_ms / 1000 if config.gap_target_ms is not None else None
-    share = 1 - config.gap_quantile
-    pending = Pending(config.wait_target_ms / 1000, time.monotonic, gap_target_s=gap_s, slow_share=share,
-                      min_gaps=max(20, round(2 / share)), max_cap=config.max_requests,
-                      min_cap=config.min_requests, log=logger)
+    pending = Pending(settings.wait_target_s, time.monotonic, log=logger)
+    door = Door(pending, limit, published, time.monotonic)
+    door.apply(settings)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
-    return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter()),
+    return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter(), door=door),
             Middleware(StreamLimitMiddleware, limit=limit, where="proxy")]
+
+
+class Door:
+    """The door's settings, applied to its two parts and read again every REFRESH_S (off the
+    event loop: the read is a call to Ray's KV store)."""
+
+    def __init__(self, pending: Pending, limit: StreamLimit, read: Callable[[], DoorSettings | None],
+                 clock: Callable[[], float]) -> None:
+        self.pending, self.limit, self._read, self._clock = pending, limit, read, clock
+        self.settings: DoorSettings | None = None
+        self.summary = b"{}"  # the settings in force, as JSON (PASSED_HEADER)
+        self._read_at = float("-inf")
+        self._reading: asyncio.Task[None] | None = None
+
+    def apply(self, settings: DoorSettings) -> None:
+        if settings == self.settings:
+            return
+        self.settings = settings
+        self.summary = json.dumps(dataclasses.asdict(settings), separators=(",", ":")).encode()
+        self.limit.configure(settings.enabled, settings.lag_target_s, settings.max_requests,
+                             settings.min_requests)
+        self.pending.configure(settings)
+        logger.info("proxy door %s: at most %d generation requests in flight, the limit adapting to "
+                    "keep the proxy's event-loop lag under %.0f ms; closed while the median wait for "
+                    "a first token is over %.0f ms or over %.0f%% of stream gaps are over %s",
+                    "on" if settings.enabled else "off", settings.max_requests,
+                    1000 * settings.lag_target_s, 1000 * settings.wait_target_s,
+                    100 * settings.slow_share,
+                    "(off)" if settings.gap_target_s is None else f"{1000 * settings.gap_target_s:.0f} ms")
+
+    def refresh(self) -> None:
+        """Start a read of the published settings when the last is REFRESH_S old."""
+        now = self._clock()
+        if now - self._read_at < REFRESH_S or (self._reading is not None and not self._reading.done()):
+            return
+        self._read_at = now
+        self._reading = asyncio.get_running_loop().create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        settings = await asyncio.to_thread(self._read)
+        if settings is not None:
+            self.apply(settings)
 
 
 def _refusal_counter() -> Callable[[str], None] | None:
@@ -158,35 +218,10 @@ def _refusal_counter() -> Callable[[str], None] | None:
     return lambda reason: counter.record(1, {"reason": reason})
 
 
-def proxy_env(env: Mapping[str, str], tbt_slo_ms: float | None = None) -> dict[str, str]:
-    """The environment a Ray node serving this app starts with: `env` with the proxy door's
-    callback set and Ray's workers at `SERVING_NICENESS` (each unless the caller set their own),
-    the door's settings checked here, before a proxy fails on them.
-
-    With the app's `tbt_slo_ms` and no gap target of the caller's, the gap target is the SLO, as
-    a p99 (`SLO_GAP_QUANTILE`, unless the caller set the quantile): the gaps the operator called
-    acceptable. A longer SLO must not be refused for gaps it allows (under the SLO budget a 1 s SLO
-    makes passes, and so gaps, of up to 800 ms on purpose); a shorter one is what the admitted
-    streams keep under overload (docs/results/overload.md compares the targets).
-    """
-    out = {CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: SERVING_NICENESS, **env}
-    if tbt_slo_ms is not None and not env.get(GAP_ENV, "").strip():
-        out[GAP_ENV] = f"{tbt_slo_ms:g}"
-        if not env.get(QUANTILE_ENV, "").strip():
-            out[QUANTILE_ENV] = f"{SLO_GAP_QUANTILE:g}"
-    ProxyDoorConfig.from_env(out)
-    return out
-
-
-def config_tbt_slo_ms(path: str) -> float | None:
-    """The largest `tbt_slo_ms` among a Serve config file's applications (None: none sets one)."""
-    import yaml
-
-    with open(path) as f:
-        config = yaml.safe_load(f) or {}
-    slos = [float(a["args"]["tbt_slo_ms"]) for a in config.get("applications", [])
-            if (a.get("args") or {}).get("tbt_slo_ms") is not None]
-    return max(slos, default=None)
+def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a Ray node started for this app gets: `env` with the proxy door's callback
+    set and Ray's workers at `SERVING_NICENESS` (each unless the caller set their own)."""
+    return {CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: str(SERVING_NICENESS), **env}
 
 
 CAP_DECREASE = 0.9  # the stream cap's cut: this x the requests in flight when the gaps turned slow
@@ -226,6 +261,7 @@ class Pending:
                  gap_window_s: float = 1.0, min_gaps: int = 20, slow_share: float = 0.1,
                  max_cap: int = DEFAULT_MAX_REQUESTS, min_cap: int = DEFAULT_MIN_LIMIT,
                  log: logging.Logger | None = None) -> None:
+        self.enabled = True
         self.target_s, self.min_pending, self.hold_s = target_s, min_pending, hold_s
         self.check_every_s = check_every_s
         self.gap_target_s, self.gap_window_s, self.min_gaps = gap_target_s, gap_window_s, min_gaps
@@ -247,6 +283,14 @@ class Pending:
         self.in_flight = 0  # forwarded, not ended (`start` .. `ended`)
         self._cut_at = self._grown_at = float("-inf")
         self._log = log
+
+    def configure(self, settings: DoorSettings) -> None:
+        """Take new settings; what it learned (the stream cap) is kept within the new bounds."""
+        self.enabled, self.target_s = settings.enabled, settings.wait_target_s
+        self.gap_target_s, self.slow_share = settings.gap_target_s, settings.slow_share
+        self.min_gaps = max(20, round(2 / settings.slow_share))
+        self.max_cap, self.min_cap = settings.max_requests, settings.min_requests
+        self.cap = min(float(self.max_cap), max(float(self.min_cap), self.cap))
 
     def start(self) -> int:
         key = next(self._ids)
@@ -285,6 +329,8 @@ class Pending:
         self.held_until = max(self.held_until, self._clock() + min(self.hold_s, self.retry_after))
 
     def admits(self) -> bool:
+        if not self.enabled:
+            return True
         now = self._clock()
         if now < self.held_until:
             self.reason = "refused downstream"
@@ -335,11 +381,22 @@ class PendingMiddleware:
     """Generation requests are refused with the proxy's own 429 while `pending` does not admit;
     the others are tracked until their response starts."""
 
-    def __init__(self, app: ASGIApp, pending: Pending, count: Callable[[str], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, pending: Pending, count: Callable[[str], None] | None = None,
+                 door: Door | None = None) -> None:
         self.app, self.pending, self.count = app, pending, count  # count(reason): each refusal
+        self.door = door
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").endswith(GENERATION_PATHS):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.door is not None:
+            self.door.refresh()
+        # The ingress learns from this header that requests pass a door, and its settings (its
+        # /health shows them).
+        if self.door is not None:
+            scope = {**scope, "headers": [*scope.get("headers", ()), (PASSED_HEADER, self.door.summary)]}
+        if not scope.get("path", "").endswith(GENERATION_PATHS):
             await self.app(scope, receive, send)
             return
         pending = self.pending
@@ -385,20 +442,3 @@ class PendingMiddleware:
         finally:
             pending.answered(key)
             pending.ended()
-
-
-if __name__ == "__main__":
-    # `python -m app.proxy_door [serve_config.yaml]`: check the settings in this environment (with
-    # the gap target the config's tbt_slo_ms implies) and print them to stderr; print to stdout
-    # what the config adds to the environment, as NAME=value words for `env` (`make serve`).
-    import sys
-    try:
-        slo = config_tbt_slo_ms(sys.argv[1]) if len(sys.argv) > 1 else None
-        env = proxy_env(os.environ, slo)
-        print(ProxyDoorConfig.from_env(env), file=sys.stderr)
-        derived = [k for k in (NICENESS_ENV, GAP_ENV, QUANTILE_ENV)
-                   if k in env and env[k] != os.environ.get(k)]
-        if derived:  # the workers' priority; the gap target from the SLO
-            print(" ".join(f"{k}={env[k]}" for k in derived))
-    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
-        sys.exit(f"proxy door: {exc}")

@@ -86,6 +86,15 @@ class StreamLimit:
         self.state = LimitState(max_limit, 0, 0.0)
         self.num_refused = 0
         self.on_step: Callable[[LimitState], None] | None = None  # metrics
+        self.enabled = True
+
+    def configure(self, enabled: bool, target_s: float, max_limit: int, min_limit: int) -> None:
+        """New settings; the limit it learned is kept within the new bounds."""
+        if not 1 <= min_limit <= max_limit:
+            raise ValueError(f"need 1 <= min_limit ({min_limit}) <= max_limit ({max_limit})")
+        self.enabled, self.target_s = enabled, target_s
+        self.max_limit, self.min_limit = max_limit, min_limit
+        self._limit = min(float(max_limit), max(float(min_limit), self._limit))
 
     @property
     def limit(self) -> int:
@@ -94,7 +103,7 @@ class StreamLimit:
     # ---- requests -----------------------------------------------------------------------
 
     def admits(self) -> bool:
-        return self.in_flight < self.limit
+        return not self.enabled or self.in_flight < self.limit
 
     def enter(self) -> None:
         self.in_flight += 1

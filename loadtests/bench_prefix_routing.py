@@ -79,11 +79,13 @@ async def drive(base: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_router(args: argparse.Namespace, router: str) -> dict[str, Any]:
     port = serve_local.free_port()
     base = f"http://127.0.0.1:{port}"
+    # No queue deadline (the engine's default): the queue bound is max_queued_tokens, not a
+    # drain-rate estimate that starts at one chunk, so the burst of first turns queues instead of
+    # drawing 429s.
     app = {"model": args.model, "router": router, "num_replicas": args.replicas, "num_cpus": 1,
-           "torch_threads": 1, "max_batch_prefill_tokens": args.chunk, "max_batch_total_tokens": args.kv_tokens,
-           # No queue deadline: the queue bound is max_queued_tokens, not a drain-rate estimate that
-           # starts at one chunk, so the burst of first turns queues instead of drawing 429s.
-           "queue_timeout_s": None}
+           "engine": {"num_threads": 1, "max_batch_prefill_tokens": args.chunk,
+                      "max_batch_total_tokens": args.kv_tokens},
+           "replica": {"stream_interval_ms": 0}}
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     proc = serve_local.launch(port, app, ray_cpus=args.ray_cpus, log_path=str(args.runs_dir / f"server_{router}.log"))
     try:

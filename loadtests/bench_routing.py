@@ -96,8 +96,9 @@ def wait_counts(metrics_port: int, before: dict[str, float], want: int, timeout_
 
 def app_args(args: argparse.Namespace, router: str) -> dict[str, Any]:
     return {"model": args.model, "router": router, "num_replicas": args.replicas, "num_cpus": 1,
-            "torch_threads": 1, "max_batch_prefill_tokens": args.chunk,
-            "max_batch_total_tokens": args.kv_tokens, "tbt_slo_ms": args.tbt_slo_ms}
+            "engine": {"num_threads": 1, "max_batch_prefill_tokens": args.chunk,
+                       "max_batch_total_tokens": args.kv_tokens, "tbt_slo_ms": args.tbt_slo_ms},
+            "replica": {"stream_interval_ms": 0}}
 
 
 def run_router(args: argparse.Namespace, router: str, mix: MixSpec) -> dict[str, Any]:

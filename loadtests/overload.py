@@ -3,7 +3,7 @@
     python -m loadtests.overload --quick                       # smoke run, about 1-2 minutes
     python -m loadtests.overload                               # rate search, 10x for 60 s, recovery
     python -m loadtests.overload --rate 8 --factor 5           # skip the search
-    python -m loadtests.overload --set max_queued_tokens=4096 --queue-deadline-s 5
+    python -m loadtests.overload --set replica.max_queued_tokens=4096 --queue-deadline-s 5
     python -m loadtests.overload --url http://127.0.0.1:8000 --server-pid 1234   # a running server
     python -m loadtests.overload --soak --soak-minutes 30 --soak-fraction 0.7
     python -m loadtests.overload --bursts 6 --burst-size 128    # bursts at once on a quiet server
@@ -1201,7 +1201,7 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, int | None, dict[str
             tqdm.write("note: --set is ignored with --url")
         yield args.url.rstrip("/"), args.server_pid, {}
         return
-    app_args = {**serve_config_args(), **serve_local.parse_sets(args.sets)}
+    app_args = serve_local.merge_args(serve_config_args(), serve_local.parse_sets(args.sets))
     port = serve_local.free_port()
     base = f"http://127.0.0.1:{port}"
     log = args.json.parent / "overload_server.log"

@@ -1,11 +1,12 @@
 """Serve the OpenAI app on a private Ray instance, for load tests and the policy sweep.
 
-    python -m loadtests.serve_local --port 8123 --policy dynamic --set max_batch_prefill_tokens=2048
+    python -m loadtests.serve_local --port 8123 --set engine.policy=dynamic --set engine.max_batch_prefill_tokens=2048
 
 Starts its OWN local Ray cluster (`address="local"`: never joins a cluster that another job or
 a pytest session already runs on this machine), Serve with HTTP on 127.0.0.1:PORT, and the app
 `app.builder.build_app(args)`; then blocks until SIGTERM/SIGINT and shuts both down. Every
-`--set key=value` is a field of `app.args.AppArgs` (values parsed as JSON when they parse).
+`--set key=value` is a setting of `app.args.AppArgs` (docs/settings.md; values parsed as JSON
+when they parse; `engine.policy=dynamic` sets a field of a nested record).
 Readiness: poll `GET /health` (see `wait_healthy`), or wait for the READY line on stdout.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -40,17 +42,30 @@ def free_port() -> int:
 
 
 def parse_sets(pairs: list[str]) -> dict[str, Any]:
-    """`["a=1", "b=x"]` -> `{"a": 1, "b": "x"}` (JSON values where they parse)."""
+    """`["a=1", "engine.policy=dynamic"]` -> `{"a": 1, "engine": {"policy": "dynamic"}}` (JSON
+    values where they parse; a dotted key sets a field of a nested record, merged into the rest)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--set wants key=value, got {pair!r}")
         try:
-            out[key] = json.loads(raw)
+            value = json.loads(raw)
         except json.JSONDecodeError:
-            out[key] = raw
+            value = raw
+        *path, leaf = key.split(".")
+        merge_args(out, functools.reduce(lambda v, k: {k: v}, reversed(path), {leaf: value}))
     return out
+
+
+def merge_args(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """`more` merged into `base` (in place), nested records key by key."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge_args(base[key], value)
+        else:
+            base[key] = value
+    return base
 
 
 def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_port: int | None = None) -> None:
@@ -66,9 +81,8 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
     stop = threading.Event()
     metrics: dict[str, Any] = {} if metrics_port is None else {
         "_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
-    # The node's HTTP proxy reads its door's settings from the environment it inherits (its gap
-    # target follows the app's TBT SLO where that is longer).
-    os.environ.update(proxy_env(os.environ, app_args.get("tbt_slo_ms")))
+    # The node's HTTP proxy runs the door (its settings come from the app), its workers at full priority.
+    os.environ.update(proxy_env(os.environ))
     ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False,
              configure_logging=False, log_to_driver=False, **metrics)
     # After ray.init: Ray installs a SIGTERM handler of its own that exits without cleanup.
@@ -93,8 +107,7 @@ def launch(port: int, app_args: dict[str, Any], *, ray_cpus: int = 4,
            log_path: str | None = None, metrics_port: int | None = None,
            env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start this module in a subprocess (its own process group); returns the Popen. Its Ray
-    node's HTTP proxy runs the proxy door (`app.proxy_door`); `env` adds to the environment
-    (e.g. the door's STALLFREE_PROXY_* settings)."""
+    node's HTTP proxy runs the proxy door (`app.proxy_door`); `env` adds to the environment."""
     cmd = [sys.executable, "-m", "loadtests.serve_local", "--port", str(port), "--ray-cpus",
            str(ray_cpus)] + [a for k, v in app_args.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     if metrics_port is not None:
@@ -163,9 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-port", type=int, help="export Ray's Prometheus metrics on this port")
     args = p.parse_args(argv)
     app_args = parse_sets(args.sets)
-    for key in ("policy", "model"):
-        if getattr(args, key) is not None:
-            app_args[key] = getattr(args, key)
+    if args.policy is not None:
+        merge_args(app_args, {"engine": {"policy": args.policy}})
+    if args.model is not None:
+        app_args["model"] = args.model
     serve_forever(args.port, app_args, args.ray_cpus, args.metrics_port)
 
 

@@ -71,13 +71,14 @@ def app_args(args: argparse.Namespace, policy: str, mix: MixSpec,
              pool: ChatPromptPool | None = None) -> dict[str, Any]:
     """Every line gets the SLO (metrics); only `stall_free+slo` lets it choose the budget."""
     mbp = args.chunk if policy == "stall_free" else whole_prompt_mbp(mix, pool)
-    return {"model": args.model, "policy": "stall_free" if policy == SLO_POLICY else policy,
-            "max_batch_prefill_tokens": mbp, "slo_budget": policy == SLO_POLICY,
-            "enable_prefix_caching": args.prefix_caching,
-            "max_batch_total_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
-            "num_cpus": 1, "torch_threads": args.threads, "tbt_slo_ms": args.tbt_slo_ms,
-            "pass_trace_dir": str((args.runs_dir / f"passes_{policy}").resolve()),
-            "budget_margin": args.budget_margin}
+    engine = {"policy": "stall_free" if policy == SLO_POLICY else policy,
+              "max_batch_prefill_tokens": mbp, "slo_budget": policy == SLO_POLICY,
+              "enable_prefix_caching": args.prefix_caching,
+              "max_batch_total_tokens": args.kv_tokens, "max_num_seqs": args.max_num_seqs,
+              "num_threads": args.threads, "tbt_slo_ms": args.tbt_slo_ms, "budget_margin": args.budget_margin}
+    # Every pass's tokens go out as they come: the client measures the engine's own gaps.
+    replica = {"pass_trace_dir": str((args.runs_dir / f"passes_{policy}").resolve()), "stream_interval_ms": 0}
+    return {"model": args.model, "num_cpus": 1, "engine": engine, "replica": replica}
 
 
 def warm_up(base_url: str, mix: MixSpec, model: str, pool: ChatPromptPool | None = None) -> None:
@@ -118,7 +119,7 @@ def run_policy(args: argparse.Namespace, policy: str, mix: MixSpec, pool: ChatPr
                                  tbt_slo_ms=args.tbt_slo_ms, model=args.model,
                                  prefix=f"{policy}_{rps:g}", quiet=True, tick=tick)
             _, reqs = load_samples(samples)
-            row = {"policy": policy, "rps": rps, "mbp": server_args["max_batch_prefill_tokens"],
+            row = {"policy": policy, "rps": rps, "mbp": server_args["engine"]["max_batch_prefill_tokens"],
                    **summarize(reqs, args.ttft_slo_ms / 1e3, args.tbt_slo_ms / 1e3)}
             rows.append(row)
             bar.update(1)

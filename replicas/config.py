@@ -1,74 +1,94 @@
 """Engine and replica configuration: one frozen, validated source of truth for every limit.
 
+Each setting is defined once, here, with its default and its description: the app's arguments
+(app/args.py) nest these records as they are, `serve_config.yaml` sets them under `engine:` and
+`replica:`, and docs/settings.md is generated from the descriptions (a test keeps it current).
 Light on purpose (no torch): the app's arguments and the ingress import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Literal
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
 
 POLICIES = ("static", "dynamic", "stall_free")
 Policy = Literal[POLICIES]  # type: ignore[valid-type]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 DEFAULT_MODEL = "embedded:smollm2"  # a real model (SmolLM2-135M-Instruct), converted once
-DEFAULT_WEDGE_TIMEOUT_S = 60.0  # one iteration longer than this fails the replica's health check
+# A stream's deltas are merged over this interval by default, and over at most half the TBT SLO:
+# a client's gap is then under twice the interval while passes are shorter than it.
+DEFAULT_STREAM_INTERVAL_MS = 50.0
+DEFAULT_WEDGE_TIMEOUT_S = 60.0  # the replica's option, and AsyncEngine's default
+# Records validated field by field (pydantic), unknown keys refused, frozen once built.
+STRICT = ConfigDict(extra="forbid")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class EngineConfig:
-    """Budgets and knobs of one engine replica.
+    """Budgets and knobs of one engine replica (`engine:` in serve_config.yaml)."""
 
-    max_batch_prefill_tokens (MBP): tokens one forward pass may process. Under `stall_free`
-        decode tokens count against it too (Sarathi's token budget); under `dynamic` and
-        `static` it caps the prompt tokens prefilled in one pass.
-    max_batch_total_tokens (MBT): tokens that may live in the KV cache at once, over all
-        active requests. None: derived from `kv_cache_memory_bytes` and the model's KV bytes
-        per token.
-    """
-
-    policy: Policy = "stall_free"
-    max_batch_prefill_tokens: int = 512
-    max_batch_total_tokens: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_model_len: int | None = None  # None: the model's own context length
-    # Priority aging: a waiting request gains one class of urgency per `priority_aging_s`.
-    priority_aging_s: float = 5.0
-    dtype: str = "auto"
-    device: str = "cpu"
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
-    trust_remote_code: bool = False
-    seed: int = 0
-    # A request still waiting for its first forward pass this long after it arrived is refused
-    # (finish reason "queue_timeout"; the replica answers 429). None: it waits as long as it takes.
-    queue_timeout_s: float | None = None
-    # Admission keeps this fraction of the KV blocks free while requests run, so running decodes
-    # rarely preempt.
-    kv_watermark: float = 0.01
-    # The latest time-between-tokens samples the engine keeps for load reports.
-    tbt_sample_window: int = 512
-    # The time-between-tokens SLO. Under stall_free, each pass's prefill budget is then chosen from
-    # it (replicas/pass_time.py): the largest chunk whose predicted pass time stays under
-    # tbt_slo_ms x budget_margin, max_batch_prefill_tokens becoming the ceiling and
-    # slo_budget_floor the least a pass prefills. None: the fixed budget, as before.
-    tbt_slo_ms: float | None = None
-    slo_budget: bool = True  # False: keep the fixed budget (the SLO then serves metrics and scaling)
-    # With the SLO budget: a waiting request starts only while the running requests' decodes and
-    # it, beside a slo_budget_floor chunk, are predicted within the target (pass_time.SloAdmission).
-    # Opt-in: it trades throughput and TTFT for the SLO (measured: docs/results/engine.md).
-    slo_admission: bool = False
-    budget_margin: float = 0.8
-    slo_budget_floor: int = 16
-    # Decode attention as one torch.compile'd kernel that reads each context's KV blocks in place
-    # (no gathered copy). Costs a compile (seconds) at start and for new shape classes.
-    compile_decode_attention: bool = False
-    # Share the KV of full blocks between requests whose tokens start the same way (a system
-    # prompt, a conversation's history): cached tokens cost no prefill and no new KV.
-    enable_prefix_caching: bool = True
+    policy: Policy = Field("stall_free", description=
+        "batching policy: stall_free (decodes first, then prompt chunks up to the token budget: "
+        "Sarathi-Serve), dynamic (TGI-style: prefill waiting prompts whole, pausing decodes), "
+        "static (a batch runs to completion before the next starts)")
+    max_batch_prefill_tokens: int = Field(512, description=
+        "tokens one forward pass may process (MBP). Under stall_free decode tokens count against it "
+        "too (the chunk size); under dynamic and static it caps the prompt tokens of one pass")
+    max_batch_total_tokens: int | None = Field(None, description=
+        "tokens that may live in the KV cache at once over all active requests (MBT); "
+        "null: derived from the KV memory and the model's KV bytes per token")
+    kv_cache_memory_bytes: int = Field(256 * 1024 * 1024, description=
+        "memory of the KV cache, unless kv_cache_memory_fraction is set")
+    kv_cache_memory_fraction: float | None = Field(None, description=
+        "the share of the device's total memory (GPU memory, or RAM on CPU) this replica uses for "
+        "its weights, activations and KV cache together (vLLM's gpu_memory_utilization), taken of "
+        "the replica's share of the device when several share one (num_gpus < 1); the KV cache "
+        "gets what the weights and a pass's activations leave. Replaces kv_cache_memory_bytes")
+    block_size: int = Field(16, description="tokens per KV block (the paging unit)")
+    max_num_seqs: int = Field(128, description="requests running at once, at most")
+    max_model_len: int | None = Field(None, description=
+        "longest prompt + output a request may have; null: the model's own context length")
+    priority_aging_s: float = Field(5.0, description=
+        "a waiting request gains one class of urgency per this many seconds (no starvation)")
+    dtype: Dtype = Field("auto", description="weights and KV dtype; auto: the model's own")
+    device: str = Field("auto", description=
+        "torch device; auto: cuda when a GPU is visible (under Serve: num_gpus > 0), else cpu")
+    num_threads: int | None = Field(None, description=
+        "torch intra-op threads; null: the replica's num_cpus under Serve, torch's choice otherwise")
+    trust_remote_code: bool = Field(False, description="let transformers run the model's own code")
+    seed: int = Field(0, description="seed of the sampler for requests without their own")
+    queue_timeout_s: float | None = Field(None, description=
+        "a request still waiting for its first forward pass this long after it arrived is refused "
+        "(429, code queue_timeout); it also bounds what the queues admit; null: it waits")
+    kv_watermark: float = Field(0.01, description=
+        "admission keeps this fraction of the KV blocks free while requests run, so running "
+        "decodes rarely preempt")
+    tbt_sample_window: int = Field(512, description=
+        "the latest time-between-tokens samples the engine keeps for load reports")
+    tbt_slo_ms: float | None = Field(None, description=
+        "time-between-tokens SLO (a p99): the autoscaler scales against it, the proxy door "
+        "guards it, and under stall_free each pass's prefill budget is chosen from it "
+        "(max_batch_prefill_tokens the ceiling); null: the fixed budget")
+    slo_budget: bool = Field(True, description=
+        "with tbt_slo_ms under stall_free: choose each pass's prefill budget from the SLO "
+        "(false: the fixed budget; the SLO then serves metrics, the door and scaling)")
+    slo_admission: bool = Field(False, description=
+        "with the SLO budget: a waiting request starts only while the running streams' decodes "
+        "and it are predicted within the SLO (else it waits, and past queue_timeout_s gets 429)")
+    budget_margin: float = Field(0.8, description=
+        "the SLO budget aims each pass at tbt_slo_ms x budget_margin")
+    slo_budget_floor: int = Field(16, description=
+        "with the SLO budget: the fewest prompt tokens a pass prefills while prompts wait")
+    compile_decode_attention: bool = Field(False, description=
+        "decode attention as one torch.compile'd kernel reading the KV blocks in place (no "
+        "gathered copy); costs a compile (seconds) at start")
+    enable_prefix_caching: bool = Field(True, description=
+        "share the KV of full blocks between requests whose tokens start the same way (a system "
+        "prompt, a conversation's history): cached tokens cost no prefill and no new KV")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -80,6 +100,9 @@ class EngineConfig:
                 raise ValueError("max_batch_total_tokens must hold at least one KV block "
                                  f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction < 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:
@@ -111,35 +134,64 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """What one replica needs besides the engine: model, engine budgets (the TBT SLO among
-    them: `engine.tbt_slo_ms`), queue cap."""
+@dataclass(frozen=True, config=STRICT)
+class ReplicaOptions:
+    """What one replica does besides running its engine (`replica:` in serve_config.yaml)."""
 
-    model: str = DEFAULT_MODEL
-    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
-    max_queued_tokens: int = 32_768  # prompt tokens waiting for their first token, at most
-    wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S
-    # KV cache = this fraction of the memory free once the weights are loaded (device memory
-    # on a GPU, available RAM on CPU); replaces engine.kv_cache_memory_bytes when set.
-    kv_cache_memory_fraction: float | None = None
-    # A stream's deltas go to its caller at most this often (first and last at once), the tokens
-    # between merged: fewer, larger items on every hop (Serve's streams, SSE) for many streams.
-    # 0: one delta per pass (vLLM's and SGLang's stream_interval count tokens instead).
-    stream_interval_s: float = 0.0
-    # A directory where the replica writes one JSON line per forward pass (replicas/pass_trace.py):
-    # wall and CPU time, prediction, SLO target and budget. None: no trace.
-    pass_trace_dir: str | None = None
+    max_queued_tokens: int = Field(32_768, description=
+        "prompt tokens a replica may hold waiting for their first token; beyond it requests get "
+        "429 + Retry-After")
+    stream_interval_ms: float | None = Field(None, description=
+        "a stream's tokens go out at most this often (the first and the last at once), those "
+        "between merged into one chunk: fewer, larger items through Serve and SSE with many "
+        f"streams; 0: every pass; null: {DEFAULT_STREAM_INTERVAL_MS:g} ms, at most half of "
+        "tbt_slo_ms. Set explicitly, it must be at most half of tbt_slo_ms")
+    wedge_timeout_s: float = Field(DEFAULT_WEDGE_TIMEOUT_S, description=
+        "one engine iteration longer than this fails the replica's health check")
+    pass_trace_dir: str | None = Field(None, description=
+        "each replica writes one JSON line per forward pass here (passes-<pid>.jsonl): wall and "
+        "CPU time, predicted time, the SLO target and budget; null: no trace")
 
     def __post_init__(self) -> None:
         _positive("max_queued_tokens", self.max_queued_tokens)
-        if not 0 <= self.stream_interval_s <= 10:
-            raise ValueError(f"stream_interval_s must be in [0, 10], got {self.stream_interval_s!r}")
+        interval = self.stream_interval_ms
+        if interval is not None and not 0 <= interval <= 10_000:
+            raise ValueError(f"stream_interval_ms must be in [0, 10000], got {interval!r}")
         if not self.wedge_timeout_s > 0:
             raise ValueError(f"wedge_timeout_s must be > 0, got {self.wedge_timeout_s}")
-        fraction = self.kv_cache_memory_fraction
-        if fraction is not None and not 0 < fraction < 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
+        if self.pass_trace_dir is not None and not self.pass_trace_dir:
+            raise ValueError("pass_trace_dir must be a directory or null, got ''")
+
+
+@dataclass(frozen=True, config=STRICT)
+class ReplicaConfig:
+    """Everything one replica is built from: the model, its engine, the replica's own options."""
+
+    model: str = DEFAULT_MODEL
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    options: ReplicaOptions = dataclasses.field(default_factory=ReplicaOptions)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a model directory, a .gguf file, a hub id or embedded:*")
+        slo, interval = self.engine.tbt_slo_ms, self.options.stream_interval_ms
+        if slo is not None and interval is not None and 2 * interval > slo:
+            # A chunk goes out at the first pass end at least the interval after the last one, so a
+            # client's gap is under the interval plus one pass: under 2 x the interval while passes
+            # are shorter than it. The proxy door refuses for gaps over the SLO, so an interval over
+            # half of it would close the door on a quiet server.
+            raise ValueError(f"stream_interval_ms ({interval:g}) must be at most half of tbt_slo_ms "
+                             f"({slo:g}): merged chunks alone would make gaps over the SLO")
+
+    @property
+    def stream_interval_s(self) -> float:
+        """The interval streams are merged over: the option, or the default bounded by the SLO."""
+        interval = self.options.stream_interval_ms
+        if interval is None:
+            interval = DEFAULT_STREAM_INTERVAL_MS
+            if self.engine.tbt_slo_ms is not None:
+                interval = min(interval, self.engine.tbt_slo_ms / 2)
+        return interval / 1000
 
 
 def _positive(name: str, value: int) -> None:

@@ -17,13 +17,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
-import torch
 
 from replicas import admission
 from replicas.async_engine import AsyncEngine, EngineDeadError
@@ -35,6 +33,7 @@ from replicas.pass_trace import PassTrace
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, Started, prompt_batch, sample_id)
+from replicas.priority import serve_at_full_priority
 from replicas.serve_logs import use_serve_log
 
 logger = logging.getLogger(__name__)
@@ -60,25 +59,28 @@ class LoadSink(Protocol):
     def stop(self) -> None: ...
 
 
-def free_memory_bytes(device: str) -> int:
-    """Memory free for the KV cache now: device memory on an accelerator, else available RAM."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(dev)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def build_engine(config: ReplicaConfig) -> Engine:
-    """The default engine factory: load the model, size the KV cache, build the engine."""
+    """The default engine factory: load the model and build the engine. A replica given part of
+    a GPU (num_gpus < 1) sizes its memory from that part: replicas sharing a device split it."""
     engine_config = config.engine
-    if config.kv_cache_memory_fraction is None:
-        return Engine.from_pretrained(config.model, engine_config)
-    model, tokenizer = load_model(config.model, dtype=engine_config.dtype, device=engine_config.device,
-                                  trust_remote_code=engine_config.trust_remote_code)
-    budget = int(free_memory_bytes(engine_config.device) * config.kv_cache_memory_fraction)
-    logger.info("KV cache: %.2f of free memory = %d MiB", config.kv_cache_memory_fraction, budget >> 20)
-    return Engine(model, tokenizer, engine_config.replace(kv_cache_memory_bytes=max(1, budget)))
+    fraction = engine_config.kv_cache_memory_fraction
+    share = _gpu_share()
+    if fraction is not None and share < 1:
+        engine_config = engine_config.replace(kv_cache_memory_fraction=fraction * share)
+    return Engine.from_pretrained(config.model, engine_config)
+
+
+def _gpu_share() -> float:
+    """The part of a GPU Ray gave this replica (1 outside Ray or with whole GPUs)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return 1.0
+        gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
+    except Exception:  # noqa: BLE001 - no Ray context: a replica built in a test
+        return 1.0
+    return gpus if 0 < gpus < 1 else 1.0
 
 
 class LLMServer:
@@ -88,6 +90,7 @@ class LLMServer:
                  metrics_backend: Backend | None = None,
                  reporter_factory: Callable[[], LoadSink] | None = None) -> None:
         use_serve_log()
+        serve_at_full_priority(logger, "the engine replica")
         self.config = config
         factory = engine_factory or functools.partial(build_engine, config)
         engine = factory()
@@ -96,9 +99,9 @@ class LLMServer:
         if backend is not None:
             slo = config.engine.tbt_slo_ms / 1000 if config.engine.tbt_slo_ms else None
             engine.observers.append(EngineMetrics(backend, config.model, slo))
-        if config.pass_trace_dir is not None:
-            engine.observers.append(PassTrace(config.pass_trace_dir))
-        self.engine = AsyncEngine(engine, wedge_timeout_s=config.wedge_timeout_s,
+        if config.options.pass_trace_dir is not None:
+            engine.observers.append(PassTrace(config.options.pass_trace_dir))
+        self.engine = AsyncEngine(engine, wedge_timeout_s=config.options.wedge_timeout_s,
                                   stream_interval_s=config.stream_interval_s)
         # Load reports to the controller at iteration granularity (only inside Serve).
         self.reporter = reporter_factory() if reporter_factory is not None else None
@@ -216,7 +219,7 @@ class LLMServer:
             raise QueueFullError(
                 f"the replica's queue is full: {queued} prompt tokens are waiting and this request "
                 f"adds {num_prompt_tokens}, over the bound of {bound} (max_queued_tokens = "
-                f"{self.config.max_queued_tokens}, or what drains within queue_timeout_s); "
+                f"{self.config.options.max_queued_tokens}, or what drains within engine.queue_timeout_s); "
                 f"retry after {retry} s", None, retry)
 
     def _queue_timeout(self, num_prompt_tokens: int) -> QueueTimeoutError:
@@ -243,7 +246,7 @@ class LLMServer:
 
     def queue_bound_tokens(self) -> int:
         engine = self.config.engine
-        return admission.queue_bound(self.config.max_queued_tokens, engine.max_batch_prefill_tokens,
+        return admission.queue_bound(self.config.options.max_queued_tokens, engine.max_batch_prefill_tokens,
                                      self.drain_tps(), engine.queue_timeout_s)
 
     @property
@@ -263,7 +266,7 @@ class LLMServer:
             "vocab_size": engine.vocab_size,
             "policy": engine.config.policy,
             "block_size": engine.config.block_size,
-            "max_queued_tokens": self.config.max_queued_tokens,
+            "max_queued_tokens": self.config.options.max_queued_tokens,
             "tbt_slo_ms": self.config.engine.tbt_slo_ms,
         }
 

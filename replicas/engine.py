@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.guided import Grammars
 from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
-from replicas.model_runner import ModelRunner, PassLogits, kv_shape
+from replicas.model_runner import ModelRunner, PassLogits, kv_shape, text_config
 from replicas.models import load_model, model_max_length
 from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes, slo_hooks
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
@@ -156,7 +157,14 @@ class Engine:
         layers, kv_heads, head_dim = kv_shape(model.config)
         elem = next(model.parameters()).element_size()
         bytes_per_token = 2 * layers * kv_heads * head_dim * elem
-        blocks = cfg.kv_cache_memory_bytes // (bytes_per_token * cfg.block_size)
+        memory = cfg.kv_cache_memory_bytes
+        if cfg.kv_cache_memory_fraction is not None:
+            memory = kv_memory_bytes(device_memory_bytes(next(model.parameters()).device),
+                                     cfg.kv_cache_memory_fraction, weight_bytes(model),
+                                     activation_bytes(model.config, cfg, self.max_model_len, elem))
+            log.info("KV cache: %.2f of the device's memory less weights and activations = %d MiB",
+                     cfg.kv_cache_memory_fraction, memory >> 20)
+        blocks = memory // (bytes_per_token * cfg.block_size)
         # More blocks than every sequence slot at full length could ever use is waste.
         most = -(-cfg.max_num_seqs * self.max_model_len // cfg.block_size)
         return max(1, min(blocks, most))
@@ -450,6 +458,40 @@ class Engine:
             logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
             prompt_logprobs=list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
             num_cached_tokens=r.num_cached_tokens) for r in reqs]
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's total memory: the GPU's, or the machine's RAM on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def activation_bytes(model_config: Any, cfg: EngineConfig, max_model_len: int, elem: int) -> int:
+    """What one pass may hold besides weights and KV, over-estimated: the hidden states and MLP
+    activations of a full token budget, one prefill chunk's attention scores over the longest
+    context, and fp32 logits for every running sequence."""
+    text = text_config(model_config)
+    tokens = cfg.max_batch_prefill_tokens
+    hidden = tokens * (6 * text.hidden_size + 3 * text.intermediate_size) * elem
+    scores = tokens * max_model_len * text.num_attention_heads * 4
+    logits = (cfg.max_num_seqs + tokens // 8) * text.vocab_size * 4
+    return hidden + scores + logits
+
+
+def kv_memory_bytes(total: int, fraction: float, weights: int, activations: int) -> int:
+    """The KV cache's share of `fraction` of a device's `total` memory: what the weights and one
+    pass's activations leave of it (vLLM's gpu_memory_utilization rule)."""
+    kv = int(total * fraction) - weights - activations
+    if kv <= 0:
+        raise ValueError(f"kv_cache_memory_fraction {fraction:g} of {total >> 20} MiB leaves no KV "
+                         f"cache after {weights >> 20} MiB of weights and {activations >> 20} MiB of "
+                         "activations: raise it, or lower max_batch_prefill_tokens / max_model_len")
+    return kv
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -218,9 +218,17 @@ def _resolve_dtype(dtype: str, device: str, config: PretrainedConfig) -> torch.d
     return getattr(torch, dtype)
 
 
-def load_model(model: str, *, dtype: str = "auto", device: str = "cpu",
+def resolve_device(device: str) -> str:
+    """`auto`: cuda when a GPU is visible (under Ray: the replica was given one), else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(model: str, *, dtype: str = "auto", device: str = "auto",
                trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a supported causal LM and its tokenizer, in eval mode with gradients off."""
+    device = resolve_device(device)
     path = resolve_model_path(model)
     # Local directories must never trigger a hub lookup (no network on serving hosts).
     common = {"local_files_only": os.path.isdir(path), "trust_remote_code": trust_remote_code}

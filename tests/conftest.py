@@ -30,15 +30,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Small budgets keep the session fast on 2 cores; they are still real limits the tests hit.
 TEST_APP_ARGS: dict[str, Any] = {
     "model": "embedded:tiny",
-    "max_batch_prefill_tokens": 256,
-    "max_batch_total_tokens": 1536,  # below the 2048 context: the KV limit is reachable
-    "max_num_seqs": 64,
-    "max_queued_tokens": 16_384,
-    # No queue deadline, so the queue bound is max_queued_tokens. With one, the bound follows the
-    # measured drain rate, and a CPU-starved pass reads as a stalled queue (bound: one prefill
-    # budget): 32 concurrent prompts then got a 429. Deadlines are tested on apps of their own.
-    "queue_timeout_s": None,
-    "tbt_slo_ms": 5_000,  # metrics count tokens within it; no autoscaling (no max_replicas)
+    "engine": {
+        "max_batch_prefill_tokens": 256,
+        "max_batch_total_tokens": 1536,  # below the 2048 context: the KV limit is reachable
+        "max_num_seqs": 64,
+        # No queue deadline (the default), so the queue bound is max_queued_tokens. With one, the
+        # bound follows the measured drain rate, and a CPU-starved pass reads as a stalled queue
+        # (bound: one prefill budget). Deadlines are tested on apps of their own.
+        "tbt_slo_ms": 5_000,  # metrics count tokens within it; no autoscaling (no max_replicas)
+    },
+    "replica": {"max_queued_tokens": 16_384},
     "num_cpus": 1,
     "ingress_num_cpus": 0.1,
     "max_body_bytes": 64 * 1024,

@@ -37,7 +37,7 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def reference(serve_app) -> Reference:  # noqa: ANN001 - tests/conftest.py ServeApp
-    config = serve_app.args.engine_config().replace(num_threads=None)
+    config = serve_app.args.engine.replace(num_threads=None)
     return Reference(Engine.from_pretrained(serve_app.args.model, config))
 
 

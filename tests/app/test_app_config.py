@@ -14,43 +14,67 @@ from ray.serve import Application
 from app.args import AppArgs
 from app.builder import build_app, llm_deployment_options
 from app.errors import OpenAIError, from_exception
+from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
 from replicas.protocol import InvalidRequestError, QueueFullError
 
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 
 
-def test_defaults_make_a_valid_engine_config() -> None:
+def test_defaults_make_a_valid_replica_config() -> None:
     args = AppArgs()
-    engine = args.engine_config()
+    replica = args.replica_config()
+    engine = replica.engine
     assert args.model == "embedded:smollm2" and args.name == "embedded-smollm2"  # no colon in the served name
-    assert engine.policy == "stall_free" and engine.device == "cpu"
-    assert engine.num_threads == 1  # from num_cpus=1, not from whatever Ray put in OMP_NUM_THREADS
-    assert AppArgs(num_cpus=4).engine_config().num_threads == 4
-    assert AppArgs(num_cpus=0.5).engine_config().num_threads == 1
-    assert AppArgs(num_cpus=4, torch_threads=2).engine_config().num_threads == 2
-    assert AppArgs(num_gpus=1).engine_config().device == "cuda"
-    assert args.replica_config().stream_interval_s == 0  # every pass's delta, as vLLM and TGI
-    assert AppArgs(stream_interval_ms=50).replica_config().stream_interval_s == 0.05
-    assert args.replica_config().pass_trace_dir is None  # no trace unless asked
-    assert AppArgs(pass_trace_dir="/tmp/t").replica_config().pass_trace_dir == "/tmp/t"
-    slo = AppArgs(tbt_slo_ms=200, slo_admission=True).engine_config()
-    assert slo.tbt_slo_ms == 200 and slo.slo_budget and slo.slo_admission and not args.slo_admission
+    assert engine.policy == "stall_free" and engine.device == "auto"
+    assert engine.num_threads == 1  # from num_cpus, not from whatever Ray put in OMP_NUM_THREADS
+    assert AppArgs(num_cpus=4).replica_config().engine.num_threads == 4
+    assert AppArgs(num_cpus=0.5).replica_config().engine.num_threads == 1
+    assert AppArgs(num_cpus=4, engine={"num_threads": 2}).replica_config().engine.num_threads == 2
+    gpu = AppArgs(num_gpus=1)
+    assert gpu.resolved_num_cpus == 4 and gpu.replica_config().engine.num_threads == 4  # host work
+    assert AppArgs(num_gpus=1, num_cpus=2).resolved_num_cpus == 2
+    assert replica.stream_interval_s == 0.05  # merged over 50 ms by default
+    assert AppArgs(replica={"stream_interval_ms": 0}).replica_config().stream_interval_s == 0
+    # The default follows the SLO: a 50 ms SLO needs no second knob.
+    assert AppArgs(engine={"tbt_slo_ms": 50}).replica_config().stream_interval_s == 0.025
+    assert replica.options.pass_trace_dir is None  # no trace unless asked
+    assert AppArgs(replica={"pass_trace_dir": "/tmp/t"}).replica_config().options.pass_trace_dir == "/tmp/t"
+    slo = AppArgs(engine={"tbt_slo_ms": 200, "slo_admission": True}).replica_config().engine
+    assert slo.tbt_slo_ms == 200 and slo.slo_budget and slo.slo_admission and not args.engine.slo_admission
+
+
+def test_the_engine_and_replica_records_are_nested_not_copied() -> None:
+    """Every engine and replica setting is a field of its record only: AppArgs holds the
+    records, and has no field of the same name beside them."""
+    import dataclasses
+
+    from replicas.config import EngineConfig, ReplicaOptions
+
+    nested = {f.name for cls in (EngineConfig, ReplicaOptions) for f in dataclasses.fields(cls)}
+    assert not nested & set(AppArgs.model_fields)
+    assert AppArgs(engine={"policy": "dynamic"}).replica_config().engine == EngineConfig(policy="dynamic", num_threads=1)
 
 
 @pytest.mark.parametrize("bad,fragment", [
-    ({"policy": "fastest"}, "policy"),
-    ({"max_batch_total_tokens": 8}, "max_batch_total_tokens must hold at least one KV block"),
-    ({"max_batch_prefill_tokens": 0}, "max_batch_prefill_tokens must be a positive integer"),
-    ({"max_queued_tokens": 0}, "max_queued_tokens"),
-    ({"max_num_seqs": "many"}, "max_num_seqs"),
+    ({"engine": {"policy": "fastest"}}, "policy"),
+    ({"engine": {"max_batch_total_tokens": 8}}, "max_batch_total_tokens must hold at least one KV block"),
+    ({"engine": {"max_batch_prefill_tokens": 0}}, "max_batch_prefill_tokens must be a positive integer"),
+    ({"replica": {"max_queued_tokens": 0}}, "max_queued_tokens"),
+    ({"engine": {"max_num_seqs": "many"}}, "max_num_seqs"),
     ({"min_replicas": 3, "max_replicas": 2}, "min_replicas (3) > max_replicas (2)"),
     ({"min_replicas": 1}, "min_replicas needs max_replicas"),
-    ({"device": "cuda"}, "num_gpus is 0"),
-    ({"max_batch_prefil_tokens": 256}, "max_batch_prefil_tokens"),  # a typo is not ignored
+    ({"engine": {"device": "cuda"}}, "num_gpus is 0"),
+    ({"engine": {"max_batch_prefil_tokens": 256}}, "max_batch_prefil_tokens"),  # a typo is not ignored
+    ({"max_batch_prefill_tokens": 256}, "max_batch_prefill_tokens"),  # nor a setting at the wrong level
     ({"tool_call_parser": "mistral"}, "tool_call_parser"),  # only hermes is implemented
-    ({"stream_interval_ms": -1}, "stream_interval_ms"),
-    ({"stream_interval_ms": 100, "tbt_slo_ms": 80}, "stream_interval_ms (100) must be at most half of tbt_slo_ms (80)"),
-    ({"stream_interval_ms": 50, "tbt_slo_ms": 99}, "stream_interval_ms (50) must be at most half of tbt_slo_ms (99)"),
+    ({"replica": {"stream_interval_ms": -1}}, "stream_interval_ms"),
+    ({"replica": {"stream_interval_ms": 100}, "engine": {"tbt_slo_ms": 80}},
+     "stream_interval_ms (100) must be at most half of tbt_slo_ms (80)"),
+    ({"replica": {"stream_interval_ms": 50}, "engine": {"tbt_slo_ms": 99}},
+     "stream_interval_ms (50) must be at most half of tbt_slo_ms (99)"),
+    ({"proxy_door": {"min_requests": 9, "max_requests": 8}}, "min_requests (9) <= max_requests (8)"),
+    ({"proxy_door": {"gap_quantile": 1}}, "gap_quantile"),
+    ({"engine": {"kv_cache_memory_fraction": 1.5}}, "kv_cache_memory_fraction"),
 ])
 def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as err:
@@ -60,6 +84,7 @@ def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: s
 
 def test_builder_options() -> None:
     fixed = llm_deployment_options(AppArgs(num_replicas=2, num_cpus=2, num_gpus=0.5))
+    assert llm_deployment_options(AppArgs(num_gpus=1))["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0.5}
     assert fixed["max_ongoing_requests"] == 256  # AppArgs' default
@@ -67,7 +92,7 @@ def test_builder_options() -> None:
     assert fixed["graceful_shutdown_timeout_s"] == 820.0  # 4096 tokens at twice 100 ms, rounded up
     counted = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=4, autoscale_by="ongoing_requests"))
     assert counted["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in counted
-    slo = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=3, tbt_slo_ms=80))
+    slo = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=3, engine={"tbt_slo_ms": 80}))
     policy = slo["autoscaling_config"].policy
     assert slo["autoscaling_config"].max_replicas == 3 and "num_replicas" not in slo
     assert policy.policy_kwargs["tbt_slo_s"] == 0.08
@@ -90,6 +115,9 @@ def test_serve_config_yaml_is_valid_and_local() -> None:
     assert application["import_path"] == "app.builder:build_app"
     args = AppArgs.model_validate(application["args"])
     assert args.model == "embedded:smollm2" and args.max_ongoing_requests > 5
+    # The proxies of the Serve instance it starts run the door, however Ray was started.
+    env = config["controller_options"]["runtime_env"]["env_vars"]
+    assert env == {CALLBACK_ENV: IMPORT_PATH}
 
 
 def test_replica_refusals_map_to_4xx_through_ray_wrappers() -> None:
@@ -111,12 +139,13 @@ def test_replica_refusals_map_to_4xx_through_ray_wrappers() -> None:
 
 def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
     args = AppArgs()
-    assert args.engine_config().queue_timeout_s == 10.0  # the deadline reaches the scheduler
-    assert AppArgs(queue_timeout_s=None).engine_config().queue_timeout_s is None
+    assert args.replica_config().engine.queue_timeout_s is None  # the engine's default: no deadline
+    served = AppArgs.model_validate(yaml.safe_load(CONFIG.read_text())["applications"][0]["args"])
+    assert served.replica_config().engine.queue_timeout_s == 10.0  # the served config's deadline
     assert llm_deployment_options(args)["max_queued_requests"] == args.max_queued_requests == 256
     assert args.resolved_ingress_replicas == 1
     assert AppArgs(num_replicas=3).resolved_ingress_replicas == 2
-    assert AppArgs(min_replicas=1, max_replicas=4, tbt_slo_ms=50).resolved_ingress_replicas == 2
+    assert AppArgs(min_replicas=1, max_replicas=4, engine={"tbt_slo_ms": 50}).resolved_ingress_replicas == 2
     assert AppArgs(num_replicas=3, ingress_replicas=5).resolved_ingress_replicas == 5
     assert args.ingress_num_cpus == 0.5
     ingress = build_app(AppArgs(num_replicas=2)).__dict__  # the bound ingress deployment
@@ -126,4 +155,17 @@ def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
     assert config.max_queued_requests == args.ingress_max_queued_requests
     assert config.backpressure_config.status_code == 429
     with pytest.raises(ValidationError, match="queue_timeout_s"):
-        AppArgs(queue_timeout_s=0)
+        AppArgs(engine={"queue_timeout_s": 0})
+
+
+def test_the_settings_reference_is_generated_and_current() -> None:
+    """docs/settings.md is what `python -m app.settings_doc` prints, and each setting is one row
+    (one definition): regenerate it after changing a field."""
+    from app.settings_doc import render, rows
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+    assert doc.read_text() == render(), "regenerate: python -m app.settings_doc > docs/settings.md"
+    names = [name for name, _, _ in rows()]
+    assert len(names) == len(set(names))
+    for leaf in ("tbt_slo_ms", "queue_timeout_s", "stream_interval_ms", "max_batch_prefill_tokens"):
+        assert len([n for n in names if n.split(".")[-1] == leaf]) == 1, leaf

@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from replicas import Engine, EngineConfig, RequestOutput, SamplingParams
-from replicas.config import ReplicaConfig
-from replicas.deployment import LLMServer, build_engine, free_memory_bytes
+from replicas.config import ReplicaConfig, ReplicaOptions
+from replicas.deployment import LLMServer, build_engine
+from replicas.engine import activation_bytes, kv_memory_bytes, weight_bytes
+from replicas.models import load_model, model_max_length
 from replicas.protocol import InvalidRequestError, QueueFullError, ReplicaLoad, RequestRejected
 
 MODEL = "embedded:tiny"
@@ -26,7 +28,7 @@ module_loop = pytest.mark.asyncio(loop_scope="module")
 
 
 def make_server(engine_config: EngineConfig, **replica: object) -> LLMServer:
-    config = ReplicaConfig(MODEL, engine_config, **replica)  # type: ignore[arg-type]
+    config = ReplicaConfig(model=MODEL, engine=engine_config, options=ReplicaOptions(**replica))  # type: ignore[arg-type]
     return LLMServer(config, engine_factory=lambda: Engine.from_pretrained(MODEL, engine_config))
 
 
@@ -164,11 +166,20 @@ async def test_health_fails_when_wedged_or_dead(await_until: Callable) -> None:
 
 
 def test_kv_cache_sized_from_a_memory_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert free_memory_bytes("cpu") > 0
+    """The fraction is of the device's total memory, weights and activations taken out first;
+    a replica given half a GPU sizes from half of it."""
     block_bytes = 512 * 16  # tiny: 512 KV bytes per token, 16 tokens a block
-    # Free memory moves between two reads; pinned, the block count is exact.
-    monkeypatch.setattr("replicas.deployment.free_memory_bytes", lambda device: 1024 * 100 * block_bytes)
-    engine = build_engine(ReplicaConfig(MODEL, EngineConfig(), kv_cache_memory_fraction=1 / 1024))
-    assert engine.blocks.num_blocks == 100
+    config = EngineConfig(kv_cache_memory_fraction=0.5, max_num_seqs=1_000_000)
+    model, _ = load_model(MODEL)
+    used = weight_bytes(model) + activation_bytes(model.config, config, model_max_length(model.config), 4)
+    total = 4 * (used + 100 * block_bytes)  # a quarter of it leaves 100 blocks
+    monkeypatch.setattr("replicas.engine.device_memory_bytes", lambda device: total)
+    engine = build_engine(ReplicaConfig(model=MODEL, engine=config))
+    assert engine.blocks.num_blocks == (total // 2 - used) // block_bytes
+    monkeypatch.setattr("replicas.deployment._gpu_share", lambda: 0.5)  # two replicas on one device
+    half = build_engine(ReplicaConfig(model=MODEL, engine=config))
+    assert half.blocks.num_blocks == 100
+    with pytest.raises(ValueError, match="leaves no KV cache"):
+        kv_memory_bytes(1000, 0.5, weights=400, activations=200)
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
-        ReplicaConfig(MODEL, EngineConfig(), kv_cache_memory_fraction=1.5)
+        EngineConfig(kv_cache_memory_fraction=1.5)

@@ -11,7 +11,7 @@ PREFIX = "ray_stallfree_"
 APP = "metrics"
 # An app of its own: its series start at zero, so the counts need no baseline. (A scrape of the
 # shared app could lag the tests before this one by an export period, and miscount.)
-METRICS_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-metrics", "tbt_slo_ms": 5_000,
+METRICS_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-metrics", "engine": {"tbt_slo_ms": 5_000},
                     "num_cpus": 0.5, "ingress_num_cpus": 0.1}
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-OVERLOAD_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-overload", "max_num_seqs": 4,
-                     "max_batch_total_tokens": 1024, "max_queued_tokens": 128, "queue_timeout_s": 3.0,
+OVERLOAD_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-overload", 
+                     "engine": {"max_num_seqs": 4, "max_batch_total_tokens": 1024, "queue_timeout_s": 3.0},
+                     "replica": {"max_queued_tokens": 128},
                      "max_ongoing_requests": 16, "max_queued_requests": 8, "num_cpus": 1,
                      "ingress_num_cpus": 0.1}
 BURST = 120

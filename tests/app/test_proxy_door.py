@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from starlette.types import Message
 
 from app.middleware import StreamLimitMiddleware
 from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, IMPORT_PATH, NICENESS_ENV, Pending,
-                            PendingMiddleware, ProxyDoorConfig, config_tbt_slo_ms, middlewares, proxy_env)
+                            PendingMiddleware, ProxyDoorConfig, middlewares, proxy_env)
 
 
 class Clock:
@@ -336,82 +332,50 @@ async def test_the_middleware_times_the_gaps_between_a_streams_chunks() -> None:
     assert pending.in_flight == 0  # counted from admission to the stream's end
 
 
-def test_config_from_the_environment() -> None:
-    assert ProxyDoorConfig.from_env({}) == ProxyDoorConfig()
-    assert ProxyDoorConfig.from_env({}).wait_target_ms == DEFAULT_WAIT_TARGET_MS
-    c = ProxyDoorConfig.from_env({"STALLFREE_PROXY_LAG_TARGET_MS": "80", "STALLFREE_PROXY_MAX_REQUESTS": "64",
-                                  "STALLFREE_PROXY_MIN_REQUESTS": "2", "STALLFREE_PROXY_WAIT_TARGET_MS": "500"})
-    assert c == ProxyDoorConfig(80.0, 64, 2, 500.0)
-    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}).target_ms is None
-    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_TARGET_MS": "off"}).gap_target_ms is None
-    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_TARGET_MS": "120"}).gap_target_ms == 120.0
-    assert ProxyDoorConfig().gap_quantile == 0.9
-    assert ProxyDoorConfig.from_env({"STALLFREE_PROXY_GAP_QUANTILE": "0.95"}).gap_quantile == 0.95
-    for env, name in (({"STALLFREE_PROXY_MAX_REQUESTS": "many"}, "STALLFREE_PROXY_MAX_REQUESTS"),
-                      ({"STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, "STALLFREE_PROXY_WAIT_TARGET_MS"),
-                      ({"STALLFREE_PROXY_LAG_TARGET_MS": "0"}, "STALLFREE_PROXY_LAG_TARGET_MS"),
-                      ({"STALLFREE_PROXY_GAP_TARGET_MS": "fast"}, "STALLFREE_PROXY_GAP_TARGET_MS"),
-                      ({"STALLFREE_PROXY_GAP_QUANTILE": "1"}, "STALLFREE_PROXY_GAP_QUANTILE"),
-                      ({"STALLFREE_PROXY_GAP_QUANTILE": "0"}, "STALLFREE_PROXY_GAP_QUANTILE"),
-                      ({"STALLFREE_PROXY_MIN_REQUESTS": "9", "STALLFREE_PROXY_MAX_REQUESTS": "8"},
-                       "STALLFREE_PROXY_MIN_REQUESTS")):
-        with pytest.raises(ValueError, match=name):
-            ProxyDoorConfig.from_env(env)
+def test_the_door_settings_follow_the_tbt_slo_as_a_p99_unless_set() -> None:
+    default = ProxyDoorConfig().settings(None)
+    assert (default.gap_target_s, default.slow_share) == (pytest.approx(0.25), pytest.approx(0.1))
+    assert default.wait_target_s == DEFAULT_WAIT_TARGET_MS / 1000 and default.enabled
+    slo = ProxyDoorConfig().settings(1000.0)  # gaps the SLO allows are not refused
+    assert (slo.gap_target_s, slo.slow_share) == (pytest.approx(1.0), pytest.approx(0.01))
+    own = ProxyDoorConfig(gap_target_ms=300).settings(100.0)  # their own target keeps the default p90
+    assert (own.gap_target_s, own.slow_share) == (pytest.approx(0.3), pytest.approx(0.1))
+    assert ProxyDoorConfig(gap_quantile=0.95).settings(100.0).slow_share == pytest.approx(0.05)
+    assert ProxyDoorConfig(watch_gaps=False).settings(100.0).gap_target_s is None
+    with pytest.raises(ValueError, match="min_requests"):
+        ProxyDoorConfig(min_requests=9, max_requests=8)
+    with pytest.raises(ValueError, match="gap_quantile"):
+        ProxyDoorConfig(gap_quantile=1.0)
 
 
-def test_serves_callback_builds_both_parts_and_none_when_off() -> None:
-    built = middlewares({"STALLFREE_PROXY_MAX_REQUESTS": "16", "STALLFREE_PROXY_WAIT_TARGET_MS": "750"})
+def test_serves_callback_builds_both_parts_and_takes_published_settings() -> None:
+    built = middlewares()
     assert [m.cls for m in built] == [PendingMiddleware, StreamLimitMiddleware]  # the limit outermost
-    assert built[1].kwargs["limit"].max_limit == 16 and built[1].kwargs["where"] == "proxy"
-    assert built[0].kwargs["pending"].target_s == pytest.approx(0.75)
-    door = built[0].kwargs["pending"]
-    assert door.gap_target_s == pytest.approx(0.25) and door.slow_share == pytest.approx(0.1)
-    assert door.min_gaps == 20
-    p99 = middlewares({"STALLFREE_PROXY_GAP_TARGET_MS": "100", "STALLFREE_PROXY_GAP_QUANTILE": "0.99"})
-    door = p99[0].kwargs["pending"]
-    assert door.gap_target_s == pytest.approx(0.1) and door.slow_share == pytest.approx(0.01)
-    assert door.min_gaps == 200  # two gaps over the target at the quantile's edge, at least
-    assert middlewares({"STALLFREE_PROXY_LAG_TARGET_MS": "off"}) == []
+    limit, pending, door = built[1].kwargs["limit"], built[0].kwargs["pending"], built[0].kwargs["door"]
+    assert limit.max_limit == 1024 and built[1].kwargs["where"] == "proxy"
+    assert pending.gap_target_s == pytest.approx(0.25) and pending.min_gaps == 20
+    published = [ProxyDoorConfig(max_requests=16, min_requests=2, wait_target_ms=750,
+                                 gap_quantile=0.99, gap_target_ms=100).settings(None)]
+    door._read = lambda: published[0]
+
+    async def refreshed() -> None:
+        door.refresh()
+        await door._reading
+        door.refresh()  # within REFRESH_S: no second read
+        assert door._reading.done()
+
+    asyncio.run(refreshed())
+    assert limit.max_limit == 16 and limit.min_limit == 2 and limit.limit <= 16
+    assert pending.target_s == pytest.approx(0.75) and pending.max_cap == 16 and pending.cap <= 16
+    assert pending.gap_target_s == pytest.approx(0.1) and pending.slow_share == pytest.approx(0.01)
+    assert pending.min_gaps == 200  # two gaps over the target at the quantile's edge, at least
+    assert json.loads(door.summary)["max_requests"] == 16  # what /health shows
+    door.apply(ProxyDoorConfig(enabled=False).settings(None))  # off: both parts let everything by
+    limit.in_flight = 10_000
+    assert limit.admits() and pending.admits()
 
 
-def test_proxy_env_sets_the_callback_unless_given_and_checks_the_settings() -> None:
+def test_proxy_env_sets_the_callback_and_priority_unless_given() -> None:
     assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: "0"}
     assert proxy_env({NICENESS_ENV: "5"})[NICENESS_ENV] == "5"  # the caller's priority wins
     assert proxy_env({CALLBACK_ENV: "mine:f"})[CALLBACK_ENV] == "mine:f"
-    with pytest.raises(ValueError, match="STALLFREE_PROXY_MAX_REQUESTS"):
-        proxy_env({"STALLFREE_PROXY_MAX_REQUESTS": "0"})
-
-
-def test_the_gap_target_is_the_tbt_slo_as_a_p99_unless_set() -> None:
-    gap, q = "STALLFREE_PROXY_GAP_TARGET_MS", "STALLFREE_PROXY_GAP_QUANTILE"
-    assert proxy_env({}, tbt_slo_ms=1000.0)[gap] == "1000"  # gaps the SLO allows are not refused
-    assert proxy_env({}, tbt_slo_ms=100.0)[gap] == "100"  # a tighter one is what admitted streams keep
-    assert ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=100.0)).gap_quantile == 0.99
-    assert proxy_env({q: "0.95"}, tbt_slo_ms=100.0)[q] == "0.95"  # the caller's quantile wins
-    assert q not in proxy_env({gap: "300"}, tbt_slo_ms=100.0)  # their own target keeps the default p90
-    no_slo = ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=None))
-    assert (no_slo.gap_target_ms, no_slo.gap_quantile) == (250.0, 0.9)
-    assert gap not in proxy_env({}, tbt_slo_ms=None)
-    assert proxy_env({gap: "300"}, tbt_slo_ms=1000.0)[gap] == "300"  # the caller's own wins
-    assert proxy_env({gap: "off"}, tbt_slo_ms=1000.0)[gap] == "off"
-    assert ProxyDoorConfig.from_env(proxy_env({}, tbt_slo_ms=1500.0)).gap_target_ms == 1500.0
-
-
-def test_the_config_files_tbt_slo_is_read_for_make_serve(tmp_path) -> None:  # noqa: ANN001
-    base = Path(__file__).resolve().parents[2] / "serve_config.yaml"
-    assert config_tbt_slo_ms(str(base)) is None  # the shipped config leaves it commented out
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("applications:\n  - name: a\n    args: {tbt_slo_ms: 400}\n"
-                   "  - name: b\n    args: {tbt_slo_ms: 1200}\n  - name: c\n    args: {}\n")
-    assert config_tbt_slo_ms(str(cfg)) == 1200.0
-    out = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
-                         env={k: v for k, v in os.environ.items()
-                              if not k.startswith("STALLFREE_PROXY_") and k != NICENESS_ENV},
-                         cwd=base.parent, check=True)
-    assert out.stdout.split() == [f"{NICENESS_ENV}=0", "STALLFREE_PROXY_GAP_TARGET_MS=1200",
-                                  "STALLFREE_PROXY_GAP_QUANTILE=0.99"]
-    assert "gap_target_ms=1200.0" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "app.proxy_door", str(cfg)], capture_output=True, text=True,
-                         env={**os.environ, "STALLFREE_PROXY_WAIT_TARGET_MS": "-1"}, cwd=base.parent)
-    assert bad.returncode != 0 and "STALLFREE_PROXY_WAIT_TARGET_MS" in bad.stderr
-

@@ -16,15 +16,19 @@ import pytest
 
 from loadtests import serve_local
 
-SERVER_ARGS = {"model": "embedded:tiny", "max_num_seqs": 8, "max_batch_total_tokens": 4096, "num_cpus": 1,
-               "ingress_num_cpus": 0.1, "stream_interval_ms": 0}
-PROXY_ENV = {"STALLFREE_PROXY_MAX_REQUESTS": "1", "STALLFREE_PROXY_MIN_REQUESTS": "1"}
+SERVER_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 4096},
+               "num_cpus": 1, "ingress_num_cpus": 0.1, "replica": {"stream_interval_ms": 0},
+               "proxy_door": {"max_requests": 1, "min_requests": 1}}
 
 
 @pytest.fixture(scope="module")
-def door_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def door_server(tmp_path_factory: pytest.TempPathFactory, wait_until) -> Iterator[str]:  # noqa: ANN001
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with serve_local.served(SERVER_ARGS, str(log), env=PROXY_ENV) as url:
+    with serve_local.served(SERVER_ARGS, str(log)) as url:
+        # The app publishes its door settings; the proxy's door reads them within REFRESH_S, and
+        # /health shows the settings in force.
+        wait_until(lambda: (httpx.get(f"{url}/health", timeout=30).json()["proxy_door"] or {}).get(
+            "max_requests") == 1, timeout_s=60, what="the door on the app's settings")
         yield url
 
 

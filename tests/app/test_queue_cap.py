@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 CAP = 64  # max_queued_tokens of the app below
-QUEUE_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-queue", "max_num_seqs": 1,
-                  "max_queued_tokens": CAP, "num_cpus": 1, "ingress_num_cpus": 0.1,
-                  "queue_timeout_s": None,  # the queued request waits as long as the test needs
+QUEUE_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-queue", 
+                  "engine": {"max_num_seqs": 1},  # no queue deadline: it waits as long as the test needs
+                  "replica": {"max_queued_tokens": CAP}, "num_cpus": 1, "ingress_num_cpus": 0.1,
                   "body_timeout_s": 2.0}
 
 

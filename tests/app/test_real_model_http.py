@@ -21,8 +21,8 @@ from loadtests.real_text import MULTIPLE_CHOICE, PASSAGES, mc_accuracy, mc_picks
 from replicas.models import load_model
 
 MODEL, SERVED = "embedded:smollm2", "embedded-smollm2"
-APP_ARGS = {"model": MODEL, "max_batch_prefill_tokens": 256, "max_batch_total_tokens": 4096,
-            "max_num_seqs": 16, "num_cpus": 1, "ingress_num_cpus": 0.1, "queue_timeout_s": None}
+APP_ARGS = {"model": MODEL, "num_cpus": 1, "ingress_num_cpus": 0.1,
+            "engine": {"max_batch_prefill_tokens": 256, "max_batch_total_tokens": 4096, "max_num_seqs": 16}}
 LOGPROB_TOL = 1e-4
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
         "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}

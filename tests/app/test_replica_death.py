@@ -18,7 +18,7 @@ import pytest
 APP = "death"
 NUM_STREAMS = 6
 DEATH_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-death", "num_replicas": 2,
-                  "num_cpus": 0.5, "ingress_num_cpus": 0.1, "max_batch_total_tokens": 4096}
+                  "num_cpus": 0.5, "ingress_num_cpus": 0.1, "engine": {"max_batch_total_tokens": 4096}}
 
 
 @pytest.fixture(scope="module")

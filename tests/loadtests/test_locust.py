@@ -24,9 +24,9 @@ from loadtests.sweep import whole_prompt_mbp
 from loadtests.workloads import ChatPromptPool
 from replicas.model_files import load_tokenizer
 
-SERVER_ARGS = {"model": "embedded:tiny", "policy": "stall_free", "max_batch_prefill_tokens": 256,
-               "max_batch_total_tokens": 8192, "max_num_seqs": 32, "num_cpus": 1,
-               "ingress_num_cpus": 0.1}
+SERVER_ARGS = {"model": "embedded:tiny", "num_cpus": 1, "ingress_num_cpus": 0.1,
+               "engine": {"policy": "stall_free", "max_batch_prefill_tokens": 256,
+                          "max_batch_total_tokens": 8192, "max_num_seqs": 32}}
 SMOKE_MIX = ["--prompt-median", "24", "--output-median", "12", "--long-share", "0.2",
              "--long-min", "200", "--long-max", "300", "--seed", "3"]
 
@@ -162,16 +162,17 @@ def test_the_sweep_lets_only_its_slo_line_choose_the_budget() -> None:
 
     args = parse_args(["--quick", "--policies", f"dynamic,stall_free,{SLO_POLICY}"])
     fixed, slo = app_args(args, "stall_free", SWEEP_MIX), app_args(args, SLO_POLICY, SWEEP_MIX)
-    assert fixed["policy"] == slo["policy"] == "stall_free"
-    assert fixed["max_batch_prefill_tokens"] == args.chunk and not fixed["slo_budget"]
-    assert slo["max_batch_prefill_tokens"] == whole_prompt_mbp(SWEEP_MIX) and slo["slo_budget"]
+    assert fixed["engine"]["policy"] == slo["engine"]["policy"] == "stall_free"
+    assert fixed["engine"]["max_batch_prefill_tokens"] == args.chunk and not fixed["engine"]["slo_budget"]
+    assert slo["engine"]["max_batch_prefill_tokens"] == whole_prompt_mbp(SWEEP_MIX) and slo["engine"]["slo_budget"]
     for kwargs in (fixed, slo):
-        engine = AppArgs(**kwargs).engine_config()
-        assert engine.tbt_slo_ms == args.tbt_slo_ms and engine.slo_budget == kwargs["slo_budget"]
+        engine = AppArgs(**kwargs).engine
+        assert engine.tbt_slo_ms == args.tbt_slo_ms and engine.slo_budget == kwargs["engine"]["slo_budget"]
         assert engine.budget_margin == 0.8  # the engine's default unless asked
-    assert fixed["pass_trace_dir"].endswith("passes_stall_free") and slo["pass_trace_dir"].endswith(SLO_POLICY)
+    assert fixed["replica"]["pass_trace_dir"].endswith("passes_stall_free")
+    assert slo["replica"]["pass_trace_dir"].endswith(SLO_POLICY)
     narrow = parse_args(["--quick", "--budget-margin", "0.7"])
-    assert AppArgs(**app_args(narrow, SLO_POLICY, SWEEP_MIX)).engine_config().budget_margin == 0.7
+    assert AppArgs(**app_args(narrow, SLO_POLICY, SWEEP_MIX)).engine.budget_margin == 0.7
 
 
 def test_the_sweep_sends_real_prompts_on_a_real_model() -> None:
@@ -187,8 +188,8 @@ def test_the_sweep_sends_real_prompts_on_a_real_model() -> None:
     mix = mix_from_args(args, 1.0)
     pool = ChatPromptPool.for_model(args.model, mix.seed)
     dynamic = app_args(args, "dynamic", mix, pool)
-    assert dynamic["max_batch_prefill_tokens"] == 512 >= pool.max_prompt_len
-    assert dynamic["enable_prefix_caching"] is False and dynamic["model"] == "embedded:smollm2"
-    assert AppArgs(**dynamic).engine_config().enable_prefix_caching is False
+    assert dynamic["engine"]["max_batch_prefill_tokens"] == 512 >= pool.max_prompt_len
+    assert dynamic["engine"]["enable_prefix_caching"] is False and dynamic["model"] == "embedded:smollm2"
+    assert AppArgs(**dynamic).engine.enable_prefix_caching is False
     cached = parse_args(["--quick", "--model", "embedded:smollm2", "--prefix-caching"])
-    assert app_args(cached, "stall_free", mix, pool)["enable_prefix_caching"] is True
+    assert app_args(cached, "stall_free", mix, pool)["engine"]["enable_prefix_caching"] is True
