@@ -21,7 +21,8 @@ from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.schemas import INVALID_UNICODE
-from replicas.protocol import RequestRejected
+from replicas.protocol import (InvalidRequestError, QueueFullError, ReplicaUnhealthyError,
+                               RequestRejected)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,13 @@ _TYPE_BY_STATUS = {400: "invalid_request_error", 404: "not_found_error", 405: "i
                    408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 MAX_MESSAGE_CHARS = 1024  # an error message never echoes more of the client's input than this
 ENGINE_RETRY_AFTER_S = 1  # a dead engine replica is replaced (or another takes over) about this fast
+# The engine's refusals, by kind (the most specific first): HTTP status and OpenAI error type.
+_STATUS_BY_REFUSAL: tuple[tuple[type[RequestRejected], int, str], ...] = (
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (QueueFullError, 429, "rate_limit_error"),
+    (ReplicaUnhealthyError, 503, "server_error"),
+    (RequestRejected, 400, "invalid_request_error"),
+)
 # A replica process that died or cannot be reached: the request may be retried (503).
 REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 
@@ -66,8 +74,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if rejected is not None:
         headers = ({"Retry-After": str(rejected.retry_after_s)}
                    if rejected.retry_after_s is not None else None)
-        return OpenAIError(rejected.status_code, rejected.message, rejected.param,
-                           rejected.code, rejected.error_type, headers)
+        status, error_type = next((status, kind) for cls, status, kind in _STATUS_BY_REFUSAL
+                                  if isinstance(rejected, cls))
+        return OpenAIError(status, rejected.message, rejected.param, rejected.code, error_type, headers)
     if isinstance(exc, BackPressureError):  # Serve's own bounded handle queue is full
         return OpenAIError(429, "the server is overloaded; retry later", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})

@@ -270,7 +270,7 @@ class OpenAIIngress:
                     if isinstance(exc, Exception):
                         raise from_exception(exc) from None
                     raise
-                left_at = getattr(first, "left_at", None)
+                left_at = first.left_queue_at
                 return gen, _chain(first, gen)
             raise AssertionError("unreachable")  # the last attempt returns or raises
         finally:
@@ -306,8 +306,8 @@ class OpenAIIngress:
                               code="queue_timeout", headers={"Retry-After": "1"}) from None
         if isinstance(ack, RequestRejected):
             raise ack
-        self.gate.acknowledged(ticket, getattr(ack, "replica_id", None), getattr(ack, "at", time.time()))
-        first = ack if ack.finished else await gen.__anext__()  # the first token, or a late refusal
+        self.gate.acknowledged(ticket, ack.replica_id, ack.at)
+        first = await gen.__anext__()  # the first token, or a late refusal
         if isinstance(first, RequestRejected):
             raise first
         return first

@@ -6,9 +6,10 @@ thread, so the replica's event loop only moves token ids in and deltas out.
 
 Handle protocol (what the ingress calls):
 - `generate(prompt_token_ids, params, priority, request_id)`, a streaming method. Its first
-  item is either a `RequestRejected` (and nothing follows) or an empty delta sent once the
-  request is queued (an acknowledgement: the caller learns of a refusal before it commits
-  to a 200); then one `RequestOutput` per engine iteration, the last with `finished=True`.
+  item is either a `RequestRejected` (and nothing follows) or an `Acknowledged` sent once the
+  request is queued (the caller learns of a refusal before it commits to a 200); then one
+  `RequestOutput` per engine iteration (the first says when it left the queue), the last with
+  `finished=True`.
 - `model_info()`, `load()`, `check_health()`.
 """
 
@@ -32,7 +33,7 @@ from replicas.models import load_model
 from replicas.pass_trace import PassTrace
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
-                               SamplingParams, Started, prompt_batch, sample_id)
+                               SamplingParams, prompt_batch, sample_id)
 from replicas.priority import serve_at_full_priority
 from replicas.serve_logs import use_serve_log
 
@@ -152,14 +153,12 @@ class LLMServer:
         finished = started = False
         unfinished = len(batch) * params.n  # choices still generating (their deltas share the stream)
         try:
-            yield Acknowledged(request_id=request_id, delta_text="", delta_token_ids=[], finished=False,
-                               finish_reason=None, num_prompt_tokens=num_prompt_tokens, num_output_tokens=0,
-                               replica_id=self.replica_id, at=time.time())
+            yield Acknowledged(request_id=request_id, replica_id=self.replica_id, at=time.time())
             async for out in stream:
                 self._queued.pop(request_id, None)
                 first = not started
                 if first:
-                    out = Started(**vars(out), left_at=time.time())
+                    out.left_queue_at = time.time()
                 unfinished -= out.finished
                 finished, started = unfinished == 0, True
                 if out.finish_reason == "queue_timeout":

@@ -22,12 +22,12 @@ from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner, PassLogits, kv_shape, text_config
 from replicas.models import load_model, model_max_length
-from replicas.pass_time import PassShape, PassTimeModel, SloAdmission, SloBudget, seed_shapes, slo_hooks
+from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)
 from replicas.request import FINISHED, Request, RequestStatus
 from replicas.sampler import argmax, prompt_logprobs, sample, token_logprobs
-from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.scheduler import Scheduler, SchedulerOutput, watermark_blocks
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,12 @@ class Engine:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         num_blocks = self._num_blocks(model)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
+        # With a TBT SLO: the pass-time model, fitted online, and under stall_free the SLO budget
+        # (each pass's prefill tokens) and admission built on it, handed to the scheduler.
+        self.pass_time, self.slo_budget, self.slo_admission = slo_control(
+            config, self.blocks, watermark_blocks(self.blocks.num_blocks, config.kv_watermark), log)
+        self.scheduler = Scheduler(config, self.blocks, prefill_budget=self.slo_budget,
+                                   may_admit=self.slo_admission)
         self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention)
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
@@ -129,18 +134,8 @@ class Engine:
         self.last_load: ReplicaLoad = self.scheduler.load()  # refreshed after every change
         # Called after every iteration with (stats, batch, engine): metrics, load reports.
         self.observers: list[EngineObserver] = []
-        # With a TBT SLO: the online pass-time model (and, under stall_free, the SLO budget).
-        self.pass_time: PassTimeModel | None = None
-        self.slo_budget: SloBudget | None = None
-        self.slo_admission: SloAdmission | None = None
-        if config.tbt_slo_ms is not None:
-            self.pass_time = PassTimeModel(error_floor_s=config.slo_pass_target_s)
-            if config.policy == "stall_free" and config.slo_budget:
-                self.slo_budget, self.slo_admission = slo_hooks(config, self.pass_time, self.blocks,
-                                                                self.scheduler.watermark_blocks, log)
-                self.scheduler.prefill_budget = self.slo_budget
-            self._profile_passes()
-            self.scheduler.may_admit = self.slo_admission  # after the profile: it runs unhindered
+        if self.pass_time is not None:
+            self.profile_passes()  # the model is fitted before the first request: no guessing
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:
@@ -414,9 +409,10 @@ class Engine:
             self.pass_time.observe(shape, stats.duration, predicted)
         return stats
 
-    def _profile_passes(self) -> None:
+    def profile_passes(self) -> None:
         """Seed the pass-time model with a handful of passes of different shapes (prefills of
-        a few sizes up to the ceiling, then decodes), as vLLM profiles memory at start."""
+        a few sizes up to the ceiling, then decodes), as vLLM profiles memory at start. SLO
+        admission lets them all in: it acts once the model is seeded (`freeze_seed`)."""
         g = torch.Generator().manual_seed(0)
         greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         longest = max(1, min(self.max_model_len, self.blocks.capacity_tokens) - 8)

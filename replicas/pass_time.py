@@ -130,6 +130,7 @@ class PassTimeModel:
         self.error_floor_s = error_floor_s
         self.window: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.seed: list[tuple[tuple[float, ...], float]] = []
+        self.seeded = False  # the start-up profile is in (`freeze_seed`); SLO admission waits for it
         self.refit_every = refit_every
         self.coef: np.ndarray | None = None
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
@@ -159,6 +160,7 @@ class PassTimeModel:
     def freeze_seed(self) -> None:
         """The passes observed so far (the start-up profile) are kept for good, beside the
         window, so every coefficient stays identifiable."""
+        self.seeded = True
         self.seed.extend(self.window)
         self.window.clear()
         self._window_s = 0.0
@@ -412,6 +414,18 @@ def slo_hooks(config: Any, model: PassTimeModel, kv: Any, kv_reserve_blocks: int
     return budget, admission
 
 
+def slo_control(config: Any, kv: Any, kv_reserve_blocks: int, log: Any = None
+                ) -> tuple[PassTimeModel | None, SloBudget | None, SloAdmission | None]:
+    """What an engine with `config` schedules by: with `tbt_slo_ms`, a pass-time model and, under
+    stall_free with `slo_budget`, the SLO budget and (opt-in) SLO admission on it; else nothing."""
+    if config.tbt_slo_ms is None:
+        return None, None, None
+    model = PassTimeModel(error_floor_s=config.slo_pass_target_s)
+    if config.policy != "stall_free" or not config.slo_budget:
+        return model, None, None
+    return (model, *slo_hooks(config, model, kv, kv_reserve_blocks, log))
+
+
 class SloAdmission:
     """The stall_free scheduler's `may_admit` hook under a TBT SLO: a waiting request starts only
     while a pass that decodes every running request and it, beside the least prefill chunk the
@@ -432,7 +446,7 @@ class SloAdmission:
 
     def __call__(self, num_running: int, running_tokens: int, request: Any) -> bool:
         """`num_running` requests hold `running_tokens` tokens; `request` would join them."""
-        if not num_running or not self.model.trusted:
+        if not num_running or not self.model.trusted or not self.model.seeded:
             return True
         n = num_running + 1
         context = running_tokens + request.num_tokens  # what the n decodes attend

@@ -30,13 +30,12 @@ MAX_GUIDED_SPEC_CHARS = 1 << 20  # a schema, regex or grammar longer than this i
 
 
 class RequestRejected(Exception):
-    """A request the server refuses; carries what an HTTP error needs.
+    """A request the engine refuses: why (`message`, the parameter at fault, a machine-readable
+    `code`) and when to come back. The app maps each kind to its HTTP status (app/errors.py).
 
     Every constructor argument goes to `Exception.args` so the error pickles across Ray.
     """
 
-    status_code = 400
-    error_type = "invalid_request_error"
     default_code: str | None = None
 
     def __init__(self, message: str, param: str | None = None, retry_after_s: int | None = None,
@@ -50,30 +49,27 @@ class RequestRejected(Exception):
 
 
 class InvalidRequestError(RequestRejected, ValueError):
-    """The client's mistake (a limit, a bad parameter): 400, naming the field."""
+    """The client's mistake (a limit, a bad parameter), naming the field."""
 
     default_code = "invalid_value"
 
 
 class QueueFullError(RequestRejected):
-    """The replica's waiting queue is over its token bound: 429 with Retry-After."""
+    """The replica's waiting queue is over its token bound: come back after `retry_after_s`."""
 
-    status_code = 429
-    error_type = "rate_limit_error"
     default_code = "rate_limit_exceeded"
 
 
 class QueueTimeoutError(QueueFullError):
-    """The request waited past the queue deadline without being scheduled: 429, retry later."""
+    """The request waited past the queue deadline without being scheduled: retry later."""
 
     default_code = "queue_timeout"
 
 
 class ReplicaUnhealthyError(RequestRejected):
-    """The engine loop is dead or wedged: 503 (the controller replaces the replica)."""
+    """The engine loop is dead or wedged (the controller replaces the replica): a server fault,
+    another replica may serve the request."""
 
-    status_code = 503
-    error_type = "server_error"
     default_code = "engine_unavailable"
 
 
@@ -335,6 +331,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     index: int = 0  # which of the prompt's n samples (SamplingParams.n) this is
+    # On a stream's first output: when the request left the replica's queue (the replica's wall
+    # clock, that of its load reports, so the door can tell which report still counted it).
+    left_queue_at: float | None = None
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One delta carrying this one and the `later` one of the same request."""
@@ -345,7 +344,8 @@ class RequestOutput:
             finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
             num_output_tokens=later.num_output_tokens, stop_reason=later.stop_reason, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
-            num_cached_tokens=later.num_cached_tokens, index=later.index)
+            num_cached_tokens=later.num_cached_tokens, index=later.index,
+            left_queue_at=self.left_queue_at or later.left_queue_at)
 
 
 @dataclass(frozen=True)
@@ -359,20 +359,15 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), most likely first
 
 
-@dataclass(kw_only=True)
-class Acknowledged(RequestOutput):
-    """The first item of a stream: queued on `replica_id` at `at` (the replica's wall clock, the
-    clock of its load reports, so a reader can tell whether a report counts this request)."""
+@dataclass(frozen=True, kw_only=True)
+class Acknowledged:
+    """The first item of a stream, before any output: the request is queued on `replica_id` at
+    `at` (the replica's wall clock, the clock of its load reports, so a reader can tell whether a
+    report counts this request). A caller learns of a refusal before it commits to a 200."""
 
-    replica_id: str | None = None
-    at: float = 0.0
-
-
-@dataclass(kw_only=True)
-class Started(RequestOutput):
-    """The first output of a stream: it left the replica's queue at `left_at` (same clock)."""
-
-    left_at: float = 0.0
+    request_id: str
+    replica_id: str | None
+    at: float
 
 
 # ---- load ------------------------------------------------------------------------------

@@ -84,9 +84,16 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills
 
 
+def watermark_blocks(num_blocks: int, kv_watermark: float) -> int:
+    """The KV blocks admission keeps free while requests run, so running decodes rarely preempt."""
+    return max(1, int(num_blocks * kv_watermark))
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, *,
+                 prefill_budget: Callable[[list[ScheduledSeq], Request, int], int] | None = None,
+                 may_admit: Callable[[int, int, Request], bool] | None = None) -> None:
         self.config = config
         self.blocks = block_manager
         self.clock = clock
@@ -98,13 +105,13 @@ class Scheduler:
         self.num_waiting_tokens = 0
         self.num_running_tokens = 0
         # Keep a little KV headroom when admitting, so running decodes rarely preempt.
-        self.watermark_blocks = max(1, int(block_manager.num_blocks * config.kv_watermark))
+        self.watermark_blocks = watermark_blocks(block_manager.num_blocks, config.kv_watermark)
         # stall_free: the prefill tokens of a pass, given its decodes, the request whose chunk
         # comes next and the fixed budget's ceiling (the engine's SLO budget). None: the ceiling.
-        self.prefill_budget: Callable[[list[ScheduledSeq], Request, int], int] | None = None
+        self.prefill_budget = prefill_budget
         # Under stall_free, (running requests, their tokens, a waiting request) -> whether it may
         # start now (the engine's SLO admission). None: whenever KV and max_num_seqs allow.
-        self.may_admit: Callable[[int, int, Request], bool] | None = None
+        self.may_admit = may_admit
 
     # ---- queue management -------------------------------------------------------------
 

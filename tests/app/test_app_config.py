@@ -15,7 +15,7 @@ from app.args import AppArgs
 from app.builder import build_app, llm_deployment_options
 from app.errors import OpenAIError, from_exception
 from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
-from replicas.protocol import InvalidRequestError, QueueFullError
+from replicas.protocol import InvalidRequestError, QueueFullError, ReplicaUnhealthyError
 
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 
@@ -133,6 +133,8 @@ def test_replica_refusals_map_to_4xx_through_ray_wrappers() -> None:
     assert from_exception(chained).status_code == 400
     assert from_exception(chained).param == "max_tokens"
     assert from_exception(OpenAIError(404, "x")).status_code == 404
+    down = from_exception(ReplicaUnhealthyError("the engine loop stopped"))  # the status is the app's
+    assert (down.status_code, down.error_type, down.code) == (503, "server_error", "engine_unavailable")
     fault = from_exception(KeyError("bug"))
     assert fault.status_code == 500 and fault.error_type == "server_error"
 

@@ -17,7 +17,8 @@ from replicas.config import ReplicaConfig, ReplicaOptions
 from replicas.deployment import LLMServer, build_engine
 from replicas.engine import activation_bytes, kv_memory_bytes, weight_bytes
 from replicas.models import load_model, model_max_length
-from replicas.protocol import InvalidRequestError, QueueFullError, ReplicaLoad, RequestRejected
+from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, ReplicaLoad, ReplicaUnhealthyError,
+                               RequestRejected)
 
 MODEL = "embedded:tiny"
 CAP = 64
@@ -55,8 +56,9 @@ def idle_load(server: LLMServer) -> ReplicaLoad | None:
 async def test_ack_then_deltas_with_exact_counts(server: LLMServer) -> None:
     items = await drain(server, [5] * 10, {"max_tokens": 7, "ignore_eos": True}, "counts")
     ack, *deltas = items
-    assert isinstance(ack, RequestOutput) and ack.delta_token_ids == [] and not ack.finished
-    assert ack.num_prompt_tokens == 10
+    assert isinstance(ack, Acknowledged) and ack.request_id == "counts"
+    assert all(isinstance(d, RequestOutput) for d in deltas) and deltas[0].num_prompt_tokens == 10
+    assert deltas[0].left_queue_at is not None and deltas[-1].left_queue_at is None  # the first says when
     assert sum(len(d.delta_token_ids) for d in deltas) == 7
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 7
@@ -76,7 +78,7 @@ async def test_refusals_are_yielded_as_the_only_item(server: LLMServer, ids: lis
     items = [item async for item in server.generate(ids, SamplingParams(**params), priority, "bad")]
     assert len(items) == 1 and isinstance(items[0], InvalidRequestError)
     assert items[0].param == param and fragment in items[0].message
-    assert items[0].status_code == 400
+    assert isinstance(items[0], InvalidRequestError)
 
 
 @module_loop
@@ -85,10 +87,10 @@ async def test_queue_cap_refuses_with_retry_after(server: LLMServer, await_until
     await anext(running)
     await anext(running)  # a token: it holds the only slot
     waiting = server.generate([5] * 40, SamplingParams(max_tokens=1), 0, "waits")
-    assert isinstance(await anext(waiting), RequestOutput)  # acknowledged, queued
+    assert isinstance(await anext(waiting), Acknowledged)  # queued
     assert server.queued_tokens == 40 and server.load().waiting_tokens == 40
     [refused] = await drain(server, [5] * 40, {"max_tokens": 1}, "refused")
-    assert isinstance(refused, QueueFullError) and refused.status_code == 429
+    assert isinstance(refused, QueueFullError) and refused.retry_after_s is not None
     assert 1 <= refused.retry_after_s <= 60
     copy = pickle.loads(pickle.dumps(refused))  # it crosses Ray intact
     assert (copy.message, copy.retry_after_s) == (refused.message, refused.retry_after_s)
@@ -157,7 +159,7 @@ async def test_health_fails_when_wedged_or_dead(await_until: Callable) -> None:
     await anext(stream)
     await await_until(unhealthy, what="wedged step fails health")
     [refused] = [item async for item in srv.generate([5], SamplingParams(), 0, "while-wedged")]
-    assert isinstance(refused, RequestRejected) and refused.status_code == 503
+    assert isinstance(refused, ReplicaUnhealthyError)
     release.set()
     await stream.aclose()
     srv.shutdown()

@@ -23,6 +23,7 @@ COEF = np.array([1e-3, 0.0, 2e-3, 0.0, 0.0, 0.0])
 def known_model(coef: np.ndarray = COEF) -> PassTimeModel:
     model = PassTimeModel()
     model.coef = coef.copy()
+    model.seeded = True  # as after the engine's start-up profile
     return model
 
 
@@ -36,6 +37,9 @@ def test_admits_exactly_while_the_decodes_fit_the_target() -> None:
     assert [admit(n, 100 * n, request("r")) for n in range(1, 7)] == [True, True, True, False, False, False]
     assert admit.held == 3
     assert admit(0, 0, request("r"))  # nothing running: no gap to protect
+    profiling = known_model()
+    profiling.seeded = False  # the start-up profile runs every shape it needs
+    assert SloAdmission(profiling, target_s=0.010, floor=16)(6, 600, request("r"))
 
 
 def test_context_and_the_floor_chunk_count() -> None:
