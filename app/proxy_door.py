@@ -113,7 +113,7 @@ class ProxyDoorConfig:
         quantile = self.gap_quantile or (SLO_GAP_QUANTILE if follows_slo else DEFAULT_GAP_QUANTILE)
         return DoorSettings(self.enabled, self.lag_target_ms / 1000, self.max_requests,
                             self.min_requests, self.wait_target_ms / 1000,
-                            gap / 1000 if self.watch_gaps else None, 1 - quantile)
+                            gap / 1000 if self.watch_gaps else None, round(1 - quantile, 9))
 
 
 @std_dataclass(frozen=True)
