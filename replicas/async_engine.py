@@ -120,7 +120,7 @@ class AsyncEngine:
         reqs = [r for p, ids in enumerate(batch)
                 for r in self.engine.make_requests(ids, params, request_id, priority, arrival, first_index=p * n)]
         for req in reqs[1:]:
-            req.leader = reqs[0]
+            req.first_choice = reqs[0]
         if not self.is_alive():
             raise EngineDeadError("engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -201,7 +201,7 @@ class Engine:
                       arrival_time: float | None = None, first_index: int = 0) -> list[Request]:
         """The `params.n` samples of one prompt, choices `first_index` on of request `request_id`
         (ids `protocol.sample_id`): `make_request` for the first, then the others forked from
-        it, seeds `seed + j`, each waiting for the first one's prefill (`Request.parent`)."""
+        it, seeds `seed + j`, each waiting for the first one's prefill (`Request.forked_from`)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         first = self.make_request(prompt, params, sample_id(request_id, first_index), priority, arrival_time)
         first.index = first_index
@@ -211,7 +211,7 @@ class Engine:
             if sp.seed is not None:
                 sp = dataclasses.replace(sp, seed=(sp.seed + j) % 2**63)
             reqs.append(Request(sample_id(request_id, first_index + j), first.prompt_token_ids, sp, priority,
-                                first.arrival_time, index=first_index + j, parent=first, guide=self._guide(sp)))
+                                first.arrival_time, index=first_index + j, forked_from=first, guide=self._guide(sp)))
         return reqs
 
     def _guide(self, params: SamplingParams) -> Any:

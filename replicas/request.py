@@ -76,23 +76,27 @@ class Request:
     # Hashes of the request's full KV blocks (prefix caching), computed once as they are needed.
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
-    # One of n samples of a prompt (SamplingParams.n): its index, and the first sample, whose
-    # prefill the others wait for so they find the prompt's blocks cached (a fork, no copy).
+    # Which choice of its client request this is (n samples of batched prompts: protocol.sample_id).
     index: int = 0
-    parent: Request | None = None
-    # Choice 0 of the same client request (n samples, batched prompts); None for choice 0 itself.
-    # Once it has been scheduled the client has a stream, so this one no longer expires.
-    leader: Request | None = None
+    # A sample forked from the first sample of the same prompt waits for that one's prefill, then
+    # finds the prompt's blocks cached (a fork, no copy).
+    forked_from: Request | None = None
+    # Choice 0 of the same client request; None for choice 0 itself. Once it has been scheduled
+    # the client has a stream, so this choice no longer expires in the queue.
+    first_choice: Request | None = None
     # With params.guided: the grammar's state after the output so far (replicas.guided).
     guide: LLMatcher | None = None
-    # Set by the engine when it queues the request: the token ids that end it (stop_token_ids,
-    # and EOS unless ignore_eos) and the most output tokens it may have (max_tokens, capped by
-    # the context's room), so each pass checks a token with one lookup and one comparison.
+    # The token ids that end it (stop_token_ids, and EOS unless ignore_eos: set by the engine when
+    # it queues the request), so each pass checks a token with one lookup.
     stop_ids: frozenset[int] = frozenset()
-    max_output: int = 0
+    # The most output tokens it may have: max_tokens, which the engine caps by the context's room
+    # when it queues the request.
+    max_output: int = -1
 
     def __post_init__(self) -> None:
         params = self.params
+        if self.max_output < 0:
+            self.max_output = params.max_tokens
         # Its token is the logits' argmax and nothing else reads them: no sampling, no logprobs,
         # no logits processing, no grammar (a pass of only such rows skips those steps).
         self.argmax_only = (params.greedy and params.logprobs is None and not params.processes_logits
@@ -119,7 +123,7 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         """KV tokens this request may ever need: prompt + every token it may generate."""
-        return self.num_prompt_tokens + self.params.max_tokens
+        return self.num_prompt_tokens + self.max_output
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output, without concatenating them."""

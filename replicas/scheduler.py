@@ -190,7 +190,7 @@ class Scheduler:
             return []
         expired = [r for r in self.waiting
                    if r.first_scheduled_time is None and now - r.arrival_time > timeout
-                   and (r.leader is None or r.leader.first_scheduled_time is None)]
+                   and (r.first_choice is None or r.first_choice.first_scheduled_time is None)]
         for req in expired:
             self.finish(req, RequestStatus.FINISHED_QUEUE_TIMEOUT)
         return expired
@@ -244,7 +244,7 @@ class Scheduler:
             if self._waits_for_parent(req):
                 return
             # A preempted request, or another choice of a started one, has a stream running.
-            started = req.num_preemptions > 0 or req.leader is not None
+            started = req.num_preemptions > 0 or req.first_choice is not None
             if not started and self.may_admit is not None and not self.may_admit(
                     len(self.running), self.num_running_tokens, req):
                 return
@@ -356,7 +356,7 @@ class Scheduler:
         finds the prompt's blocks cached. It does not wait for a parent that is itself waiting
         (preempted, it may queue behind its forks), nor when nothing would be shared (caching
         off, prompt logprobs); static batches do not wait: each member computes its own."""
-        parent = req.parent
+        parent = req.forked_from
         return (parent is not None and self.blocks.enable_caching and parent.status == RequestStatus.RUNNING
                 and not parent.output_token_ids and req.params.prompt_logprobs is None)
 

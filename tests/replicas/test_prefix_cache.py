@@ -154,7 +154,7 @@ def test_a_preempted_first_sample_does_not_strand_its_forks():
     s.add(a)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2)
     p = Request("p", list(range(100, 132)), params, arrival_time=1.0)
-    fork = Request("p#1", list(p.prompt_token_ids), params, arrival_time=1.0, index=1, parent=p)
+    fork = Request("p#1", list(p.prompt_token_ids), params, arrival_time=1.0, index=1, forked_from=p)
     stranded = False  # the first sample preempted while prefilling, queued behind its fork
     for step in range(200):
         if step == 1:  # a is decoding now
@@ -181,7 +181,7 @@ def test_other_choices_do_not_expire_once_choice_zero_is_scheduled():
     s = Scheduler(cfg, BlockManager(6, BS, enable_caching=True), lambda: clock[0])
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     lead = Request("r", list(range(1, 25)), params, arrival_time=0.0)  # all 6 blocks
-    other = Request("r#1", list(range(50, 74)), params, arrival_time=0.0, index=1, leader=lead)  # no room
+    other = Request("r#1", list(range(50, 74)), params, arrival_time=0.0, index=1, first_choice=lead)  # no room
     stranger = Request("x", list(range(80, 104)), params, arrival_time=0.0)
     for r in (lead, other, stranger):
         s.add(r)
