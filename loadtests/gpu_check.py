@@ -88,12 +88,18 @@ class Plan:
     deadline_s: float  # the whole run, model build included
 
 
-FULL = Plan(LLAMA_1B, (7, 64, 200, 333), 32, 128, (1, 16, 64), 1024, 30, (1, 64, 16), (512, 2048, 8192),
-            4096, 32768, 2, 63, 1024, 16384, 1024, 2048, 20,
-            {"parity": 60, "mbu": 140, "prefill": 50, "tbt": 110}, 420)
-SMALL_PLAN = Plan(SMALL, (5, 24, 70, 131), 24, 32, (1, 4, 16), 128, 5, (1,), (64, 256, 1024),
-                  512, 2048, 1, 63, 32, 1024, 256, 128, 5,
-                  {"parity": 60, "mbu": 90, "prefill": 60, "tbt": 60}, 300)
+FULL = Plan(
+    shape=LLAMA_1B, parity_lengths=(7, 64, 200, 333), parity_new_tokens=32, parity_chunk=128,
+    mbu_batches=(1, 16, 64), mbu_context=1024, mbu_steps=30, compiled_batches=(1, 64, 16),
+    prefill_budgets=(512, 2048, 8192), prefill_prompt_len=4096, prefill_tokens=32768, prefill_repeats=2,
+    tbt_streams=63, tbt_context=1024, tbt_long=16384, tbt_stream_tokens=1024, tbt_budget=2048,
+    tbt_decode_steps=20, budgets_s={"parity": 60, "mbu": 140, "prefill": 50, "tbt": 110}, deadline_s=420)
+SMALL_PLAN = Plan(
+    shape=SMALL, parity_lengths=(5, 24, 70, 131), parity_new_tokens=24, parity_chunk=32,
+    mbu_batches=(1, 4, 16), mbu_context=128, mbu_steps=5, compiled_batches=(1,),
+    prefill_budgets=(64, 256, 1024), prefill_prompt_len=512, prefill_tokens=2048, prefill_repeats=1,
+    tbt_streams=63, tbt_context=32, tbt_long=1024, tbt_stream_tokens=256, tbt_budget=128,
+    tbt_decode_steps=5, budgets_s={"parity": 60, "mbu": 90, "prefill": 60, "tbt": 60}, deadline_s=300)
 
 
 def build_model(shape: dict[str, int], device: torch.device, seed: int = 0) -> tuple[LlamaForCausalLM, Any]:
@@ -186,7 +192,8 @@ def run_stages(model: LlamaForCausalLM, tokenizer: Any, plan: Plan, check: Check
         s = check.stage("prefill", plan.budgets_s["prefill"])
         for budget in plan.prefill_budgets:
             s.run(f"mbp={budget}", lambda budget=budget: stages.prefill_rate(
-                model, tokenizer, build, budget, plan.prefill_prompt_len, plan.prefill_tokens, plan.prefill_repeats))
+                model, tokenizer, build, budget, plan.prefill_prompt_len, plan.prefill_tokens,
+                plan.prefill_repeats))
     if "tbt" in only:
         s = check.stage("tbt", plan.budgets_s["tbt"])
 
@@ -224,8 +231,8 @@ def table(result: dict[str, Any]) -> str:
                              f"{b['hf_bf16_max_abs']:.2e}), ratio {b['mean_ratio']:.2f}, passed {b['passed']}")
         elif name == "mbu":
             lines.append(f"  {'system':<14}{'B':>4}{'step ms':>10}{'GB/s':>9}{'MBU':>7}")
-            lines += [f"  {r['system']:<14}{r['batch']:>4}{r['step_ms']:>10.2f}{r['gb_per_s']:>9.1f}{r['mbu']:>7.3f}"
-                      for r in items.values()]
+            lines += [f"  {r['system']:<14}{r['batch']:>4}{r['step_ms']:>10.2f}{r['gb_per_s']:>9.1f}"
+                      f"{r['mbu']:>7.3f}" for r in items.values()]
         elif name == "prefill":
             lines.append(f"  {'MBP':>6}{'tokens/s':>12}{'per pass':>12}{'passes':>8}")
             lines += [f"  {r['max_batch_prefill_tokens']:>6}{r['tokens_per_s']:>12.0f}"
@@ -244,10 +251,22 @@ def table(result: dict[str, Any]) -> str:
 
 def _commit() -> str | None:
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() or None
+
+
+def _meta(device: torch.device, plan: Plan, small: bool, peak: float, runner: RunnerOptions) -> dict[str, Any]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": str(device), "device_name": name, "shape_name": "small" if small else "llama-3.2-1b",
+            "shape": plan.shape, "rope_theta": ROPE_THETA, "tied_embeddings": True, "peak_tbs": peak / 1e12,
+            "perf_dtype": str(PERF_DTYPE[device.type]), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "commit": _commit(),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "runner": runner.record(), "plan": dataclasses.asdict(plan) | {"shape": None}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -259,12 +278,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--stages", default="parity,mbu,prefill,tbt")
     p.add_argument("--peak-tbs", type=float, default=None, help="peak memory bandwidth, TB/s (H200: 4.8)")
     p.add_argument("--tbt-slo-ms", type=float, default=None,
-                   help=f"the SLO of the stall_free+slo case; default {SLO_OVER_DECODE} x stall_free's decode step")
+                   help=f"the stall_free+slo case's SLO; default {SLO_OVER_DECODE} x stall_free's decode step")
     p.add_argument("--attention-backend", default=None, help="the runner's attention_backend, when it has one")
     p.add_argument("--cuda-graphs", default=None, action=argparse.BooleanOptionalAction,
                    help="the runner's cuda_graphs, when it has one")
-    p.add_argument("--threads", type=int, default=None, help="torch threads; default: 1 on CPU, torch's choice on a GPU")
-    p.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every stage budget and the deadline")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads; default: 1 on CPU, torch's choice on a GPU")
+    p.add_argument("--budget-scale", type=float, default=1.0,
+                   help="multiplies every stage budget and the deadline")
     p.add_argument("--wheels", default=None, metavar="DIR",
                    help="download the wheels the GPU image lacks into DIR and exit")
     args = p.parse_args(argv)
@@ -274,21 +295,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     plan = SMALL_PLAN if args.small else FULL
-    # One thread on a shared CPU: more spin-wait on cores other processes hold (a pass 10x slower).
+    # One thread on a shared CPU: several spin-wait on cores other processes hold, passes slow down many-fold.
     threads = args.threads or (1 if device.type == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
     torch.set_float32_matmul_precision("highest")  # fp32 parity means fp32 matmuls, not TF32
     transformers.logging.set_verbosity_error()
-    runner = RunnerOptions.resolve({"attention_backend": args.attention_backend, "cuda_graphs": args.cuda_graphs})
+    runner = RunnerOptions.resolve({"attention_backend": args.attention_backend,
+                                    "cuda_graphs": args.cuda_graphs})
     peak = (args.peak_tbs or PEAK_TBS[device.type]) * 1e12
-    meta = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-            else platform.processor() or "cpu", "shape_name": "small" if args.small else "llama-3.2-1b",
-            "shape": plan.shape, "rope_theta": ROPE_THETA, "tied_embeddings": True, "peak_tbs": peak / 1e12,
-            "perf_dtype": str(PERF_DTYPE[device.type]), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "commit": _commit(), "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "runner": runner.record(), "plan": dataclasses.asdict(plan) | {"shape": None}}
+    meta = _meta(device, plan, args.small, peak, runner)
     scale = args.budget_scale
     check = Check(args.out, meta, started + plan.deadline_s * scale, device)
     model, tokenizer = build_model(plan.shape, device)

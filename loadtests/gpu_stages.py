@@ -189,7 +189,8 @@ def hf_decode(model: PreTrainedModel, batch: int, context: int, steps: int, peak
         if i >= WARM_STEPS:
             times.append(time.perf_counter() - t)
     context_tokens = batch * (context + WARM_STEPS + (steps + 1) / 2)
-    row = decode_row("hf_compiled" if compiled else "hf_eager", batch, times, context_tokens, model, peak_bytes_s)
+    system = "hf_compiled" if compiled else "hf_eager"
+    row = decode_row(system, batch, times, context_tokens, model, peak_bytes_s)
     row["first_step_s"] = first  # the compile, for the compiled one
     return row
 

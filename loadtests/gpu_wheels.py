@@ -103,7 +103,8 @@ def repo_imports(entry: str) -> set[str]:
             for full in names:
                 top = full.partition(".")[0]
                 if (REPO / top).is_dir():
-                    if (REPO / (full.replace(".", "/") + ".py")).exists() or (REPO / full.replace(".", "/")).is_dir():
+                    module = REPO / full.replace(".", "/")
+                    if module.with_suffix(".py").exists() or module.is_dir():
                         todo.append(full)
                 elif top not in sys.stdlib_module_names and top != "__future__":
                     external.add(top)
