@@ -77,9 +77,22 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
         return None
     span = max(seen - recent[-1].start, sum(p.duration for p in recent), 1e-6)
     achieved = sum(p.num_prefill_tokens for p in recent) / span
+    return max(achieved, _capacity(recent, budget_tokens))
+
+
+def _capacity(recent: Sequence[PassRecord], budget_tokens: int) -> float:
+    """Prompt tokens per second the passes could prefill with the budget left after the newest
+    pass's decodes. A pass's time grows with the tokens it carries, so a full pass costs the
+    per-token time of the recent passes that prefilled: quick decode-only passes must not promise
+    a quick prefill (a burst admitted on that promise waits past its deadline). With no pass that
+    prefilled, the decode-only passes' time is all there is."""
+    left = max(0, budget_tokens - recent[0].num_decode_tokens)
+    prefilled = [p for p in recent if p.num_prefill_tokens]
+    if prefilled:
+        tokens = sum(p.num_prefill_tokens + p.num_decode_tokens for p in prefilled)
+        return left / max(budget_tokens * sum(p.duration for p in prefilled) / tokens, 1e-6)
     busy = sum(p.duration for p in recent)
-    capacity = sum(max(0, budget_tokens - p.num_decode_tokens) for p in recent) / max(busy, 1e-6)
-    return max(achieved, capacity)
+    return sum(max(0, budget_tokens - p.num_decode_tokens) for p in recent) / max(busy, 1e-6)
 
 
 def queue_bound(max_queued_tokens: int, prefill_budget: int, drain_tps: float | None,

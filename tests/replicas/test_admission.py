@@ -37,6 +37,18 @@ def test_drain_rate_without_a_backlog_counts_the_budget_left_after_decodes() -> 
     assert drain_rate(passes, 256, backlog_since=0.0, now=1.0) == 0.0  # a blocked queue drains nothing
 
 
+def test_a_full_pass_costs_what_prefilling_passes_cost_per_token() -> None:
+    """Quick decode-only passes do not promise a quick prefill: with passes that prefilled in the
+    window, a full budget is priced at their per-token time (a burst admitted on the decode-only
+    promise waited past its deadline)."""
+    decodes = [Pass(t / 10, 0.02, 0, 20) for t in range(8)]  # 20 ms with 20 decodes
+    prefill = [Pass(0.8 + t / 10, 0.2, 80, 20) for t in range(2)]  # 200 ms with 80 prompt tokens
+    rate = drain_rate(decodes + prefill, 256, backlog_since=None, now=1.0)
+    per_token = 0.4 / 200  # the prefilling passes: 400 ms for 200 tokens
+    assert rate is not None and abs(rate - (256 - 20) / (256 * per_token)) < 1e-6
+    assert rate < (256 - 20) / 0.02 / 10  # a tenth of what the decode-only passes promised
+
+
 def test_drain_rate_only_reads_the_recent_window() -> None:
     passes = [Pass(0.0, 0.1, 1000, 0), Pass(9.5, 0.1, 100, 0)]
     assert abs(drain_rate(passes, 256, backlog_since=0.0, now=10.0, window_s=2.0) - 50.0) < 1e-6
@@ -68,7 +80,8 @@ def test_a_long_pass_in_progress_is_not_a_stalled_queue() -> None:
     # The long pass began at t = 1.0; a request has waited since t = 1.2; now t = 3.5.
     assert drain_rate(before, 256, backlog_since=1.2, now=3.5) == 0.0  # without knowing: "stalled"
     young = drain_rate(before, 256, backlog_since=1.2, now=3.5, running_since=1.0)
-    assert young is not None and abs(young - (256 - 4) / 0.1) < 1e-6  # capacity of the passes before
+    # The capacity of the passes before: the budget left after 4 decodes, at their per-token time.
+    assert young is not None and abs(young - (256 - 4) / (256 * 0.1 / 54)) < 1e-6
     # A backlog that formed before the long pass began, aged through completed passes, is judged
     # by what those achieved, up to when the long pass began.
     aged = drain_rate(before, 256, backlog_since=0.2, now=3.5, running_since=1.0)
