@@ -1,61 +1,35 @@
 """One forward pass per iteration over the packed batch, with paged attention.
 
 The HF model's own modules do everything but attention. Our attention function is
-registered with `transformers.AttentionInterface`; it receives q/k/v for ALL packed tokens
-of the step (positions already applied), writes k/v into the paged cache, and attends:
+registered with `transformers.AttentionInterface` (`replicas.attention`); it receives q/k/v for
+ALL packed tokens of the step (positions already applied), writes k/v into the paged cache, and
+attends through the runner's backend ("sdpa" or "flex", see `replicas.attention`).
 
-- decodes (one query each) in a few batched SDPA calls over their gathered contexts, grouped by
-  context length so a long request does not pad every short one to its length;
-- each prefill chunk in its own SDPA call (a handful per pass) with a causal offset mask.
-
-Per-step metadata (slots, gathered context indices, masks) is built once per pass and
-reaches every layer through the model's **kwargs. Block tables live in a persistent tensor (a
-row per request, a block written in when it is allocated), not rebuilt from lists every pass.
+Per-pass metadata (token ids, positions, slots, block tables, keep rows, and the sampler's
+inputs) is built on the host with numpy, packed into one buffer and sent to the device in one
+copy (`replicas.transfer`); it reaches every layer through the model's **kwargs. Block tables
+live in a persistent host array (a row per request, a block written in when it is allocated),
+not rebuilt from lists every pass.
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
-import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.fx.experimental import _config as shape_config  # torch.compile's symbolic shapes
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import PreTrainedModel
 
+from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, resolve_backend
+from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
 from replicas.kv_cache import BlockManager
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
+from replicas.transfer import HostPack, Staging
 
-ATTN_IMPL = "stallfree_paged"
-# Decodes share one attention call while padding them to the group's longest context costs at
-# most PAD_SLACK x their real context (+ PAD_MIN tokens): CPU attention pays per padded token.
-PAD_SLACK = 1.5
-PAD_MIN = 256
-
-
-@dataclass
-class PrefillMeta:
-    q_start: int  # first row of the chunk in the packed batch
-    q_len: int
-    ctx_blocks: torch.Tensor | None  # (nblk,) KV blocks of the context; None: chunk is the whole context
-    ctx_len: int
-    mask: torch.Tensor | None  # (q_len, ctx_len) bool, True = may attend
-
-
-@dataclass
-class DecodeGroup:
-    """Decodes of similar context length attended in one batched call (rows are contiguous)."""
-
-    start: int  # first row in the packed batch
-    blocks: torch.Tensor  # (B, nblk) KV blocks of each decode's context (padded with its own)
-    mask: torch.Tensor  # (B, 1, 1, nblk x block_size) bool, True = a real context position
-    lens: torch.Tensor  # (B,) context lengths
-
+__all__ = ["PAD_MIN", "PAD_SLACK", "ModelRunner", "PassLogits", "kv_shape", "text_config"]
 
 @dataclass
 class PassLogits:
@@ -68,116 +42,12 @@ class PassLogits:
     # (request, rows) in the order of `prompt`: its next `rows` prompt tokens are scored, from
     # token len(request.prompt_logprobs) + 1 on.
     prompt_spans: list[tuple[Request, int]]
+    sampling: object | None = None  # what `execute`'s sampling planner returned
+    pack: HostPack | None = None  # the pass's upload (the sampling plan's parts are in it)
 
 
-@dataclass
-class AttnMeta:
-    k_cache: torch.Tensor  # (layers, slots, Hkv, D)
-    v_cache: torch.Tensor
-    block_size: int
-    slots: torch.Tensor  # (T,) where each packed token's k/v is written
-    decodes: list[DecodeGroup]
-    prefills: list[PrefillMeta]
-    fused_decode: object | None = None  # the compiled decode kernel, when configured
-
-
-def decode_in_place(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blocks: torch.Tensor,
-                    lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention read straight from the paged cache (for torch.compile to fuse).
-
-    q (B, Hkv, G, D), kb/vb (blocks, block_size, Hkv, D), blocks (B, nblk), lens (B,) ->
-    (B, Hkv, G, D). Written as broadcast multiply-and-sum so inductor fuses the block lookups
-    into the reductions: each context's keys and values are read once, never copied out.
-    """
-    b, n = blocks.shape
-    k = kb[blocks]  # (B, nblk, bs, Hkv, D): an indexed load, not a copy, once compiled
-    s = (q[:, None, None] * k[:, :, :, :, None, :]).sum(-1) * scale  # (B, nblk, bs, Hkv, G)
-    s = s.flatten(1, 2)
-    pos = torch.arange(s.shape[1], device=s.device)
-    s = s.masked_fill((pos[None, :] >= lens[:, None])[:, :, None, None], float("-inf"))
-    p = torch.softmax(s, dim=1).view(b, n, -1, *s.shape[2:])
-    return (p[..., None] * vb[blocks][:, :, :, :, None, :]).sum((1, 2))
-
-
-def _own_copy(fn):
-    """`fn` with a code object of its own: torch.compile keeps its graphs per code object (at most
-    `recompile_limit`, then it silently runs the function eagerly), and each runner's graphs are
-    specialised to its model and cache, so runners in one process must not share them."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
-
-
-def _static_dims(kernel):
-    """The compiled decode kernel with only its varying sizes symbolic: the number of decodes
-    and of context blocks. Heads, head size, block size and the cache's block count are fixed in
-    an engine; marked static, inductor generates the kernel for them (constant loop bounds, no
-    vector tails): 1.7x faster than with every size symbolic at 64 decodes on CPU."""
-    def call(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blocks: torch.Tensor,
-             lens: torch.Tensor, scale: float) -> torch.Tensor:
-        for d in range(1, q.dim()):
-            torch._dynamo.mark_static(q, d)
-        for t in (kb, vb):
-            for d in range(t.dim()):
-                torch._dynamo.mark_static(t, d)
-        return kernel(q, kb, vb, blocks, lens, scale)
-    return call
-
-
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: torch.Tensor | None,
-                    scaling: float | None = None, dropout: float = 0.0,
-                    attn_meta: AttnMeta | None = None, **_: object) -> tuple[torch.Tensor, None]:
-    """query (1, H, T, D), key/value (1, Hkv, T, D) -> out (1, T, H, D)."""
-    m = attn_meta
-    if m is None:  # a plain HF call on the same model (e.g. generate): standard attention
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **_)
-    q = query[0].transpose(0, 1)  # (T, H, D)
-    k = key[0].transpose(0, 1)  # (T, Hkv, D)
-    v = value[0].transpose(0, 1)
-    kc, vc = m.k_cache[module.layer_idx], m.v_cache[module.layer_idx]  # (S, Hkv, D)
-    kc.index_copy_(0, m.slots, k)
-    vc.index_copy_(0, m.slots, v)
-    # Contexts are gathered block by block (a block's slots are contiguous: one copy per block,
-    # about twice as fast as a copy per slot on CPU).
-    kb, vb = kc.view(-1, m.block_size, *kc.shape[1:]), vc.view(-1, m.block_size, *vc.shape[1:])
-    out = q.new_empty(q.shape)  # (T, H, D)
-    for g in m.decodes:
-        b, width = g.blocks.shape[0], g.mask.shape[-1]
-        rows = slice(g.start, g.start + b)
-        if m.fused_decode is not None:
-            # (B, Hkv, G, D), contiguous: the compiled kernel's strides are then the model's
-            # (a fused QKV projection leaves the query strided by the pass's layout: a recompile)
-            qg = q[rows].reshape(b, kc.shape[1], -1, q.shape[-1]).contiguous()
-            scale = module.scaling if scaling is None else scaling
-            out[rows] = m.fused_decode(qg, kb, vb, g.blocks, g.lens, scale).flatten(1, 2)
-            continue
-        # A KV head's G query heads as its G query rows: one (G x Lmax) attention per KV head
-        # instead of G of (1 x Lmax) (HF's repeat_kv order: query head h reads KV head h // G).
-        qd = q[rows].reshape(b, kc.shape[1], -1, q.shape[-1])  # (B, Hkv, G, D)
-        shape = (b, width, *kc.shape[1:])  # (B, Lmax, Hkv, D)
-        flat = g.blocks.flatten()  # index_select is far faster than 2-D fancy indexing on CPU
-        kd = kb.index_select(0, flat).view(shape).transpose(1, 2)  # (B, Hkv, Lmax, D)
-        vd = vb.index_select(0, flat).view(shape).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling)  # (B, Hkv, G, D)
-        out[rows] = od.reshape(b, -1, q.shape[-1])
-    for p in m.prefills:
-        rows = slice(p.q_start, p.q_start + p.q_len)
-        qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-        if p.ctx_blocks is None:  # first chunk: its own k/v are the whole context
-            kp, vp = k[rows], v[rows]
-        else:  # (ctx, Hkv, D)
-            kp = kb.index_select(0, p.ctx_blocks).flatten(0, 1)[:p.ctx_len]
-            vp = vb.index_select(0, p.ctx_blocks).flatten(0, 1)[:p.ctx_len]
-        kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
-        vp = vp.transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scaling,
-                                            is_causal=p.mask is None, enable_gqa=True)
-        out[rows] = op[0].transpose(0, 1)
-    return out.unsqueeze(0), None
-
-
-AttentionInterface.register(ATTN_IMPL, paged_attention)
+# Plans the pass's sampling on the host (the prompt spans, the pass's upload) before it is sent.
+SamplingPlanner = Callable[[list[tuple[Request, int]], HostPack], object]
 
 
 def text_config(config):
@@ -198,7 +68,7 @@ class ModelRunner:
     """Owns the KV tensors and runs one packed forward pass per scheduler output."""
 
     def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int,
-                 compile_decode_attention: bool = False) -> None:
+                 compile_decode_attention: bool = False, attention_backend: str = "auto") -> None:
         self.model = model
         self.blocks = blocks
         self.device = next(model.parameters()).device
@@ -209,14 +79,13 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.set_attn_implementation(ATTN_IMPL)
-        self._fused_decode = None
-        if compile_decode_attention:
-            self._fused_decode = _static_dims(torch.compile(_own_copy(decode_in_place), dynamic=True))
-            self._compile_decode_shapes(text_config(model.config).num_attention_heads)
+        self.attention_backend = resolve_backend(attention_backend, self.device)
+        self.backend = self._backend(compile_decode_attention)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._staging = Staging(self.device)
         # Persistent block table, on the host: one row per request in recent passes (see _row).
         # Each pass's metadata is sliced from it with numpy (microseconds, where a small torch op
-        # costs ~10 us on CPU) and handed to the device once.
+        # costs ~10 us on CPU) and handed to the device in the pass's one upload.
         width = -(-max_model_len // blocks.block_size)
         self._table = np.zeros((64, width), dtype=np.int64)
         self._free_rows: list[int] = list(range(63, -1, -1))
@@ -225,24 +94,17 @@ class ModelRunner:
         self._live: dict[Request, list[int]] = {}
         self._new_rows = False  # a request got an entry this pass (see _end_pass)
 
-    def _compile_decode_shapes(self, heads: int) -> None:
-        """Compile the decode kernel at start for every shape class a pass can bring, so no
-        request waits for a compile (seconds) in the middle of its stream: torch.compile with
-        dynamic shapes still specializes a size of 1, so one or several decodes, over one or
-        several blocks of context, first in the pass or not, are each tried once; after these,
-        new sizes reuse the dynamic graphs. Without duck shaping: sizes that happen to be equal
-        here (3 decodes, 3 heads) must not become one symbol, or a pass where they differ recompiles."""
-        kv_heads, head_dim = self.k_cache.shape[2:]  # (layers, slots, Hkv, D)
+    def _backend(self, compile_decode_attention: bool):
         bs = self.blocks.block_size
-        kb = self.k_cache[0].view(-1, bs, kv_heads, head_dim)
-        vb = self.v_cache[0].view(-1, bs, kv_heads, head_dim)
-        with torch.inference_mode(), shape_config.patch(use_duck_shape=False):
-            for b, start, nblk in itertools.product((1, 3), (0, 2), (1, 5)):
-                q = torch.zeros(start + b + 1, heads, head_dim, dtype=self.dtype, device=self.device)
-                qg = q[start:start + b].reshape(b, kv_heads, -1, head_dim).contiguous()  # as paged_attention
-                blocks = torch.zeros(b, nblk, dtype=torch.int64, device=self.device)
-                lens = torch.ones(b, dtype=torch.int64, device=self.device)
-                self._fused_decode(qg, kb, vb, blocks, lens, 1.0)
+        if self.attention_backend == "flex":
+            from replicas.attention_flex import FlexBackend  # compiles FlexAttention on first use
+
+            return FlexBackend(bs, self.blocks.num_blocks, self.device)
+        fused = None
+        if compile_decode_attention:
+            heads = text_config(self.model.config).num_attention_heads
+            fused = compiled_decode(self.k_cache, self.v_cache, bs, heads)
+        return SdpaBackend(bs, fused)
 
     def _row(self, req: Request, table: list[int]) -> int:
         """The request's row of the persistent block table (`table`: its block table now), its
@@ -296,57 +158,31 @@ class ModelRunner:
                     self._free_rows.append(entry[0])
         self._rows, self._live, self._new_rows = live, {}, False
 
-    def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device)
-
-    def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[DecodeGroup]:
-        """Decodes (sorted by context length) in groups whose padding stays small."""
-        groups, i, n = [], 0, len(seqs)
-        lens = [s.start + 1 for s in seqs]
-        bs = self.blocks.block_size
-        table = self._table
-        while i < n:
-            total = lens[i]
-            if i == 0 and n * lens[-1] <= PAD_SLACK * sum(lens) + PAD_MIN:
-                j = n  # the usual case: all of them in one group
-            else:
-                j = i + 1  # grow while padding to the group's longest stays under PAD_SLACK x real
-                while j < n and (j - i + 1) * lens[j] <= PAD_SLACK * (total + lens[j]) + PAD_MIN:
-                    total += lens[j]
-                    j += 1
-            nblk = -(-lens[j - 1] // bs)
-            blocks = table[rows[i:j], :nblk]  # (B, nblk), padded with real blocks
-            lens_a = np.array(lens[i:j])
-            mask = (np.arange(nblk * bs)[None, :] < lens_a[:, None])[:, None, None, :]  # (B, 1, 1, Lmax)
-            groups.append(DecodeGroup(i, self._tensor(blocks), self._tensor(mask), self._tensor(lens_a)))
-            i = j
-        return groups
+    def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list:
+        """Decodes (sorted by context length) in groups whose padding stays small (the SDPA
+        backend's batched calls)."""
+        return decode_groups([s.start + 1 for s in seqs], rows, self._table, self.blocks.block_size)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> PassLogits:
+    def execute(self, batch: SchedulerOutput, sampling: SamplingPlanner | None = None) -> PassLogits:
         """Run the pass; returns the logits of the sequences that sample, in batch order, and of
         the prompt positions of requests that score their prompt (only those rows are computed).
 
         Decodes are packed by context length (for the grouped attention), prefill chunks after
-        them; the logits come back in the batch's own order.
+        them; the logits come back in the batch's own order. `sampling` plans the sampler's
+        inputs into the pass's upload, so the pass sends one buffer to the device.
         """
         order = sorted(range(len(batch.decodes)), key=lambda i: batch.decodes[i].start)
         decodes = [batch.decodes[i] for i in order]
-        bs = self.blocks.block_size
-        # A decode runs its last sampled token at position `start`; its slot comes from the
-        # persistent block table, all decodes at once.
+        # A decode runs its last sampled token at position `start`.
         ids = [seq.request.output_token_ids[-1] for seq in decodes]
         positions = [seq.start for seq in decodes]
-        table_rows = self._decode_rows(decodes)
-        slot_parts: list[np.ndarray] = []
-        if decodes:
-            pos = np.array(positions)
-            slot_parts.append(self._table[table_rows, pos // bs] * bs + pos % bs)
+        token_rows = self._decode_rows(decodes)  # each packed token's block-table row
         # Every decode samples; its row in the packed batch is its place in `order`.
         sampled = [0] * len(order)
         for row, i in enumerate(order):
             sampled[i] = row
-        prefills: list[PrefillMeta] = []
+        prefills: list[PrefillSpan] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int]] = []
         for seq in batch.prefills:
@@ -359,30 +195,31 @@ class ModelRunner:
                     prompt_spans.append((req, len(rows)))
             ids.extend(req.token_slice(start, start + n))
             positions.extend(range(start, start + n))
-            slot_parts.append(np.array(self.blocks.slots(req.request_id, start, start + n), dtype=np.int64))
-            if start == 0:
-                prefills.append(PrefillMeta(row, n, None, n, None))
-            else:
-                ctx = start + n
-                q_pos = torch.arange(start, ctx, device=self.device)
-                mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]  # (n, ctx)
-                table_row = self._row(req, self.blocks.block_table(req.request_id))
-                ctx_blocks = self._tensor(self._table[table_row, :-(-ctx // bs)])
-                prefills.append(PrefillMeta(row, n, ctx_blocks, ctx, mask))
+            table_row = self._row(req, self.blocks.block_table(req.request_id))
+            token_rows.extend([table_row] * n)
+            prefills.append(PrefillSpan(row, n, start, table_row))
             if seq.samples:
                 sampled.append(len(ids) - 1)
-        groups = self._decode_groups(decodes, table_rows)
+        bs = self.blocks.block_size
+        pos = np.array(positions, dtype=np.int64)
+        slots = self._table[token_rows, pos // bs] * bs + pos % bs  # where each token's k/v goes
+        layout = PassLayout(self._table, bs, token_rows[:len(decodes)], [p + 1 for p in positions[:len(decodes)]],
+                            prefills, len(ids), self._decode_groups(decodes, token_rows[:len(decodes)]))
         self._end_pass()
-        slots = self._tensor(slot_parts[0] if len(slot_parts) == 1 else np.concatenate(slot_parts))
-        meta = AttnMeta(self.k_cache, self.v_cache, bs, slots, groups, prefills, self._fused_decode)
-        input_ids = torch.tensor([ids], device=self.device)  # (1, T)
-        position_ids = torch.tensor([positions], device=self.device)  # (1, T)
-        keep = torch.tensor(sampled + prompt_rows, dtype=torch.long, device=self.device)
-        kwargs = {"logits_to_keep": keep} if self._keep_logits else {}
-        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+        pack = HostPack()
+        tokens = pack.add(np.stack((np.array(ids, dtype=np.int64), pos, slots)))  # (3, T)
+        keep = pack.add(sampled + prompt_rows)
+        attn = self.backend.plan(layout, pack)
+        plan = sampling(prompt_spans, pack) if sampling is not None else None
+        pack.send(self.device, self._staging)  # the pass's one host-to-device copy
+        tokens_d = pack.get(tokens)
+        meta = PassMeta(self.k_cache, self.v_cache, tokens_d[2], self.backend.metadata(attn, pack))
+        keep_d = pack.get(keep)
+        kwargs = {"logits_to_keep": keep_d} if self._keep_logits else {}
+        logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,
                             attn_meta=meta, **kwargs).logits[0]
-        logits = logits if self._keep_logits else logits[keep]  # (N + M, V)
-        return PassLogits(logits[:len(sampled)], logits[len(sampled):], prompt_spans)
+        logits = logits if self._keep_logits else logits[keep_d]  # (N + M, V)
+        return PassLogits(logits[:len(sampled)], logits[len(sampled):], prompt_spans, plan, pack)
 
 
 def _prompt_rows(req: Request, start: int, n: int) -> range:

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
+from replicas.attention import PassLayout
+from replicas.attention_sdpa import SdpaBackend
 from replicas.model_runner import PAD_MIN, PAD_SLACK, ModelRunner
 from replicas.models import load_model
 from replicas.scheduler import ScheduledSeq
+from replicas.transfer import HostPack, Staging
 
 PROMPT_LENS = [5, 40, 100, 1, 33, 64]
 
@@ -171,10 +174,18 @@ def test_decode_groups_cover_every_decode_once_and_bound_their_padding() -> None
             assert b * mine[-1] <= PAD_SLACK * sum(mine) + PAD_MIN
             assert grp.blocks.shape[1] == -(-mine[-1] // bs)
             assert grp.blocks[:, 0].tolist() == [r * 200 for r in range(grp.start, grp.start + b)]
-            assert grp.mask.shape == (b, 1, 1, grp.blocks.shape[1] * bs)
-            assert grp.mask.sum(dim=-1).flatten().tolist() == mine
             covered += b
         assert covered == n
+        # On the device: each group's mask marks exactly its decodes' contexts.
+        pack = HostPack()
+        layout = PassLayout(table, bs, list(range(n)), lens, [], n, groups)
+        plan = SdpaBackend(bs).plan(layout, pack)
+        pack.send(torch.device("cpu"), Staging(torch.device("cpu")))
+        for grp, dev in zip(groups, SdpaBackend(bs).metadata(plan, pack).decodes):
+            b = grp.blocks.shape[0]
+            assert dev.blocks.tolist() == grp.blocks.tolist()
+            assert dev.mask.shape == (b, 1, 1, grp.blocks.shape[1] * bs)
+            assert dev.mask.sum(dim=-1).flatten().tolist() == grp.lens.tolist()
 
 
 def test_compiled_decode_kernels_of_two_engines_in_one_process_stay_their_own(llama):

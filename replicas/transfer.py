@@ -1,0 +1,98 @@
+"""One host-to-device copy and one device-to-host copy per pass.
+
+Everything a pass needs on the device (token ids, positions, slots, block tables, keep rows,
+sampling parameters, seeded noise, grammar bitmasks) is written into one host buffer at
+8-byte-aligned offsets and sent in one copy; each part is then a typed view of the device
+buffer. On CUDA the host buffer is pinned and reused (the copy is asynchronous; the previous
+pass's copy has finished by the time the buffer is rewritten, since every pass ends with the
+blocking copy back). Results come back the same way: parts of one device buffer, one copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_ALIGN = 8  # bytes: the widest element packed (int64 / float64)
+
+
+class Part:
+    """Where one array lies in a pack: byte offset, dtype, shape."""
+
+    __slots__ = ("offset", "dtype", "shape")
+
+    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.offset, self.dtype, self.shape = offset, dtype, shape
+
+
+class HostPack:
+    """The host side of one pass's upload: arrays added in any order, sent together."""
+
+    def __init__(self) -> None:
+        self._arrays: list[tuple[int, np.ndarray]] = []
+        self._size = 0
+        self.device_buffer: torch.Tensor | None = None  # (bytes,) uint8, once sent
+
+    def add(self, values: np.ndarray | Sequence, dtype: type | np.dtype = np.int64) -> Part:
+        a = np.ascontiguousarray(values, dtype=dtype)
+        offset = -(-self._size // _ALIGN) * _ALIGN
+        self._arrays.append((offset, a))
+        self._size = offset + a.nbytes
+        return Part(offset, a.dtype, a.shape)
+
+    def send(self, device: torch.device, staging: Staging) -> None:
+        """Write every array into the staging buffer and copy it to `device` in one transfer."""
+        host = staging.buffer(max(self._size, _ALIGN))
+        view = host.numpy()
+        for offset, a in self._arrays:
+            view[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+        self.device_buffer = upload(host[:max(self._size, _ALIGN)], device)
+
+    def get(self, part: Part) -> torch.Tensor:
+        """The part as a typed tensor on the device (a view of the sent buffer)."""
+        nbytes = part.dtype.itemsize * int(np.prod(part.shape, dtype=np.int64))
+        raw = self.device_buffer[part.offset:part.offset + nbytes]
+        return raw.view(_TORCH_DTYPES[part.dtype]).view(part.shape)
+
+
+class Staging:
+    """A reusable host buffer for the pack (pinned on CUDA, where pinning once is cheap and
+    pinning every pass is not)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pinned = device.type == "cuda"
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            size = max(nbytes, 2 * self._buf.numel(), 1 << 16)
+            self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        return self._buf
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The pass's one host-to-device copy (asynchronous from pinned memory)."""
+    return host.to(device, non_blocking=host.is_pinned())
+
+
+def download(parts: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """The pass's one device-to-host copy: `parts` (any shape and dtype) joined as bytes,
+    copied, split back into flat numpy arrays of their own dtypes."""
+    if not parts:
+        return []
+    raw = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+    host = raw.cpu().numpy()
+    out, offset = [], 0
+    for p in parts:
+        n = p.numel() * p.element_size()
+        out.append(host[offset:offset + n].view(_NUMPY_DTYPES[p.dtype]))
+        offset += n
+    return out
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
+                 np.dtype(np.uint8): torch.uint8, np.dtype(np.bool_): torch.bool}
+_NUMPY_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
