@@ -64,8 +64,9 @@ class Backend(Protocol):
     def plan(self, layout: PassLayout, pack: HostPack) -> object:
         """Host side: add the arrays the metadata needs to the pass's upload."""
 
-    def metadata(self, plan: object, pack: HostPack) -> AttentionMeta:
-        """Device side, after the upload: the metadata every layer receives."""
+    def metadata(self, plan: object, pack: HostPack, positions: torch.Tensor) -> AttentionMeta:
+        """Device side, after the upload (`positions`: (T,) each row's): the metadata every
+        layer receives."""
 
 
 @dataclass

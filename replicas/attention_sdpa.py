@@ -88,7 +88,7 @@ class SdpaBackend:
                     for p in layout.prefills]
         return SdpaPlan([(g.start, pack.add(g.blocks), pack.add(g.lens)) for g in layout.groups], prefills)
 
-    def metadata(self, plan: SdpaPlan, pack: HostPack) -> SdpaMeta:
+    def metadata(self, plan: SdpaPlan, pack: HostPack, positions: torch.Tensor) -> SdpaMeta:
         device, bs = pack.device_buffer.device, self.block_size
         groups = []
         for start, blocks_part, lens_part in plan.groups:

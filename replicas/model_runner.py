@@ -213,7 +213,7 @@ class ModelRunner:
         plan = sampling(prompt_spans, pack) if sampling is not None else None
         pack.send(self.device, self._staging)  # the pass's one host-to-device copy
         tokens_d = pack.get(tokens)
-        meta = PassMeta(self.k_cache, self.v_cache, tokens_d[2], self.backend.metadata(attn, pack))
+        meta = PassMeta(self.k_cache, self.v_cache, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
         keep_d = pack.get(keep)
         kwargs = {"logits_to_keep": keep_d} if self._keep_logits else {}
         logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,

@@ -181,7 +181,7 @@ def test_decode_groups_cover_every_decode_once_and_bound_their_padding() -> None
         layout = PassLayout(table, bs, list(range(n)), lens, [], n, groups)
         plan = SdpaBackend(bs).plan(layout, pack)
         pack.send(torch.device("cpu"), Staging(torch.device("cpu")))
-        for grp, dev in zip(groups, SdpaBackend(bs).metadata(plan, pack).decodes):
+        for grp, dev in zip(groups, SdpaBackend(bs).metadata(plan, pack, None).decodes):
             b = grp.blocks.shape[0]
             assert dev.blocks.tolist() == grp.blocks.tolist()
             assert dev.mask.shape == (b, 1, 1, grp.blocks.shape[1] * bs)
