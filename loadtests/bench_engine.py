@@ -62,7 +62,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from autoscale.load import percentile
+from loadtests.stats import percentile
 from loadtests.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthDist, Workload, WorkloadRequest,
                                  chat_workload, default_prompt_source, long_context_workload,
                                  long_prompt_workload, with_chat_prompts, with_poisson_arrivals)

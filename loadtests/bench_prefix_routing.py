@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
-from autoscale.load import percentile
 from loadtests import serve_local
 from loadtests.report import report
+from loadtests.stats import percentile
 
 ROUTERS = ("prefix", "token_load", "power_of_two")
 WORDS = ("system", "model", "token", "replica", "cache", "stream", "batch", "prompt", "answer",

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import platform
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 
 from autoscale.serve_options import ROUTERS as SERVE_ROUTERS
-from loadtests import serve_local
+from loadtests import metrics_text, serve_local
 from loadtests.loadtest import load_samples, run_locust, summarize
 from loadtests.mix import MixSpec
 from loadtests.sweep import warm_up
@@ -48,23 +47,12 @@ TBT_SLO_MS = 500.0
 # ---- metrics ---------------------------------------------------------------------------------
 
 
-_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def requests_per_replica(text: str, metric: str = METRIC, deployment: str = "LLMServer") -> dict[str, float]:
     """Sum `metric` per `replica` label in a Prometheus text exposition (all finish reasons)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line.strip())
-        if not m or m.group(1) != metric:
-            continue
-        labels = dict(_LABEL.findall(m.group(2) or ""))
-        if "replica" not in labels or labels.get("deployment", deployment) != deployment:
-            continue
-        out[labels["replica"]] = out.get(labels["replica"], 0.0) + float(m.group(3))
+    for _, labels, value in metrics_text.samples(text, (metric,)):
+        if "replica" in labels and labels.get("deployment", deployment) == deployment:
+            out[labels["replica"]] = out.get(labels["replica"], 0.0) + value
     return out
 
 

@@ -21,9 +21,9 @@ import time
 
 import httpx
 
-from autoscale.load import percentile
 from loadtests.report import report
 from loadtests.serve_local import free_port, launch, stop, wait_healthy
+from loadtests.stats import percentile
 
 
 async def _mix(url: str, rate: float, duration_s: float, max_tokens: int, probe_rate: float) -> dict:

@@ -7,7 +7,7 @@ open-loop Poisson arrivals for `--duration`, then up to `--drain` more for the r
 streaming. It writes `loadtest_stats.csv` (and Locust's other CSVs), `loadtest.html` and
 `samples.jsonl` (one line per request) under `--out`; the summary (`summary.json`, also
 printed) is computed from the samples, exactly, not from Locust's binned percentiles
-(nearest-rank, `autoscale.load.percentile`: a p99 is an observed sample):
+(nearest-rank, `loadtests.stats.percentile`: a p99 is an observed sample):
 
 - TTFT p50/p99: send -> first content chunk. A request still waiting for its first token when
   the run ends counts with the time it waited (a lower bound), so overload is not hidden.
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from autoscale.load import percentile
 from loadtests.mix import MixSpec
+from loadtests.stats import percentile
 from loadtests.workloads import PROMPT_SOURCES
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")

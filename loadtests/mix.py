@@ -1,7 +1,7 @@
 """The load-test workload: an endless, fixed-seed Poisson stream of short and long requests.
 
-Built from the generators in `loadtests/workloads.py` (LengthDist, random_prompt,
-poisson_arrivals), so Locust, `make loadtest` and the sweep send the same requests: the same
+Built from the generators in `loadtests/workloads.py` (LengthDist, random_prompt) and
+`loadtests/arrivals.py` (poisson), so Locust, `make loadtest` and the sweep send the same requests: the same
 prompts, the same exact output lengths (sent with `ignore_eos`) and, per rate, the same
 arrival schedule. The unit-rate gaps are drawn from the seed alone and divided by the rate,
 so a sweep's runs differ only in how fast the same sequence arrives.
@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from loadtests.arrivals import poisson
 from loadtests.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthDist, PromptSource,
-                                 WorkloadRequest, poisson_arrivals, random_prompt)
+                                 WorkloadRequest, random_prompt)
 
 BLOCK = 64  # requests drawn per RNG block; block k always uses the seed sequence (seed, stream, k)
 EMBEDDED_SPECIAL_IDS = (0, 1, 2)  # pad/bos/eos of the embedded tokenizers: kept out of prompts
@@ -95,7 +96,7 @@ def mixed_requests(spec: MixSpec, stream: int = 0,
         short_lens = spec.short_prompt.sample(rng, BLOCK)
         long_lens = spec.long_prompt.sample(rng, BLOCK)
         out_lens = spec.output.sample(rng, BLOCK)
-        times = poisson_arrivals(rng, BLOCK, spec.rps, start)
+        times = poisson(rng, BLOCK, spec.rps, start).tolist()
         start = times[-1]
         for i in range(BLOCK):
             n = long_lens[i] if is_long[i] else short_lens[i]

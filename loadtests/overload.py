@@ -58,7 +58,6 @@ import json
 import math
 import multiprocessing
 import os
-import re
 import sys
 import threading
 import time
@@ -77,9 +76,9 @@ import numpy as np
 from tqdm import tqdm
 
 from app.stream_limit import watch_loop
-from autoscale.load import percentile
-from loadtests import serve_local
-from loadtests.workloads import poisson_arrivals
+from loadtests import metrics_text, serve_local
+from loadtests.arrivals import poisson_window
+from loadtests.stats import percentile
 
 SERVE_CONFIG = Path(__file__).resolve().parents[1] / "serve_config.yaml"
 GROUPS = ("LLMServer", "OpenAIIngress", "ProxyActor")
@@ -250,13 +249,6 @@ def soak_spec(rng: np.random.Generator, model: str, words_per_token: float) -> R
     else:
         messages = [{"role": "user", "content": random_text(rng, words)}]
     return chat_spec(model, messages, max_tokens, stream, f"chat-{label}")
-
-
-def poisson_offsets(rate: float, duration_s: float, seed: int) -> list[float]:
-    """Arrival offsets in [0, duration_s) of a Poisson process at `rate` req/s."""
-    rng = np.random.default_rng(seed)
-    n = int(rate * duration_s + 6 * math.sqrt(rate * duration_s) + 10)
-    return [t for t in poisson_arrivals(rng, n, rate) if t < duration_s]
 
 
 # ---- statistics -------------------------------------------------------------------------------
@@ -539,8 +531,6 @@ def compact(rec: Rec) -> dict[str, Any]:
 # ---- Prometheus gauges (the engine's KV state) -------------------------------------------------
 
 
-_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 ENGINE_GAUGES = ("ray_stallfree_kv_cache_usage_perc", "ray_stallfree_num_requests_running",
                  "ray_stallfree_num_requests_waiting", "ray_stallfree_token_load")
 
@@ -548,13 +538,10 @@ ENGINE_GAUGES = ("ray_stallfree_kv_cache_usage_perc", "ray_stallfree_num_request
 def engine_gauges(text: str) -> dict[str, float]:
     """The engine gauges of LLMServer replicas: KV usage as the max over replicas, others summed."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line.strip()) if line and not line.startswith("#") else None
-        if not m or m.group(1) not in ENGINE_GAUGES:
+    for name, labels, value in metrics_text.samples(text, ENGINE_GAUGES):
+        if labels.get("deployment", "LLMServer") != "LLMServer":
             continue
-        if dict(_LABEL.findall(m.group(2) or "")).get("deployment", "LLMServer") != "LLMServer":
-            continue
-        name, value = m.group(1).removeprefix("ray_stallfree_"), float(m.group(3))
+        name = name.removeprefix("ray_stallfree_")
         merge = max if name == "kv_cache_usage_perc" else (lambda a, b: a + b)
         out[name] = merge(out[name], value) if name in out else value
     return out
@@ -949,7 +936,7 @@ async def run_step(ctx: Ctx, rate: float, seed: int, grace_s: float, seconds: fl
     """`seconds` (a search step's `--step-s` unless given) of Poisson arrivals at `rate`, then at
     most `grace_s` for them to finish."""
     seconds = ctx.args.step_s if seconds is None else seconds
-    offsets = poisson_offsets(rate, seconds, seed)
+    offsets = poisson_window(rate, seconds, seed)
     specs = uniform_specs(np.random.default_rng(seed), len(offsets), ctx.model, ctx.words,
                           ctx.args.max_tokens)
     with tqdm(total=len(specs), desc=f"{desc} {rate:g} req/s", unit="req", leave=False) as bar:
@@ -1054,7 +1041,7 @@ async def recovery(ctx: Ctx, unloaded_ttft_s: float) -> dict[str, Any]:
 async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any]:
     """`--duration-s` at `rate`, then the recovery probes while the overload's requests drain."""
     a = ctx.args
-    offsets = poisson_offsets(rate, a.duration_s, a.seed + 1000)
+    offsets = poisson_window(rate, a.duration_s, a.seed + 1000)
     specs = uniform_specs(np.random.default_rng(a.seed + 1000), len(offsets), ctx.model, ctx.words,
                           a.max_tokens)
     loop = asyncio.get_running_loop()
@@ -1099,7 +1086,7 @@ async def soak(ctx: Ctx, rate: float, sampler: RssSampler, root_pid: int | None)
     """`--soak-minutes` of the mixed workload at `rate`; errors, RSS slopes, KV state after."""
     a = ctx.args
     duration = 60.0 * a.soak_minutes
-    offsets = poisson_offsets(rate, duration, a.seed + 2000)
+    offsets = poisson_window(rate, duration, a.seed + 2000)
     rng = np.random.default_rng(a.seed + 2000)
     specs = [soak_spec(rng, ctx.model, 1.0 / ctx.tokens_per_word) for _ in offsets]
     t_start = time.monotonic()

@@ -15,7 +15,7 @@ prompts, the same lengths and the same arrival schedule.
   t=0: what a prefix cache computes once.
 - `multi_turn_conversations`: conversations whose every turn resends the whole history (system
   prompt, earlier turns and answers) plus a new user message; driven closed-loop.
-- `poisson_arrivals` / `with_poisson_arrivals`: an open-loop arrival schedule.
+- `with_poisson_arrivals`: a workload re-timed as open-loop Poisson arrivals (`loadtests.arrivals`).
 
 Prompts are random token ids by default: lengths are exact and nothing is shared, which is all a
 random-weight test model (embedded:tiny, embedded:mid) can use. A real model gets real prompts:
@@ -35,8 +35,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from autoscale.load import percentile
+from loadtests.arrivals import poisson
 from loadtests.real_text import LONG_FRACTION, chat_prompts
+from loadtests.stats import percentile
 from replicas.model_files import EMBEDDED_MODELS, EMBEDDED_PREFIX, load_tokenizer
 
 DistKind = Literal["lognormal", "pareto", "uniform", "fixed"]
@@ -168,20 +169,12 @@ def random_prompt(rng: np.random.Generator, length: int, vocab_size: int,
     return [int(t) for t in x]
 
 
-def poisson_arrivals(rng: np.random.Generator, n: int, rate: float, start_s: float = 0.0) -> list[float]:
-    """Arrival offsets of a Poisson process with `rate` requests/s (exponential gaps)."""
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
-    gaps = rng.exponential(1.0 / rate, n)
-    return [float(start_s + t) for t in np.cumsum(gaps)]
-
-
 def with_poisson_arrivals(workload: Workload, rate: float, seed: int | None = None,
                           name: str | None = None) -> Workload:
     """The same requests re-timed as a Poisson process (the first arrives after one gap),
     named `name` (default: the workload's own name)."""
     rng = np.random.default_rng(workload.seed if seed is None else seed)
-    times = poisson_arrivals(rng, len(workload), rate)
+    times = poisson(rng, len(workload), rate).tolist()
     reqs = [dataclasses.replace(r, arrival_s=t) for r, t in zip(workload.requests, times)]
     return Workload(name or workload.name, reqs, workload.seed,
                     {**workload.settings, "poisson_rate": rate})
@@ -209,7 +202,7 @@ def chat_workload(num_requests: int, vocab_size: int, seed: int = 0, *,
     rng = np.random.default_rng(seed)
     plens, olens = prompt.sample(rng, num_requests), output.sample(rng, num_requests)
     prompts = [random_prompt(rng, n, vocab_size, avoid_ids) for n in plens]
-    times = poisson_arrivals(rng, num_requests, rate) if rate else [0.0] * num_requests
+    times = poisson(rng, num_requests, rate).tolist() if rate else [0.0] * num_requests
     reqs = [WorkloadRequest(f"chat-{i}", p, o, t, "chat")
             for i, (p, o, t) in enumerate(zip(prompts, olens, times))]
     settings = {"prompt": dataclasses.asdict(prompt), "output": dataclasses.asdict(output),

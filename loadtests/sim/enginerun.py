@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from autoscale.load import percentile
 from loadtests.sim.costmodel import batch_features, features, load_profiles
 from loadtests.sim.traffic import Trace, length_dist
+from loadtests.stats import percentile
 from loadtests.workloads import chat_workload
 
 # The fit runs span light load, overload and a burst; the held-out runs are other seeds at a

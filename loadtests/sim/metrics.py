@@ -5,9 +5,9 @@ reports P99 TBT. A request's gaps are taken from its token times when it finishe
 per-token path); tens of millions of gaps do not fit in memory at cluster scale, so they are
 folded into a histogram of `bin_s` (0.1 ms) bins every million gaps. Its percentiles are named
 `tbt_bucket_p99_s` etc.: the upper edge of the bin that holds the nearest-rank gap, so at most one
-bin above the observed value that `autoscale.load.percentile` would give. The largest gap and the
+bin above the observed value that `loadtests.stats.percentile` would give. The largest gap and the
 share of gaps within the SLO are kept exactly. Per-request percentiles are nearest-rank
-(`autoscale.load.percentile`). Finished requests leave scalars only.
+(`loadtests.stats.percentile`). Finished requests leave scalars only.
 
 SLO shares, each in [0, 1]:
 - `tpot_slo_request_share` (DistServe's goodput definition): requests whose TTFT <= ttft_slo and
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from autoscale.load import percentile
+from loadtests.stats import percentile
 
 NAN = float("nan")
 

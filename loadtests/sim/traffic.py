@@ -4,12 +4,7 @@ Lengths are lognormal (`loadtests.workloads.LengthDist`, fitted to a published m
 see profiles.json) with prompt + output capped at the workload's `max_total`. The simulator only
 needs lengths, so no token ids are drawn, except for `multi_turn_trace`, whose prompts repeat
 each conversation's history (the prefix cache and prefix-aware routing need the ids). Arrival
-processes:
-
-- `poisson`: exponential gaps at `rate` req/s.
-- `bursty`: gamma-distributed gaps with coefficient of variation `cv` (> 1 is burstier than Poisson).
-- `diurnal`: a Poisson process whose rate follows `lo + (hi - lo) * (1 - cos(2 pi t / period)) / 2`.
-- `step`: `lo` req/s until `at_s`, then `hi`.
+processes: `loadtests.arrivals` (poisson, bursty, diurnal, step).
 
 Capacity search rescales one draw of unit-rate gaps (`Trace.at_rate`), so every rate of a
 bisection sees the same requests in the same order, only faster or slower.
@@ -24,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from autoscale.load import percentile
+from loadtests.arrivals import bursty, diurnal, poisson, step
 from loadtests.sim.costmodel import load_profiles
+from loadtests.stats import percentile
 from loadtests.workloads import LengthDist, multi_turn_conversations
 
 Z90 = 1.2815515655446004  # standard normal quantile at 0.9
@@ -79,34 +75,6 @@ def lengths(workload: str, n: int, rng: np.random.Generator,
     # Cap prompt + output at max_total, shortening the prompt first (its tail is the long one).
     prompt = np.minimum(prompt, spec["max_total"] - output)
     return prompt, output
-
-
-# ---- arrival processes ---------------------------------------------------------------------
-
-
-def poisson(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
-    return np.cumsum(rng.exponential(1.0 / rate, n))
-
-
-def bursty(rng: np.random.Generator, n: int, rate: float, cv: float = 3.0) -> np.ndarray:
-    shape = 1.0 / (cv * cv)  # gamma gaps: mean 1/rate, CV = 1/sqrt(shape)
-    return np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
-
-
-def diurnal(rng: np.random.Generator, duration_s: float, lo: float, hi: float, period_s: float,
-            phase_s: float = 0.0) -> np.ndarray:
-    """Non-homogeneous Poisson arrivals by thinning a rate-`hi` process."""
-    t = np.cumsum(rng.exponential(1.0 / hi, int(hi * duration_s * 1.2) + 100))
-    t = t[t < duration_s]
-    rate = lo + (hi - lo) * (1.0 - np.cos(2 * math.pi * (t + phase_s) / period_s)) / 2.0
-    return t[rng.random(len(t)) < rate / hi]
-
-
-def step(rng: np.random.Generator, duration_s: float, lo: float, hi: float, at_s: float) -> np.ndarray:
-    first = np.cumsum(rng.exponential(1.0 / lo, int(lo * at_s * 1.5) + 100))
-    first = first[first < at_s]
-    second = at_s + np.cumsum(rng.exponential(1.0 / hi, int(hi * (duration_s - at_s) * 1.5) + 100))
-    return np.concatenate([first, second[second < duration_s]])
 
 
 def make_trace(workload: str, arrivals: str = "poisson", *, n: int | None = None, rate: float = 1.0,

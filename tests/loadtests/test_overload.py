@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 
-import autoscale.load
 from loadtests import overload as ov
 
 
@@ -96,11 +95,6 @@ def test_is_openai_error_wants_all_four_fields() -> None:
 
 
 # ---- statistics --------------------------------------------------------------------------------
-
-
-def test_percentiles_are_the_one_nearest_rank_definition() -> None:
-    assert ov.percentile is autoscale.load.percentile  # p99 is an observed sample, as everywhere
-    assert ov.percentile([0.5, 0.1, 0.3, 0.9, 0.7], 99) == 0.9
 
 
 def test_summarize_counts_latencies_and_rejections() -> None:
@@ -239,13 +233,6 @@ def test_group_of(cmd: str, group: str | None) -> None:
 
 
 # ---- workload ----------------------------------------------------------------------------------
-
-
-def test_poisson_offsets_are_seeded_and_inside_the_window() -> None:
-    a, b = ov.poisson_offsets(20.0, 30.0, 1), ov.poisson_offsets(20.0, 30.0, 1)
-    assert a == b and a != ov.poisson_offsets(20.0, 30.0, 2)
-    assert all(0 <= t < 30.0 for t in a) and a == sorted(a)
-    assert 450 < len(a) < 750  # about 600
 
 
 def test_request_bodies() -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autoscale.load import percentile
 from loadtests.real_text import LONG_FRACTION
+from loadtests.stats import percentile
 from loadtests.workloads import (CHAT_OUTPUT, CHAT_PROMPT, ChatPromptPool, LengthDist, Workload,
                                  chat_workload, default_prompt_source, long_context_workload,
-                                 long_prompt_workload, poisson_arrivals, random_prompt,
+                                 long_prompt_workload, random_prompt,
                                  with_chat_prompts, with_poisson_arrivals)
 from replicas.model_files import load_tokenizer
 
@@ -91,14 +91,6 @@ def test_random_prompt_avoids_ids_and_covers_the_rest() -> None:
     assert set(ids) == {1, 2, 3, 5, 6, 7, 8}
     counts = np.bincount(ids, minlength=10)[[1, 2, 3, 5, 6, 7, 8]]
     assert counts.min() > 0.8 * 20_000 / 7  # still uniform over the allowed ids
-
-
-def test_poisson_rate_is_roughly_right() -> None:
-    times = poisson_arrivals(np.random.default_rng(0), 5000, rate=4.0)
-    assert all(b > a for a, b in zip(times, times[1:]))
-    assert abs(len(times) / times[-1] - 4.0) < 0.2
-    gaps = np.diff(times)
-    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.1  # exponential gaps: CV = 1
 
 
 def test_with_poisson_arrivals_keeps_requests_and_retimes_them() -> None:
