@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import itertools
 import os
@@ -26,7 +27,8 @@ from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_contro
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)
 from replicas.request import FINISHED, Request, RequestStatus
-from replicas.sampler import argmax, prompt_logprobs, sample, token_logprobs
+from replicas.sampler import plan as plan_sampling
+from replicas.sampler import sample_pass
 from replicas.scheduler import Scheduler, SchedulerOutput, watermark_blocks
 
 log = logging.getLogger(__name__)
@@ -267,9 +269,11 @@ class Engine:
         predicted = self.pass_time.predict(shape) if self.pass_time is not None else None
         cpu_start = time.process_time()
         self.pass_started = start = time.perf_counter()
-        logits = self.runner.execute(batch)
-        token_ids = self._sample(logits, [s.request for s in batch.seqs if s.samples])
-        prompt_logprobs(logits.prompt, logits.prompt_spans)
+        sampling = functools.partial(plan_sampling, [s.request for s in batch.seqs if s.samples],
+                                     device=self.runner.device, vocab=self.vocab_size,
+                                     processors=self.logits_processors, grammars=self.grammars)
+        logits = self.runner.execute(batch, sampling)  # the sampler's inputs go in the pass's one upload
+        token_ids = self._sample(logits)
         now, cpu_s = time.perf_counter(), time.process_time() - cpu_start
         self.pass_started = None
         stats = self._record(batch, start, now, shape, predicted, cpu_s)
@@ -279,15 +283,10 @@ class Engine:
             observer.on_iteration(stats, batch, self)
         return expired + outputs
 
-    def _sample(self, logits: PassLogits, sampling: list[Request]) -> list[int]:
-        """The token of each request that samples this pass (in batch order)."""
-        if all(r.argmax_only for r in sampling):  # the common greedy pass: nothing else to do
-            self.logits_processors.release_finished()
-            return argmax(logits.sampled)
-        processed = self.grammars.mask(self.logits_processors(logits.sampled, sampling), sampling)
-        token_ids = sample(processed, sampling)
-        token_logprobs(logits.sampled, sampling, token_ids)  # raw: before the processors and the mask
-        return token_ids
+    def _sample(self, logits: PassLogits) -> list[int]:
+        """The token of each request that samples this pass (in batch order); logprobs and
+        prompt logprobs recorded on their requests. One copy back from the device."""
+        return sample_pass(logits.sampled, logits.prompt, logits.sampling, logits.pack, self.logits_processors)
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past the queue deadline leave before the pass is scheduled."""

@@ -27,6 +27,7 @@ from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_pa
 from transformers import PreTrainedTokenizerBase
 
 from replicas.protocol import GuidedDecoding, InvalidRequestError
+from replicas.transfer import HostPack, Staging
 
 if TYPE_CHECKING:
     from replicas.request import Request
@@ -41,10 +42,6 @@ CACHE_SIZE = 256  # compiled grammars kept per engine, least recently used dropp
 # 0.2) in a loop against 0.18 ms (max 4.6, thread wake-ups) through the pool.
 POOL_THREADS = min(32, int(0.8 * (os.cpu_count() or 1)))
 POOL_MIN_ROWS = 8
-# Byte -> the 8 additive biases of its bits (bit set: allowed, 0; clear: blocked, -inf). Adding
-# a row of biases is branch-free, and on CPU far cheaper than masked_fill with a bool mask.
-_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
-                      np.float32(0.0), np.float32(-np.inf))  # (256, 8)
 
 
 def grammar_text(guided: GuidedDecoding) -> str:
@@ -123,15 +120,13 @@ class Grammars:
 
     # ---- the loop ----------------------------------------------------------------------
 
-    @torch.inference_mode()  # the forward pass's logits are inference tensors: edited in place
-    def mask(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """`logits` (N, V) with each constrained row's disallowed tokens at -inf, to sample
-        from (greedy rows take their argmax from it too). In place unless a row asks for
-        logprobs: those stay the model's own distribution, read from the unmasked logits."""
+    def bitmask(self, requests: list[Request]) -> tuple[list[int], np.ndarray] | None:
+        """The constrained rows of `requests` and their allowed tokens, (n, ceil(V / 32)) int32:
+        bit k of word w allows token 32w + k. Filled on the host, applied on the device."""
         rows = [i for i, r in enumerate(requests) if r.guide is not None]
         if not rows:
-            return logits
-        bitmask = np.empty((len(rows), self.words), dtype=np.int32)  # (n, ceil(V / 32))
+            return None
+        bitmask = np.empty((len(rows), self.words), dtype=np.int32)
         if POOL_THREADS >= 2 and len(rows) >= POOL_MIN_ROWS:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(POOL_THREADS)
@@ -140,15 +135,20 @@ class Grammars:
         else:
             for j, i in enumerate(rows):
                 fill_next_token_bitmask(requests[i].guide, bitmask, j)
-        vocab = logits.shape[1]
-        # Bytes of little-endian words in order: bit k of word w is token 32w + k.
-        bias = np.take(_BYTE_BIAS, bitmask.view(np.uint8), axis=0).reshape(len(rows), -1)[:, :vocab]
-        bias = torch.from_numpy(bias).to(logits.device, logits.dtype)  # (n, V): 0 or -inf
-        if any(r.params.logprobs is not None for r in requests):
-            logits = logits.clone()
-        if len(rows) == len(requests):
-            return logits.add_(bias)
-        return logits.index_add_(0, torch.tensor(rows, device=logits.device), bias)
+        return rows, bitmask
+
+    @torch.inference_mode()  # the forward pass's logits are inference tensors: edited in place
+    def mask(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """`logits` (N, V) with each constrained row's disallowed tokens at -inf (a pass of its
+        own: one upload). In place unless a row asks for logprobs (see `apply_bitmask`)."""
+        found = self.bitmask(requests)
+        if found is None:
+            return logits
+        pack = HostPack()
+        rows, bits = pack.add(found[0]), pack.add(found[1], np.int32)
+        pack.send(logits.device, Staging(logits.device))
+        keep_raw = any(r.params.logprobs is not None for r in requests)
+        return apply_bitmask(logits, pack.get(rows), pack.get(bits), keep_raw, len(found[0]) == len(requests))
 
     @staticmethod
     def advance(request: Request, token_id: int) -> bool:
@@ -159,3 +159,18 @@ class Grammars:
                         request.request_id, token_id, matcher.get_error())
             return True
         return matcher.is_stopped()
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, keep_raw: bool,
+                  every_row: bool) -> torch.Tensor:
+    """logits (N, V) with `rows`' disallowed tokens at -inf, from their bitmask (n, words) on
+    the device. In place unless `keep_raw` (a row asks for logprobs: those stay the model's own
+    distribution, read from the unmasked logits); `every_row`: rows are all of them, in order."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # (n, V)
+    if keep_raw:
+        logits = logits.clone()
+    if every_row:
+        return logits.masked_fill_(~allowed, float("-inf"))
+    return logits.index_put_((rows,), logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))

@@ -7,79 +7,24 @@ TOP_P_CANDIDATES most likely tokens for top-p rows; a row whose nucleus is wider
 vocabulary), one top-p cut, and one draw by the exponential race (argmax of p / E with E ~ Exp(1)
 picks token i with probability p_i). A seeded request draws from its own generator, indexed by
 token id, so its tokens are reproducible whatever else is in the batch.
+
+A pass's sampling is planned on the host before the forward pass (`plan`: every parameter's
+arrays, seeded noise and grammar bitmasks join the pass's one upload) and runs on the device
+after it (`sample_pass`), its tokens and logprobs coming back in one copy.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from replicas.guided import Grammars, apply_bitmask
+from replicas.logits_processors import LogitsProcessors, ProcessorsPlan
 from replicas.request import Request
-
-
-def argmax(logits: torch.Tensor) -> list[int]:
-    """The most likely token of each row of `logits` (N, V): greedy rows' pick."""
-    return _argmax(logits).tolist()
-
-
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """Pick one token per row of `logits` (N, V) for the matching request."""
-    out = _argmax(logits)
-    rows = [i for i, req in enumerate(requests) if not req.params.greedy]
-    if rows:
-        picked = _sample_rows(logits[rows].float(), [requests[i] for i in rows])
-        out[rows] = picked.cpu().numpy()
-    return out.tolist()
-
-
-def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> None:
-    """For the rows whose request asks for logprobs: the chosen token's log-probability and the
-    top alternatives', from log_softmax of the raw logits, all such rows in one call; appended to
-    each request's `output_logprobs`."""
-    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    if not rows:
-        return
-    scored = _scored(logits[rows], [tokens[i] for i in rows], [requests[i].params.logprobs for i in rows])
-    for i, entry in zip(rows, scored):
-        requests[i].output_logprobs.append(entry)
-
-
-def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int]]) -> None:
-    """Score prompt tokens from the logits (M, V) of the positions before them (the model
-    runner's `PassLogits.prompt`, `spans` its (request, rows)), all rows in one call; appended to
-    each request's `prompt_logprobs` (raw, like `token_logprobs`)."""
-    if not spans:
-        return
-    chosen: list[int] = []
-    ks: list[int] = []
-    for req, n in spans:
-        done = len(req.prompt_logprobs)  # the first row scores prompt token done + 1
-        chosen += req.prompt_token_ids[done + 1:done + 1 + n]
-        ks += [req.params.prompt_logprobs] * n
-    scored = iter(_scored(logits, chosen, ks))
-    for req, n in spans:
-        req.prompt_logprobs.extend(itertools.islice(scored, n))
-
-
-def _scored(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """Per row of logits (n, V): log_softmax's value at chosen[row] and its top ks[row] (id, value)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
-    picked = lp.gather(1, torch.tensor(chosen, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-    k = max(ks)
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [(picked[j], tuple(zip(top_i[j][:n], top_v[j][:n]))) for j, n in enumerate(ks)]
-
-
-def _argmax(logits: torch.Tensor) -> np.ndarray:
-    """Row-wise argmax as a numpy array. On CPU numpy's is an order of magnitude faster than
-    torch's (256 x 2048 float32: 0.04 ms against 0.5 ms on one thread)."""
-    if logits.device.type == "cpu":
-        return logits.float().numpy().argmax(axis=-1)
-    return logits.argmax(dim=-1).cpu().numpy()
-
+from replicas.transfer import HostPack, Part, Staging, download
 
 # Rows without top_k first look for their top-p nucleus among this many most likely tokens (one
 # partial top-k over the batch); only a row whose candidates hold less than its top_p of the
@@ -87,48 +32,233 @@ def _argmax(logits: torch.Tensor) -> np.ndarray:
 TOP_P_CANDIDATES = 256
 
 
-def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits (n, V) of non-greedy requests -> (n,) token ids."""
-    n, vocab = logits.shape
+def sorts_top_p(device: torch.device) -> bool:
+    """Whether top-p-only rows sort their whole vocabulary every pass. On an accelerator: yes, a
+    sort there is cheap and finding out which rows need one would cost a sync. On CPU: no, a
+    full sort costs many times a partial top-k there, and the check costs nothing (no device to
+    wait for)."""
+    return device.type != "cpu"
+
+
+@dataclass
+class DrawPlan:
+    """The non-greedy rows of a pass (their indices into the sampling rows, `rows`) and what
+    they draw with."""
+
+    rows: Part  # (n,)
+    temps: Part  # (n,) float32
+    plain: Part | None  # draw-row indices sampled by their CDF (no top-k, no top-p)
+    plain_u: tuple[Part, Part] | None  # (seeded CDF rows' uniforms, whether each row is seeded)
+    filtered: Part | None  # draw-row indices filtered by top-k / top-p
+    ks: Part | None  # (f,) each filtered row's k (the vocabulary: none)
+    ps: Part | None  # (f,) float32 top_p
+    race: tuple[Part, Part] | None  # (seeded filtered rows, their E ~ Exp(1) per token id (s, V))
+    candidates: int
+    all_top_k: bool
+    any_unseeded: bool
+    sort_rows: Part | None  # filtered rows sorting their whole vocabulary without a check
+    num_plain: int
+    num_filtered: int
+
+
+@dataclass
+class SamplingPlan:
+    """A pass's sampling, planned on the host; its arrays travel in the pass's one upload."""
+
+    requests: list[Request]
+    prompt_spans: list[tuple[Request, int]]
+    argmax_only: bool  # every row greedy, nothing else read
+    processors: ProcessorsPlan | None = None
+    guided: tuple[Part, Part, bool, bool] | None = None  # (rows, bitmask, keep raw, every row)
+    draw: DrawPlan | None = None
+    logprob_rows: Part | None = None
+    logprob_requests: list[Request] | None = None
+    logprob_ks: list[int] | None = None
+    prompt_chosen: Part | None = None  # (M,) the prompt token each prompt row scores
+    prompt_ks: list[int] | None = None
+
+
+def plan(requests: list[Request], prompt_spans: list[tuple[Request, int]], pack: HostPack, *,
+         device: torch.device, vocab: int, processors: LogitsProcessors | None = None,
+         grammars: Grammars | None = None) -> SamplingPlan:
+    """Host side of a pass's sampling: every parameter's arrays (processors, grammar bitmasks,
+    temperatures, top-k/top-p, seeded noise, logprob rows, prompt tokens scored) added to `pack`."""
+    out = SamplingPlan(requests, prompt_spans, all(r.argmax_only for r in requests))
+    if prompt_spans:
+        chosen: list[int] = []
+        ks: list[int] = []
+        for req, n in prompt_spans:
+            done = len(req.prompt_logprobs)  # the first row scores prompt token done + 1
+            chosen += req.prompt_token_ids[done + 1:done + 1 + n]
+            ks += [req.params.prompt_logprobs] * n
+        out.prompt_chosen, out.prompt_ks = pack.add(chosen), ks
+    if out.argmax_only:
+        if processors is not None:
+            processors.release_finished()
+        return out
+    if processors is not None:
+        out.processors = processors.plan(requests, pack, device)
+    if grammars is not None and (found := grammars.bitmask(requests)) is not None:
+        keep_raw = any(r.params.logprobs is not None for r in requests)
+        out.guided = (pack.add(found[0]), pack.add(found[1], np.int32), keep_raw, len(found[0]) == len(requests))
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if rows:
+        out.logprob_rows = pack.add(rows)
+        out.logprob_requests = [requests[i] for i in rows]
+        out.logprob_ks = [r.params.logprobs for r in out.logprob_requests]
+    drawn = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if drawn:
+        out.draw = _plan_draw(drawn, [requests[i] for i in drawn], pack, device, vocab)
+    return out
+
+
+def _plan_draw(rows: list[int], requests: list[Request], pack: HostPack, device: torch.device,
+               vocab: int) -> DrawPlan:
     params = [r.params for r in requests]
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
-    logits = logits / temps
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     ps = [p.top_p for p in params]
     plain = [k == vocab and p >= 1.0 for k, p in zip(ks, ps)]  # the whole distribution
-    noise = _seeded_noise(requests, plain, vocab, logits.dtype, logits.device)
+    noise = _seeded_noise(requests, plain, vocab)
+    prows = [i for i in range(len(rows)) if plain[i]]
+    frows = [i for i in range(len(rows)) if not plain[i]]
+    d = DrawPlan(pack.add(rows), pack.add([p.temperature for p in params], np.float32), None, None,
+                 None, None, None, None, 0, True, False, None, len(prows), len(frows))
+    if prows:
+        d.plain = pack.add(prows)
+        if any(noise[i] is not None for i in prows):
+            d.plain_u = (pack.add([0.0 if noise[i] is None else noise[i][0] for i in prows], np.float32),
+                         pack.add([noise[i] is not None for i in prows], np.bool_))
+    if frows:
+        fks = [ks[i] for i in frows]
+        top_ks = [k for k in fks if k < vocab]
+        d.all_top_k = len(top_ks) == len(frows)
+        d.candidates = max(top_ks) if d.all_top_k else min(vocab, max(top_ks + [TOP_P_CANDIDATES]))
+        d.filtered, d.ks, d.ps = pack.add(frows), pack.add(fks), pack.add([ps[i] for i in frows], np.float32)
+        seeded = [j for j, i in enumerate(frows) if noise[i] is not None]
+        d.any_unseeded = len(seeded) < len(frows)
+        if seeded:
+            d.race = (pack.add(seeded), pack.add(np.stack([noise[frows[j]] for j in seeded])))
+        if sorts_top_p(device) and not d.all_top_k and d.candidates < vocab:
+            d.sort_rows = pack.add([j for j, k in enumerate(fks) if k == vocab])
+    return d
+
+
+@torch.inference_mode()  # the forward pass's logits are inference tensors: edited in place
+def sample_pass(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: HostPack,
+                processors: LogitsProcessors | None = None) -> list[int]:
+    """Device side of a pass's sampling, then its one copy back: the token of each sampling row
+    (`sampled` (N, V)), each logprobs row's entry appended to its request's `output_logprobs`,
+    the prompt rows' (`prompt` (M, V)) scores to their requests' `prompt_logprobs`. Logprobs are
+    raw: from the model's logits, before the processors and the grammar."""
+    if p.argmax_only and not p.prompt_spans:
+        return _argmax(sampled)
+    x = sampled
+    if processors is not None:
+        x = processors.apply(x, p.processors, pack)
+    if p.guided is not None:
+        rows, bits, keep_raw, every = p.guided
+        x = apply_bitmask(x, pack.get(rows), pack.get(bits), keep_raw, every)
+    tokens = x.argmax(dim=-1)  # (N,) greedy rows' pick
+    if p.draw is not None:
+        d = p.draw
+        rows = pack.get(d.rows)
+        tokens.index_copy_(0, rows, _draw(x.index_select(0, rows).float(), d, pack))
+    parts = [tokens]
+    if p.logprob_rows is not None:
+        rows = pack.get(p.logprob_rows)
+        parts += _scored(sampled.index_select(0, rows), tokens.index_select(0, rows), max(p.logprob_ks))
+    if p.prompt_chosen is not None:
+        parts += _scored(prompt, pack.get(p.prompt_chosen), max(p.prompt_ks))
+    host = download(parts)  # the pass's one device-to-host copy
+    token_ids = host[0].tolist()
+    if p.logprob_rows is not None:
+        for req, entry in zip(p.logprob_requests, _entries(host[1:4], p.logprob_ks)):
+            req.output_logprobs.append(entry)
+        host = host[:1] + host[4:]
+    if p.prompt_chosen is not None:
+        scored = iter(_entries(host[1:4], p.prompt_ks))
+        for req, n in p.prompt_spans:
+            req.prompt_logprobs.extend(itertools.islice(scored, n))
+    return token_ids
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """Pick one token per row of `logits` (N, V) for the matching request (a pass of its own)."""
+    pack = HostPack()
+    p = plan(requests, [], pack, device=logits.device, vocab=logits.shape[1])
+    pack.send(logits.device, Staging(logits.device))
+    return sample_pass(logits, logits[:0], p, pack)
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Row-wise argmax, the pass's one copy back. On CPU numpy's is an order of magnitude faster
+    than torch's."""
+    if logits.device.type == "cpu":
+        return logits.float().numpy().argmax(axis=-1).tolist()
+    return download([logits.argmax(dim=-1)])[0].tolist()
+
+
+def _scored(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Per row of logits (n, V): log_softmax's value at chosen[row], and its top k values and ids."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    picked = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [picked, top_v, top_i]
+
+
+def _entries(host: list[np.ndarray], ks: list[int]) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """(value, top ks[row] (id, value)) per row, from `_scored`'s arrays copied back."""
+    picked, k = host[0].tolist(), max(ks)
+    top_v, top_i = host[1].reshape(len(ks), k).tolist(), host[2].reshape(len(ks), k).tolist()
+    return [(picked[j], tuple(zip(top_i[j][:n], top_v[j][:n]))) for j, n in enumerate(ks)]
+
+
+def _draw(logits: torch.Tensor, d: DrawPlan, pack: HostPack) -> torch.Tensor:
+    """logits (n, V) of the non-greedy rows -> (n,) token ids."""
+    n, vocab = logits.shape
+    logits = logits / pack.get(d.temps).unsqueeze(1)
     out = torch.empty(n, dtype=torch.long, device=logits.device)
-    rows = [i for i in range(n) if plain[i]]
-    if rows:  # by its CDF: one uniform a row, no noise over the vocabulary
-        out[rows] = _by_cdf(torch.softmax(_take(logits, rows), dim=-1), [requests[i] for i in rows],
-                            [noise[i] for i in rows])
-    rows = [i for i in range(n) if not plain[i]]
-    if not rows:
+    if d.num_plain:  # by its CDF: one uniform a row, no noise over the vocabulary
+        rows = pack.get(d.plain)
+        probs = torch.softmax(logits if d.num_plain == n else logits.index_select(0, rows), dim=-1)
+        out.index_copy_(0, rows, _by_cdf(probs, d, pack))
+    if not d.num_filtered:
         return out
-    sub, ks_t = _take(logits, rows), torch.tensor([ks[i] for i in rows], device=logits.device)
+    rows = pack.get(d.filtered)
+    sub = logits if d.num_filtered == n else logits.index_select(0, rows)
+    ks_t, p_t = pack.get(d.ks), pack.get(d.ps)
     has_k = ks_t < vocab
-    top_ks = [ks[i] for i in rows if ks[i] < vocab]
-    cand = max(top_ks) if len(top_ks) == len(rows) else min(vocab, max(top_ks + [TOP_P_CANDIDATES]))
+    cand = d.candidates
     values, index = torch.topk(sub, cand, dim=-1)  # sorted, descending
     values = values.masked_fill(torch.arange(cand, device=logits.device)[None, :] >= ks_t[:, None],
                                 float("-inf"))
     # A top-k row's distribution is renormalised over its k; a top-p-only row's is the vocabulary's.
     norm = torch.logsumexp(values, -1, keepdim=True)
-    if not bool(has_k.all()):
+    if not d.all_top_k:
         norm = torch.where(has_k[:, None], norm, torch.logsumexp(sub, -1, keepdim=True))
-    probs = torch.exp(values - norm)  # (rows, cand)
-    p_t = torch.tensor([ps[i] for i in rows], dtype=probs.dtype, device=probs.device)
-    probs, cum = _top_p(probs, p_t)
-    reqs, rnoise = [requests[i] for i in rows], [noise[i] for i in rows]
-    picked = _race(probs, reqs, rnoise, index)
-    # The candidates hold a top-k row's answer, and a top-p row's once they reach its top_p;
-    # a row whose nucleus is wider sorts its whole vocabulary.
-    wide = [j for j, ok in enumerate((has_k | (cum[:, -1] >= p_t) | (cand == vocab)).tolist()) if not ok]
-    if wide:
-        sorted_v, sorted_i = torch.sort(sub[wide], dim=-1, descending=True)
-        probs, _ = _top_p(torch.softmax(sorted_v, dim=-1), p_t[wide])
-        picked[wide] = _race(probs, [reqs[j] for j in wide], [rnoise[j] for j in wide], sorted_i)
-    out[rows] = picked
+    probs, cum = _top_p(torch.exp(values - norm), p_t)  # (f, cand)
+    e = _exponentials(probs.shape, index, d, pack)
+    picked = _race(probs, e, index)
+    # The candidates hold a top-k row's answer, and a top-p row's once they reach its top_p; a
+    # row whose nucleus is wider sorts its whole vocabulary (on a device every top-p-only row
+    # does, so no pass waits to find out which).
+    if d.sort_rows is not None:
+        wide = pack.get(d.sort_rows)
+    elif d.all_top_k or cand == vocab:
+        wide = None
+    else:  # on CPU: a check that costs nothing there
+        ok = (has_k | (cum[:, -1] >= p_t)).numpy()
+        wide = torch.from_numpy(np.nonzero(~ok)[0]) if not ok.all() else None
+    if wide is not None:
+        sorted_v, sorted_i = torch.sort(sub.index_select(0, wide), dim=-1, descending=True)
+        wprobs, _ = _top_p(torch.softmax(sorted_v, dim=-1), p_t.index_select(0, wide))
+        we = _exponentials(wprobs.shape, sorted_i, d, pack, wide)
+        wpick = _race(wprobs, we, sorted_i)
+        if d.sort_rows is not None:  # keep the candidates' answer where they held the nucleus
+            held = (has_k | (cum[:, -1] >= p_t)).index_select(0, wide)
+            wpick = torch.where(held, picked.index_select(0, wide), wpick)
+        picked.index_copy_(0, wide, wpick)
+    out.index_copy_(0, rows, picked)
     return out
 
 
@@ -139,19 +269,13 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torc
     return probs.masked_fill((cum - probs) >= top_p[:, None], 0.0), cum
 
 
-def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows], without copying when the rows are all of them."""
-    return x if len(rows) == x.shape[0] else x[rows]
-
-
-def _seeded_noise(requests: list[Request], plain: list[bool], vocab: int, dtype: torch.dtype,
-                  device: torch.device) -> list[torch.Tensor | None]:
+def _seeded_noise(requests: list[Request], plain: list[bool], vocab: int) -> list[np.ndarray | None]:
     """This step's randomness of each seeded request, from its own generator (on the CPU, where
-    it lives): one uniform for a row sampled by its CDF (`plain`), else one E ~ Exp(1) per
-    vocabulary entry in token order (the race, indexed by token id whichever candidates a path
-    keeps); None for unseeded rows. A seeded request's tokens then depend on its seed alone,
-    not on what else is in the batch."""
-    out: list[torch.Tensor | None] = []
+    it lives; it travels in the pass's upload): one uniform for a row sampled by its CDF
+    (`plain`), else one E ~ Exp(1) per vocabulary entry in token order (the race, indexed by
+    token id whichever candidates a path keeps); None for unseeded rows. A seeded request's
+    tokens then depend on its seed alone, not on what else is in the batch."""
+    out: list[np.ndarray | None] = []
     for r, whole in zip(requests, plain):
         if r.params.seed is None:
             out.append(None)
@@ -159,35 +283,45 @@ def _seeded_noise(requests: list[Request], plain: list[bool], vocab: int, dtype:
         if r.generator is None:  # the first seeded draw of this request
             r.generator = torch.Generator().manual_seed(r.params.seed)
         if whole:
-            out.append(torch.rand(1, dtype=dtype, generator=r.generator, device="cpu").to(device))
+            out.append(torch.rand(1, dtype=torch.float32, generator=r.generator, device="cpu").numpy())
         else:
-            out.append(torch.empty(vocab, dtype=dtype, device="cpu").exponential_(generator=r.generator).to(device))
+            out.append(torch.empty(vocab, dtype=torch.float32, device="cpu").exponential_(generator=r.generator).numpy())
     return out
 
 
-def _by_cdf(probs: torch.Tensor, requests: list[Request], noise: list[torch.Tensor | None]) -> torch.Tensor:
+def _by_cdf(probs: torch.Tensor, d: DrawPlan, pack: HostPack) -> torch.Tensor:
     """One draw per row of `probs` (n, V): the first token whose cumulative probability passes a
-    uniform u (seeded rows: their own u from `noise`)."""
-    u = torch.rand(len(requests), dtype=probs.dtype, device=probs.device)
-    for j, own in enumerate(noise):
-        if own is not None:
-            u[j] = own[0]
+    uniform u (seeded rows: their own u)."""
+    u = torch.rand(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    if d.plain_u is not None:
+        u = torch.where(pack.get(d.plain_u[1]), pack.get(d.plain_u[0]), u)
     cdf = probs.cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def _race(probs: torch.Tensor, requests: list[Request], noise: list[torch.Tensor | None],
-          index: torch.Tensor) -> torch.Tensor:
-    """One token per row from (unnormalised) `probs` (n, c): the one at the argmax of p / E,
-    E ~ Exp(1). `index`: the token id of each column (candidates, sorted); `noise`: a seeded
-    row's E per token id (`_seeded_noise`), fresh draws for the rest."""
-    e = torch.empty_like(probs)
-    if any(x is None for x in noise):
+def _exponentials(shape: torch.Size, index: torch.Tensor, d: DrawPlan, pack: HostPack,
+                  subset: torch.Tensor | None = None) -> torch.Tensor:
+    """E ~ Exp(1) for each (filtered row, column) of a race whose column j of row i is token
+    index[i, j]: seeded rows read their own per-token noise, the others fresh draws. `subset`:
+    the race covers these filtered rows only."""
+    e = torch.empty(shape, dtype=torch.float32, device=index.device)
+    if d.any_unseeded:
         e.exponential_()
-    for j, full in enumerate(noise):
-        if full is not None:
-            e[j] = full[index[j]]
+    if d.race is not None:
+        seeded, noise = pack.get(d.race[0]), pack.get(d.race[1])  # (s,), (s, V)
+        if subset is None:
+            e.index_copy_(0, seeded, noise.gather(1, index.index_select(0, seeded)))
+        else:  # the seeded rows among `subset`: where subset[j] == seeded[s]
+            match = subset[:, None] == seeded[None, :]  # (w, s)
+            own = noise.index_select(0, match.to(torch.int64).argmax(1)).gather(1, index)  # (w, V)
+            e = torch.where(match.any(1, keepdim=True), own, e)
+    return e
+
+
+def _race(probs: torch.Tensor, e: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One token per row from (unnormalised) `probs` (n, c): the one at the argmax of p / E.
+    `index`: the token id of each column (candidates, sorted)."""
     choice = (probs / e.clamp_min_(1e-30)).argmax(dim=-1, keepdim=True)
     return index.gather(1, choice).squeeze(1)
 

@@ -35,7 +35,10 @@ class HostPack:
         self._size = 0
         self.device_buffer: torch.Tensor | None = None  # (bytes,) uint8, once sent
 
-    def add(self, values: np.ndarray | Sequence, dtype: type | np.dtype = np.int64) -> Part:
+    def add(self, values: np.ndarray | Sequence, dtype: type | np.dtype | None = None) -> Part:
+        """Add an array (a numpy array keeps its dtype unless one is given; a list is int64)."""
+        if dtype is None:
+            dtype = values.dtype if isinstance(values, np.ndarray) else np.int64
         a = np.ascontiguousarray(values, dtype=dtype)
         offset = -(-self._size // _ALIGN) * _ALIGN
         self._arrays.append((offset, a))
@@ -49,6 +52,7 @@ class HostPack:
         for offset, a in self._arrays:
             view[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
         self.device_buffer = upload(host[:max(self._size, _ALIGN)], device)
+        staging.sent()
 
     def get(self, part: Part) -> torch.Tensor:
         """The part as a typed tensor on the device (a view of the sent buffer)."""
@@ -63,13 +67,24 @@ class Staging:
 
     def __init__(self, device: torch.device) -> None:
         self.pinned = device.type == "cuda"
-        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._buf = torch.empty(0, dtype=torch.uint8, device="cpu")
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer
 
     def buffer(self, nbytes: int) -> torch.Tensor:
+        """The buffer to fill, once the previous copy out of it has finished (a pass normally
+        ends by waiting for its results, so this does not wait)."""
+        if self._copied is not None:
+            self._copied.synchronize()
         if self._buf.numel() < nbytes:
             size = max(nbytes, 2 * self._buf.numel(), 1 << 16)
-            self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            self._buf = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=self.pinned)
         return self._buf
+
+    def sent(self) -> None:
+        """A copy out of the buffer was queued (on CUDA: remembered, see `buffer`)."""
+        if self.pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -403,9 +403,9 @@ def test_the_pass_in_progress_is_visible_to_the_replicas_drain_rate(llama):
     seen = []
     execute = eng.runner.execute
 
-    def watched(batch):  # noqa: ANN001, ANN202
+    def watched(batch, *args):  # noqa: ANN001, ANN002, ANN202
         seen.append(eng.pass_started)
-        return execute(batch)
+        return execute(batch, *args)
 
     eng.runner.execute = watched
     eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "a")

@@ -131,8 +131,8 @@ def test_json_object_outputs_parse(model_tok) -> None:
     closers = torch.tensor([tok.convert_tokens_to_ids(t) for t in ('"', "}")])
     execute = eng.runner.execute
 
-    def closing_model(batch):
-        out = execute(batch)
+    def closing_model(batch, *args):
+        out = execute(batch, *args)
         sampled = out.sampled.clone()  # an inference tensor: edited as a copy
         sampled[:, closers] += 4.0
         return dataclasses.replace(out, sampled=sampled)
