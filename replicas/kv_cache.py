@@ -133,6 +133,19 @@ class BlockManager:
                     self._free.move_to_end(b, last=False)  # nothing cached: reuse first
         return len(table)
 
+    def reserve(self) -> int:
+        """Take the last block out of circulation for good and return it: the model runner's
+        scratch block (the padding rows of a captured decode pass write their k/v there). It
+        leaves the pool and the count, so every figure (free, used, capacity) stays exact and
+        no request can ever be given it. Only before anything is allocated."""
+        if self._tables or self.num_blocks < 2:
+            raise RuntimeError("reserve a block before any allocation, and leave at least one")
+        block = self.num_blocks - 1
+        del self._free[block]
+        self._refs.pop()
+        self.num_blocks -= 1
+        return block
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

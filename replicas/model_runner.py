@@ -23,7 +23,9 @@ import torch
 from transformers import PreTrainedModel
 
 from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, resolve_backend
+from replicas.attention_flex import FlexBackend, seq_tables
 from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
+from replicas.cuda_graphs import DecodeGraphs, bucket_sizes
 from replicas.kv_cache import BlockManager
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
@@ -68,7 +70,11 @@ class ModelRunner:
     """Owns the KV tensors and runs one packed forward pass per scheduler output."""
 
     def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int,
-                 compile_decode_attention: bool = False, attention_backend: str = "auto") -> None:
+                 compile_decode_attention: bool = False, attention_backend: str = "auto",
+                 cuda_graphs: bool | None = None, max_num_seqs: int = 128) -> None:
+        """`attention_backend`: "auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex".
+        `cuda_graphs`: decode-only passes replay a graph captured at start per batch-size bucket
+        up to `max_num_seqs` (None: on CUDA with the flex backend; needs flex)."""
         self.model = model
         self.blocks = blocks
         self.device = next(model.parameters()).device
@@ -93,12 +99,17 @@ class ModelRunner:
         self._rows: dict[Request, list[int]] = {}
         self._live: dict[Request, list[int]] = {}
         self._new_rows = False  # a request got an entry this pass (see _end_pass)
+        if cuda_graphs is None:  # on wherever there is something to capture
+            cuda_graphs = self.device.type == "cuda" and self.attention_backend == "flex"
+        self.cuda_graphs = cuda_graphs
+        if self.cuda_graphs and self.attention_backend != "flex":
+            raise ValueError("cuda_graphs needs the flex attention backend (static shapes)")
+        self.graphs = (DecodeGraphs(self, bucket_sizes(max_num_seqs), blocks.reserve())
+                       if self.cuda_graphs else None)
 
     def _backend(self, compile_decode_attention: bool):
         bs = self.blocks.block_size
         if self.attention_backend == "flex":
-            from replicas.attention_flex import FlexBackend  # compiles FlexAttention on first use
-
             return FlexBackend(bs, self.blocks.num_blocks, self.device)
         fused = None
         if compile_decode_attention:
@@ -207,14 +218,22 @@ class ModelRunner:
                             prefills, len(ids), self._decode_groups(decodes, token_rows[:len(decodes)]))
         self._end_pass()
         pack = HostPack()
-        tokens = pack.add(np.stack((np.array(ids, dtype=np.int64), pos, slots)))  # (3, T)
+        tokens = np.stack((np.array(ids, dtype=np.int64), pos, slots))  # (3, T)
+        bucket = self.graphs.bucket(len(ids)) if self.graphs is not None and not prefills else None
+        if bucket is not None:  # decode-only: the bucket's captured pass, padded
+            _, tables = seq_tables(layout, self.graphs.num_blocks)
+            graph_inputs = self.graphs.plan(tokens, tables, bucket, pack)
+        else:
+            tokens_part, attn = pack.add(tokens), self.backend.plan(layout, pack)
         keep = pack.add(sampled + prompt_rows)
-        attn = self.backend.plan(layout, pack)
         plan = sampling(prompt_spans, pack) if sampling is not None else None
         pack.send(self.device, self._staging)  # the pass's one host-to-device copy
-        tokens_d = pack.get(tokens)
-        meta = PassMeta(self.k_cache, self.v_cache, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
         keep_d = pack.get(keep)
+        if bucket is not None:
+            logits = self.graphs.run(bucket, graph_inputs, pack).index_select(0, keep_d)  # (N, V)
+            return PassLogits(logits, logits[:0], prompt_spans, plan, pack)
+        tokens_d = pack.get(tokens_part)
+        meta = PassMeta(self.k_cache, self.v_cache, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
         kwargs = {"logits_to_keep": keep_d} if self._keep_logits else {}
         logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,
                             attn_meta=meta, **kwargs).logits[0]

@@ -1,0 +1,114 @@
+"""Decode-only passes in captured graphs: every batch size has a bucket, padding rows live in a
+reserved scratch block (the block manager never hands it out, its accounting stays exact), they
+never touch a request's KV, and the padded pass gives the real rows the unpadded pass's logits.
+The capture itself needs CUDA; on CPU the same padded path runs eagerly."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas import engine as engine_module
+from replicas.cuda_graphs import bucket_sizes, choose_bucket, pad_decodes
+from replicas.kv_cache import BlockManager
+from replicas.models import load_model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("embedded:tiny")
+
+
+def engine(llama, **runner) -> Engine:
+    original = engine_module.ModelRunner
+    engine_module.ModelRunner = functools.partial(original, **runner)
+    try:
+        return Engine(*llama, EngineConfig(max_batch_prefill_tokens=32, max_batch_total_tokens=1024,
+                                           block_size=4, max_num_seqs=12))
+    finally:
+        engine_module.ModelRunner = original
+
+
+def test_buckets_cover_every_batch_size() -> None:
+    assert bucket_sizes(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert bucket_sizes(12) == [1, 2, 4, 8, 12]
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(50) == [1, 2, 4, 8, 16, 32, 48, 50]
+    buckets = bucket_sizes(128)
+    for n in range(1, 129):
+        b = choose_bucket(n, buckets)
+        assert b >= n and (b == 1 or max(x for x in buckets if x < b) < n)  # the smallest that fits
+    assert choose_bucket(129, buckets) is None
+
+
+def test_padding_rows_write_and_read_the_scratch_block_only() -> None:
+    bs, scratch, dummy = 4, 9, 10
+    tokens = np.array([[11, 12], [5, 2], [4 * 3 + 1, 4 * 7 + 2]])  # ids, positions, slots
+    tables = np.array([[0, 3], [7, dummy]])
+    padded, padded_tables = pad_decodes(tokens, tables, 4, 6, scratch, bs, dummy)
+    assert padded.tolist() == [[11, 12, 0, 0], [5, 2, 0, 0], [13, 30, 36, 36]]
+    assert padded_tables.tolist() == [[0, 3, dummy, dummy, dummy, dummy], [7, dummy, dummy, dummy, dummy, dummy],
+                                      [scratch] + [dummy] * 5, [scratch] + [dummy] * 5]
+    assert all(s // bs == scratch for s in padded[2, 2:])
+
+
+def test_the_scratch_block_is_reserved_and_accounting_stays_exact() -> None:
+    bm = BlockManager(8, 4)
+    scratch = bm.reserve()
+    assert scratch == 7 and bm.num_blocks == 7 and bm.num_free == 7 and bm.capacity_tokens == 28
+    bm.check()
+    assert bm.allocate("a", 28)  # every block a request can have
+    assert scratch not in bm.block_table("a") and not bm.can_allocate("b", 1)
+    bm.check()
+    with pytest.raises(RuntimeError):
+        bm.reserve()
+    bm.free("a")
+    assert bm.num_free == bm.num_blocks
+    bm.check()
+
+
+def test_padded_decode_passes_equal_the_eager_ones(llama) -> None:
+    """Prompts of several lengths (decode batches of 1-7 rows, padded to 1/2/4/8): the same
+    greedy tokens and logprobs as the flex and sdpa backends unpadded; padding rows wrote the
+    scratch block and nothing else (every other slot holds what the unpadded run wrote)."""
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(5, 1900, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 60, 2, 25)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    graphed = engine(llama, attention_backend="flex", cuda_graphs=True, max_num_seqs=12)
+    assert graphed.runner.cuda_graphs and graphed.runner.graphs.buckets == [1, 2, 4, 8, 12]
+    scratch = graphed.runner.graphs.scratch_block
+    replays: list[tuple[int, int]] = []  # (real rows, bucket)
+    plan = graphed.runner.graphs.plan
+
+    def counted(tokens, tables, bucket, pack):
+        replays.append((tokens.shape[1], bucket))
+        return plan(tokens, tables, bucket, pack)
+
+    graphed.runner.graphs.plan = counted
+    outs = graphed.generate(ps, params)
+    assert {b for _, b in replays} <= {1, 2, 4, 8} and any(n < b for n, b in replays)
+    assert graphed.blocks.num_free == graphed.blocks.num_blocks == graphed.runner.k_cache.shape[1] // 4 - 1
+    graphed.blocks.check()
+    for backend in ("flex", "sdpa"):
+        plain = engine(llama, attention_backend=backend, cuda_graphs=False)
+        assert plain.runner.graphs is None
+        want = plain.generate(ps, params)
+        for a, b in zip(want, outs):
+            assert a.token_ids == b.token_ids
+            assert [x[0] for x in b.logprobs] == pytest.approx([x[0] for x in a.logprobs], abs=1e-4)
+    # Block ids are handed out alike (the scratch block is the last): every slot but the
+    # scratch block's holds the same k/v in both caches.
+    real = torch.ones(plain.runner.k_cache.shape[1], dtype=torch.bool)
+    real[scratch * 4:(scratch + 1) * 4] = False
+    assert torch.allclose(graphed.runner.k_cache[:, real], plain.runner.k_cache[:, real], atol=1e-5)
+    assert torch.allclose(graphed.runner.v_cache[:, real], plain.runner.v_cache[:, real], atol=1e-5)
+
+
+def test_graphs_need_the_flex_backend(llama) -> None:
+    with pytest.raises(ValueError, match="flex"):
+        engine(llama, attention_backend="sdpa", cuda_graphs=True)
+    assert engine(llama).runner.cuda_graphs is False  # the CPU default
