@@ -77,8 +77,6 @@ async def drive(base: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_router(args: argparse.Namespace, router: str) -> dict[str, Any]:
-    port = serve_local.free_port()
-    base = f"http://127.0.0.1:{port}"
     # No queue deadline (the engine's default): the queue bound is max_queued_tokens, not a
     # drain-rate estimate that starts at one chunk, so the burst of first turns queues instead of
     # drawing 429s.
@@ -86,10 +84,8 @@ def run_router(args: argparse.Namespace, router: str) -> dict[str, Any]:
            "engine": {"num_threads": 1, "max_batch_prefill_tokens": args.chunk,
                       "max_batch_total_tokens": args.kv_tokens},
            "replica": {"stream_interval_ms": 0}}
-    args.runs_dir.mkdir(parents=True, exist_ok=True)
-    proc = serve_local.launch(port, app, ray_cpus=args.ray_cpus, log_path=str(args.runs_dir / f"server_{router}.log"))
-    try:
-        serve_local.wait_healthy(base, proc, timeout_s=600)
+    with serve_local.served(app, args.runs_dir / f"server_{router}.log", ray_cpus=args.ray_cpus) as server:
+        base = server.url
         with httpx.Client(base_url=base, timeout=600) as warm:  # first-call costs stay out
             for i in range(2 * args.replicas):
                 warm.post("/v1/completions", json={"prompt": f"warm up {i}", "max_tokens": 4}).raise_for_status()
@@ -97,8 +93,6 @@ def run_router(args: argparse.Namespace, router: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         turns = asyncio.run(drive(base, args))
         elapsed = time.perf_counter() - t0
-    finally:
-        serve_local.stop(proc)
     later = [t for t in turns if t["turn"] > 0]
     return {"router": router, "turns": len(turns), "elapsed_s": elapsed,
             "ttft_p50_s": percentile([t["ttft_s"] for t in turns], 50),

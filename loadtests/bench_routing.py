@@ -90,13 +90,10 @@ def app_args(args: argparse.Namespace, router: str) -> dict[str, Any]:
 
 
 def run_router(args: argparse.Namespace, router: str, mix: MixSpec) -> dict[str, Any]:
-    port, metrics_port = serve_local.free_port(), serve_local.free_port()
-    base = f"http://127.0.0.1:{port}"
-    args.runs_dir.mkdir(parents=True, exist_ok=True)
-    proc = serve_local.launch(port, app_args(args, router), ray_cpus=args.ray_cpus,
-                              log_path=str(args.runs_dir / f"server_{router}.log"), metrics_port=metrics_port)
-    try:
-        serve_local.wait_healthy(base, proc, timeout_s=600)
+    metrics_port = serve_local.free_port()
+    with serve_local.served(app_args(args, router), args.runs_dir / f"server_{router}.log",
+                            ray_cpus=args.ray_cpus, metrics_port=metrics_port) as server:
+        base = server.url
         for _ in range(args.replicas):  # the router spreads these; first-call costs stay out
             warm_up(base, mix, args.model)
         time.sleep(2.0)  # let the warm-up's counters reach the export
@@ -108,8 +105,6 @@ def run_router(args: argparse.Namespace, router: str, mix: MixSpec) -> dict[str,
         _, reqs = load_samples(samples)
         row = {"router": router, **summarize(reqs, args.ttft_slo_ms / 1e3, args.tbt_slo_ms / 1e3)}
         row["per_replica"] = wait_counts(metrics_port, before, row["finished"])
-    finally:
-        serve_local.stop(proc)
     return row
 
 

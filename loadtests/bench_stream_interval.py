@@ -22,7 +22,7 @@ import time
 import httpx
 
 from loadtests.report import report
-from loadtests.serve_local import free_port, launch, stop, wait_healthy
+from loadtests.serve_local import served
 from loadtests.stats import percentile
 
 
@@ -82,17 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     rows = []
     for interval in (float(x) for x in args.intervals.split(",")):
-        port = free_port()
-        proc = launch(port, {"stream_interval_ms": interval}, log_path=os.devnull)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc)
+        with served({"replica": {"stream_interval_ms": interval}}, os.devnull) as server:
             for rate in (float(x) for x in args.rates.split(",")):
                 rows.append({"stream_interval_ms": interval, **asyncio.run(
-                    _mix(url, rate, args.duration_s, args.max_tokens, args.probe_rate))})
-        finally:
-            stop(proc)
-            time.sleep(args.settle_s)
+                    _mix(server.url, rate, args.duration_s, args.max_tokens, args.probe_rate))})
+        time.sleep(args.settle_s)
     lines = [f"stream interval: embedded:tiny, {args.max_tokens}-token streams for {args.duration_s:g} s each, "
              f"{args.probe_rate:g} invalid request/s beside; client-side, ms",
              f"{'interval':>9}{'req/s':>7}{'200/429':>9}{'chunks':>8}{'TTFT p50':>9}{'TTFT p99':>9}"

@@ -8,6 +8,9 @@ a pytest session already runs on this machine), Serve with HTTP on 127.0.0.1:POR
 `--set key=value` is a setting of `app.args.AppArgs` (docs/settings.md; values parsed as JSON
 when they parse; `engine.policy=dynamic` sets a field of a nested record).
 Readiness: poll `GET /health` (see `wait_healthy`), or wait for the READY line on stdout.
+
+Benchmarks and tests get a server from `served()`, the one harness: this launcher by default, or
+`serve run` / `ray start` as a user starts them (`loadtests/serve_run.py`).
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from app.proxy_door import proxy_env
+from loadtests.serve_run import Stack, commands, config_args, serve_config
 
 READY = "SERVE_LOCAL_READY"
 
@@ -100,69 +106,82 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
             ray.shutdown()
 
 
-# ---- helpers for parents (tests, sweep) -----------------------------------------------------
+# ---- the one harness: a server for a `with` block -----------------------------------------
 
 
-def launch(port: int, app_args: dict[str, Any], *, ray_cpus: int = 4,
-           log_path: str | None = None, metrics_port: int | None = None,
-           env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start this module in a subprocess (its own process group); returns the Popen. Its Ray
-    node's HTTP proxy runs the proxy door (`app.proxy_door`); `env` adds to the environment."""
+@dataclass(frozen=True)
+class Server:
+    """A server that `served` started: its URL, how it was started, what /health said once it
+    was up (`proxy_door`: the door's settings or null; `niceness`), and its processes."""
+
+    url: str
+    start: str
+    health: dict[str, Any]
+    stack: Stack
+
+    def pids(self) -> list[int]:
+        """Every process of this server now (RSS sampling)."""
+        return self.stack.pids()
+
+
+def launcher(port: int, app_args: dict[str, Any], ray_cpus: int = 4, metrics_port: int | None = None) -> list[str]:
+    """The command that runs this module's server (`start="local"`)."""
     cmd = [sys.executable, "-m", "loadtests.serve_local", "--port", str(port), "--ray-cpus",
            str(ray_cpus)] + [a for k, v in app_args.items() for a in ("--set", f"{k}={json.dumps(v)}")]
-    if metrics_port is not None:
-        cmd += ["--metrics-port", str(metrics_port)]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    env.pop("RAY_ADDRESS", None)  # never attach to someone else's cluster
-    out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    return cmd + ([] if metrics_port is None else ["--metrics-port", str(metrics_port)])
 
 
 @contextlib.contextmanager
-def served(app_args: dict[str, Any], log_path: str, *, env: dict[str, str] | None = None,
-           timeout_s: float = 150.0) -> Iterator[str]:
-    """A server of its own (`launch`) for a `with` block: yields its base URL once healthy,
-    prints the end of its log when it fails to come up, stops it at the end."""
-    port = free_port()
-    proc = launch(port, app_args, log_path=log_path, env=env)
+def served(app_args: dict[str, Any], log_path: str | Path, *, start: str = "local", ray_cpus: int = 4,
+           metrics_port: int | None = None, env: dict[str, str] | None = None,
+           timeout_s: float = 600.0) -> Iterator[Server]:
+    """A server of its own for a `with` block, started as `start` says (`serve_run.START_MODES`:
+    this module's launcher by default, or `serve run` / `ray start` as a user starts them, with
+    serve_config.yaml under `app_args`): yields it once /health answers 200, prints the end of
+    its log when it fails to come up, and ends every process it started, even on error.
+    `ray_cpus` and `metrics_port` apply to the launcher; `env` adds to every command's environment."""
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    stack = Stack(log_path)
     try:
+        port = free_port()
+        if start == "local":
+            last = stack.run(launcher(port, app_args, ray_cpus, metrics_port), stack.env(env))
+        else:
+            config = stack.temp_dir / "serve_config.yaml"
+            config.write_text(yaml.safe_dump(serve_config(merge_args(config_args(), app_args), port),
+                                             sort_keys=False))
+            ports = {name: free_port() for name in ("gcs", "client", "agent", "metrics", "dashboard")}
+            steps = commands(start, config, stack.temp_dir, ports, stack.env(env))
+            for argv, step_env in steps[:-1]:
+                stack.run(argv, step_env, to_end=True)
+            last = stack.run(*steps[-1])
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(url, proc, timeout_s=timeout_s)
+            health = wait_healthy(url, last, timeout_s=timeout_s)
         except Exception:
+            stack.log.flush()
             print(Path(log_path).read_text()[-4000:])
             raise
-        yield url
+        yield Server(url, start, health, stack)
     finally:
-        stop(proc)
+        stack.close()
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180.0) -> None:
-    """Poll GET /health until it answers 200; raise if `proc` exits or time runs out."""
+def wait_healthy(base_url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180.0) -> dict[str, Any]:
+    """Poll GET /health until it answers 200 (its JSON body returned); raise if `proc` exits or
+    time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before it was healthy")
         try:
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
+            resp = httpx.get(f"{base_url}/health", timeout=5)
+            if resp.status_code == 200:
+                return resp.json()
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{base_url}/health not healthy after {timeout_s:.0f} s")
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """SIGTERM the launcher (it shuts Serve and Ray down); SIGKILL its group if it hangs."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,21 +5,22 @@ first 200 from `/v1/chat/completions`.
     python -m loadtests.start_time [--runs 1] [--json PATH]
 
 Cold runs point STALLFREE_CACHE at a fresh temporary directory (the user's cache is untouched);
-warm runs reuse it. Needs port 8000 free (serve_config.yaml's).
+warm runs reuse it. Needs port 8000 free (serve_config.yaml's). `make serve` runs with Ray's files in a
+private temp dir (`serve_run.Stack`), so it starts a Ray instance of its own and everything it
+started ends with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from loadtests.serve_run import Stack
 
 URL = "http://127.0.0.1:8000/v1/chat/completions"
 BODY = {"model": "embedded-smollm2", "max_tokens": 16, "temperature": 0,
@@ -28,11 +29,9 @@ BODY = {"model": "embedded-smollm2", "max_tokens": 16, "temperature": 0,
 
 def time_to_first_answer(cache: Path, log: Path, timeout_s: float = 600.0) -> tuple[float, str]:
     """Seconds from `make serve` to the first 200 from the chat endpoint, and that answer."""
-    env = {**os.environ, "STALLFREE_CACHE": str(cache)}
+    stack = Stack(log)
     start = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(["make", "serve"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = stack.run(["make", "serve"], stack.env({"STALLFREE_CACHE": str(cache)}))
     try:
         while time.monotonic() - start < timeout_s:
             if proc.poll() is not None:
@@ -46,12 +45,7 @@ def time_to_first_answer(cache: Path, log: Path, timeout_s: float = 600.0) -> tu
             time.sleep(0.5)
         raise TimeoutError(f"no 200 within {timeout_s:.0f} s; see {log}")
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stack.close()
 
 
 def main() -> None:

@@ -96,15 +96,11 @@ def warm_up(base_url: str, mix: MixSpec, model: str, pool: ChatPromptPool | None
 def run_policy(args: argparse.Namespace, policy: str, mix: MixSpec, pool: ChatPromptPool | None,
                bar: tqdm) -> list[dict[str, Any]]:
     """Start the server for `policy`, run every rate against it, stop it."""
-    port = serve_local.free_port()
-    base = f"http://127.0.0.1:{port}"
     server_args = app_args(args, policy, mix, pool)
-    args.runs_dir.mkdir(parents=True, exist_ok=True)
     bar.set_postfix_str(f"{policy}: starting server")
-    proc = serve_local.launch(port, server_args, log_path=str(args.runs_dir / f"server_{policy}.log"))
     rows = []
-    try:
-        serve_local.wait_healthy(base, proc, timeout_s=600)
+    with serve_local.served(server_args, args.runs_dir / f"server_{policy}.log") as server:
+        base = server.url
         bar.set_postfix_str(f"{policy}: warm-up")
         warm_up(base, mix, args.model, pool)
         for rps in args.rates:
@@ -124,8 +120,6 @@ def run_policy(args: argparse.Namespace, policy: str, mix: MixSpec, pool: ChatPr
             rows.append(row)
             bar.update(1)
             tqdm.write(format_row(row))
-    finally:
-        serve_local.stop(proc)
     return rows
 
 

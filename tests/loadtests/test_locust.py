@@ -108,8 +108,8 @@ def test_real_mix_is_the_random_mix_with_chat_prompts() -> None:
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with serve_local.served(SERVER_ARGS, str(log)) as url:
-        yield url
+    with serve_local.served(SERVER_ARGS, str(log)) as server:
+        yield server.url
 
 
 def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: str, tmp_path: Path) -> None:

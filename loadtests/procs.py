@@ -1,0 +1,72 @@
+"""The machine's processes as /proc shows them: which a server started, and ending them.
+
+A server's processes are not one process group: Ray's raylet starts each worker (every replica,
+the HTTP proxy) in a session of its own. What a load test started is found instead by its roots
+(the commands it ran) and by a mark in their command lines (the private Ray temp dir that every
+Ray process of that instance is given), with every descendant of either.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+Proc = tuple[int, str, int, int]  # (parent pid, command line, RSS bytes, start time in clock ticks)
+
+
+def table() -> dict[int, Proc]:
+    """Every process now: pid -> (parent pid, command line, RSS bytes, start time)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    out: dict[int, Proc] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path("/proc", entry, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(entry)] = (int(fields[1]), cmd.strip(), int(fields[21]) * page, int(fields[19]))
+        except (OSError, ValueError, IndexError):  # it ended while we read it
+            continue
+    return out
+
+
+def tree(procs: dict[int, Proc], roots: Iterable[int], mark: str | None = None) -> set[int]:
+    """The live `roots`, the processes whose command line holds `mark`, and all their descendants."""
+    keep = {pid for pid in roots if pid in procs}
+    if mark:
+        keep |= {pid for pid, (_, cmd, _, _) in procs.items() if mark in cmd}
+    frontier = set(keep)
+    while frontier:
+        frontier = {pid for pid, (ppid, _, _, _) in procs.items() if ppid in frontier} - keep
+        keep |= frontier
+    return keep
+
+
+def terminate(started: dict[int, int], grace_s: float = 10.0) -> None:
+    """SIGTERM each process of `started` (pid -> start time); SIGKILL the ones still there after
+    `grace_s`. A pid whose start time differs is another process that took a freed number: left alone."""
+    pending = set(started)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        now = table()
+        pending = {pid for pid in pending if pid in now and now[pid][3] == started[pid]
+                   and not ended(pid)}
+        for pid in pending:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + grace_s
+        while sig == signal.SIGTERM and pending and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pending = {pid for pid in pending if not ended(pid)}
+
+
+def ended(pid: int) -> bool:
+    """Ended (a zombie, not yet reaped by its parent, or gone)."""
+    try:
+        return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
