@@ -28,7 +28,7 @@ from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, Request
                                TokenLogprob, check_priority, sample_id)
 from replicas.request import FINISHED, Request, RequestStatus
 from replicas.sampler import plan as plan_sampling
-from replicas.sampler import sample_pass
+from replicas.sampler import sample
 from replicas.scheduler import Scheduler, SchedulerOutput, watermark_blocks
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class Engine:
     def _sample(self, logits: PassLogits) -> list[int]:
         """The token of each request that samples this pass (in batch order); logprobs and
         prompt logprobs recorded on their requests. One copy back from the device."""
-        return sample_pass(logits.sampled, logits.prompt, logits.sampling, logits.pack, self.logits_processors)
+        return sample(logits.sampled, logits.prompt, logits.sampling, logits.pack, self.logits_processors)
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past the queue deadline leave before the pass is scheduled."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, resolve_backend
+from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, paged_attention, resolve_backend
 from replicas.attention_flex import FlexBackend, seq_tables
 from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
 from replicas.cuda_graphs import DecodeGraphs, bucket_sizes
@@ -31,7 +31,8 @@ from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
 from replicas.transfer import HostPack, Staging
 
-__all__ = ["PAD_MIN", "PAD_SLACK", "ModelRunner", "PassLogits", "kv_shape", "text_config"]
+__all__ = ["ATTN_IMPL", "PAD_MIN", "PAD_SLACK", "ModelRunner", "PassLogits", "kv_shape", "paged_attention",
+           "text_config"]
 
 @dataclass
 class PassLogits:

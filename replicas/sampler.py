@@ -10,7 +10,7 @@ token id, so its tokens are reproducible whatever else is in the batch.
 
 A pass's sampling is planned on the host before the forward pass (`plan`: every parameter's
 arrays, seeded noise and grammar bitmasks join the pass's one upload) and runs on the device
-after it (`sample_pass`), its tokens and logprobs coming back in one copy.
+after it (`sample`), its tokens and logprobs coming back in one copy.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _plan_draw(rows: list[int], requests: list[Request], pack: HostPack, device:
 
 
 @torch.inference_mode()  # the forward pass's logits are inference tensors: edited in place
-def sample_pass(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: HostPack,
+def sample(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: HostPack,
                 processors: LogitsProcessors | None = None) -> list[int]:
     """Device side of a pass's sampling, then its one copy back: the token of each sampling row
     (`sampled` (N, V)), each logprobs row's entry appended to its request's `output_logprobs`,
@@ -182,12 +182,21 @@ def sample_pass(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pa
     return token_ids
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def sample_logits(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Pick one token per row of `logits` (N, V) for the matching request (a pass of its own)."""
     pack = HostPack()
     p = plan(requests, [], pack, device=logits.device, vocab=logits.shape[1])
     pack.send(logits.device, Staging(logits.device))
-    return sample_pass(logits, logits[:0], p, pack)
+    return sample(logits, logits[:0], p, pack)
+
+
+def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits (n, V) of non-greedy requests -> (n,) token ids: the draw alone, with its own
+    upload (what `loadtests.bench_sampler` times)."""
+    pack = HostPack()
+    d = _plan_draw(list(range(len(requests))), requests, pack, logits.device, logits.shape[1])
+    pack.send(logits.device, Staging(logits.device))
+    return _draw(logits.float(), d, pack)
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:

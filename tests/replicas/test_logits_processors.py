@@ -15,7 +15,7 @@ from replicas.logits_processors import LogitsProcessors
 from replicas.models import load_model
 from replicas.protocol import InvalidRequestError
 from replicas.request import Request, RequestStatus
-from replicas.sampler import sample
+from replicas.sampler import sample_logits as sample
 
 V = 8
 EOS = frozenset({0, 2})

@@ -7,7 +7,7 @@ import torch
 
 from replicas.protocol import SamplingParams
 from replicas.request import Request
-from replicas.sampler import sample
+from replicas.sampler import sample_logits as sample
 
 
 def req(**params: object) -> Request:
