@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from loadtests.bench_engine import build_workloads, kv_capacity, run_engine, summarize
-from loadtests.report import bench_parser, load_bench_model, report
+from loadtests.report import OMIT, bench_parser, load_bench_model, report
 from loadtests.workloads import Workload
 from replicas import Engine, EngineConfig, SamplingParams
 
@@ -56,7 +56,7 @@ def run_shares(args: Any, run: Callable[..., T]) -> tuple[Workload, dict[float, 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = bench_parser("loadtests.bench_logprobs", __doc__).parse_args(argv)
+    args = bench_parser("loadtests.bench_logprobs", __doc__, seed=OMIT, threads=2, repeats=3).parse_args(argv)
     workload, runs = run_shares(args, run)
     base = statistics.median(runs[0.0])
     rows = [{"share": s, "output_tok_s": statistics.median(v), "vs_none": statistics.median(v) / base,

@@ -74,15 +74,15 @@ def measure(model_tok, name: str, work, caching: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = bench_parser("loadtests.bench_prefix", __doc__)
-    p.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
-    args = p.parse_args(argv)
+    args = bench_parser("loadtests.bench_prefix", __doc__, quick="small workloads (a smoke run)",
+                        threads=2, repeats=3).parse_args(argv)
     model_tok = load_bench_model(args)
     vocab = model_tok[0].get_output_embeddings().weight.shape[0]
     avoid = list(model_tok[1].all_special_ids)
     n, convs = (8, 2) if args.quick else (48, 8)
-    workloads = {"shared_system_prompt": shared_prefix_workload(vocab, 0, num_requests=n, avoid_ids=avoid),
-                 "multi_turn": multi_turn_conversations(vocab, 0, num_conversations=convs, avoid_ids=avoid)}
+    workloads = {"shared_system_prompt": shared_prefix_workload(vocab, args.seed, num_requests=n, avoid_ids=avoid),
+                 "multi_turn": multi_turn_conversations(vocab, args.seed, num_conversations=convs,
+                                                        avoid_ids=avoid)}
     runs: dict[tuple[str, bool], list[dict]] = {(w, c): [] for w in workloads for c in (False, True)}
     for rep in range(args.repeats):
         for name, work in workloads.items():

@@ -6,16 +6,34 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+OMIT = False  # a flag `bench_parser` leaves out: the script has no use for it
 
 
-def bench_parser(module: str, doc: str) -> argparse.ArgumentParser:
-    """A parser with the flags every engine benchmark takes: --model --threads --repeats --json."""
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
-    p.add_argument("--model", default="embedded:mid")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default=None)
+def bench_parser(module: str, doc: str, *, model: str | None | Literal[False] = "embedded:mid",
+                 model_help: str | None = None, seed: int | Literal[False] = 0,
+                 json_path: str | Path | None = None, quick: str | None = None,
+                 threads: int | None = None, repeats: int | None = None,
+                 formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> argparse.ArgumentParser:
+    """The parser every benchmark script starts from, so a flag means the same everywhere:
+    --model (unless `model` is OMIT), --seed (unless OMIT), --json (results; `json_path` its
+    default), --quick (when `quick` says what it does), --threads and --repeats (engine
+    benchmarks: torch threads, runs per system), each with the default given."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.strip().splitlines()[0],
+                                formatter_class=formatter_class)
+    if model is not OMIT:
+        p.add_argument("--model", default=model, help=model_help or "the model: embedded:NAME, a directory, a hub id")
+    if seed is not OMIT:
+        p.add_argument("--seed", type=int, default=seed, help="workload seed")
+    p.add_argument("--json", type=Path, default=None if json_path is None else Path(json_path),
+                   help="write the results here as JSON")
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=quick)
+    if threads is not None:
+        p.add_argument("--threads", type=int, default=threads, help="torch intra-op threads")
+    if repeats is not None:
+        p.add_argument("--repeats", type=int, default=repeats, help="runs per system, interleaved; medians reported")
     return p
 
 
@@ -31,11 +49,25 @@ def load_bench_model(args: argparse.Namespace) -> Any:
     return load_model(args.model)
 
 
+def jsonable(value: Any) -> Any:
+    """What json.dumps cannot write itself: numpy scalars as numbers, anything else (a path) as text."""
+    if isinstance(value, Path):
+        return str(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def write_json(path: str | Path, result: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=jsonable) + "\n")
+
+
 def report(text: str, result: dict[str, Any], json_path: str | Path | None) -> dict[str, Any]:
     print(text)
     result["table"] = text
     if json_path:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, default=float) + "\n")
+        write_json(json_path, result)
     return result

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,11 +41,22 @@ from loadtests.serve_run import Stack, commands, config_args, serve_config
 READY = "SERVE_LOCAL_READY"
 
 
+# Ports handed out for servers to listen on: above Ray's worker ports (10002-19999) and below the
+# kernel's ephemeral range (32768 and up on Linux), where the outgoing connections of the server's
+# own processes would take a port between our check and its bind.
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing uses right now, from PORTS."""
+    for port in random.sample(PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 def parse_sets(pairs: list[str]) -> dict[str, Any]:
