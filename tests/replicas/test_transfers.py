@@ -223,6 +223,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--device-sampling", action="store_true", help="the accelerator's top-p strategy")
+    p.add_argument("--greedy", action="store_true", help="plain greedy requests only (the common pass)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from replicas import sampler
@@ -231,8 +232,10 @@ def main() -> None:
         sampler.sorts_top_p = lambda device: True
     engine = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_prefill_tokens=24,
                                                                   max_batch_total_tokens=2048))
-    copies = count_passes(engine, PROMPTS * (len(PARAMS) // 2), PARAMS)
-    out: dict = {"tree": PACKAGE, "device_sampling": args.device_sampling, "passes": len(copies.passes)}
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * len(PARAMS) if args.greedy else PARAMS
+    copies = count_passes(engine, PROMPTS * (len(PARAMS) // 2), params)
+    out: dict = {"tree": PACKAGE, "device_sampling": args.device_sampling, "greedy": args.greedy,
+                 "passes": len(copies.passes)}
     for k, name in enumerate(("h2d", "d2h")):
         counts = [len(p[k]) for p in copies.passes]
         sites: dict[str, int] = {}
