@@ -28,7 +28,6 @@ Medians over the timed passes; this machine is shared and noisy: read ratios wit
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
@@ -39,7 +38,7 @@ import torch
 from transformers import AttentionInterface, StaticCache
 from transformers.models.llama import modeling_llama
 
-from loadtests.report import report
+from loadtests.report import OMIT, bench_parser, report
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas import engine as engine_module
 from replicas import model_runner
@@ -278,9 +277,7 @@ def format_profile(rows: dict[str, dict[str, float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_decode", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="embedded:mid")
-    p.add_argument("--threads", type=int, default=2)
+    p = bench_parser("loadtests.bench_decode", __doc__, seed=OMIT, threads=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--long-context", type=int, default=2048)
     p.add_argument("--num-long", type=int, default=2)
@@ -288,7 +285,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile", action="store_true", help="the per-pass breakdown instead of the checks")
     p.add_argument("--compile-decode-attention", action="store_true",
                    help="the engine's compiled in-place decode kernel (EngineConfig.compile_decode_attention)")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     compiled = args.compile_decode_attention

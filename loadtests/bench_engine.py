@@ -49,7 +49,6 @@ With other processes on the cores, 2-thread torch ops wait on a descheduled sibl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -62,6 +61,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from loadtests.report import bench_parser, report
 from loadtests.stats import percentile
 from loadtests.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthDist, Workload, WorkloadRequest,
                                  chat_workload, default_prompt_source, long_context_workload,
@@ -424,8 +424,8 @@ def format_targets(targets: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_engine", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="embedded:mid")
+    p = bench_parser("loadtests.bench_engine", __doc__, quick="smaller workloads (a few minutes)",
+                     threads=2, repeats=1)
     p.add_argument("--prompts", choices=PROMPT_SOURCES,
                    help="chat and chat_poisson prompts: random ids, or real chat prompts in the model's "
                         "template (default: random on embedded:tiny/mid, real on real models); "
@@ -433,11 +433,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="the engine's prefix cache and generate_batch's block sharing (off: every "
                         "system computes every prompt token; real prompts share a system prompt)")
-    p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes)")
-    p.add_argument("--json", metavar="PATH", help="write every row and the config as JSON")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--repeats", type=int, default=1, help="runs per system, interleaved; medians reported")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workloads", default=",".join(WORKLOADS),
@@ -518,19 +513,14 @@ def main(argv: list[str] | None = None) -> dict:
                 workload_header(w, kv_capacity(w, args.block_size), args.max_num_seqs), wrows))
     targets = check_targets(rows)
     text = "\n".join(header) + "\n\n" + "\n\n".join(tables) + "\n\n" + format_targets(targets)
-    print(text)
     result = {"command": " ".join(["python -m loadtests.bench_engine", *(argv if argv is not None else sys.argv[1:])]),
               "config": {**vars(args), "real_prompt_lens": pool.summary() if pool else None,
                          "hf_batch": HF_BATCH, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version(),
                          "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - started},
               "workloads": {w.name: w.summary() for w in workloads},
-              "rows": rows, "targets": targets, "table": text}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+              "rows": rows, "targets": targets}
+    return report(text, result, args.json)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@ schema is an array of order records (enums, integer ranges, a bounded string, a 
 nested array) with more items than any request has tokens, so a constrained request never
 completes its grammar early: it generates exactly as many tokens as its plain twin (checked),
 and the difference is the cost of masking (the bitmask fill, applying it, advancing the
-matcher). Runs are interleaved over repeats and medians reported (read the ratios).
+matcher). "mask time" is the bitmask fill's share of the wall time. Runs are interleaved over
+repeats and medians reported (read the ratios).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -22,7 +22,7 @@ import time
 
 from loadtests.bench_engine import kv_capacity, run_engine, summarize
 from loadtests.bench_logprobs import SHARES, run_shares  # noqa: F401 - SHARES re-exported (its test reads it here)
-from loadtests.report import report
+from loadtests.report import OMIT, bench_parser, report
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.protocol import GuidedDecoding
 
@@ -48,7 +48,7 @@ def run(model_tok, workload, share: float, block_size: int = 16) -> dict:
     engine.grammars.matcher(guided)  # compiled once up front, as a cached schema would be
     every = round(1 / share) if share else 0
     asks = {r.request_id for i, r in enumerate(workload.requests) if every and i % every == 0}
-    original, mask = engine.add_request, engine.grammars.mask
+    original, fill = engine.add_request, engine.grammars.bitmask
     added, mask_s = [], [0.0]
 
     def add(prompt, params, **kw):  # the same request, under the schema for the chosen share
@@ -58,13 +58,13 @@ def run(model_tok, workload, share: float, block_size: int = 16) -> dict:
         added.append(req)
         return req
 
-    def timed_mask(logits, requests):
+    def timed_fill(requests):  # the host's share of masking: filling the pass's bitmask
         t = time.perf_counter()
-        out = mask(logits, requests)
+        out = fill(requests)
         mask_s[0] += time.perf_counter() - t
         return out
 
-    engine.add_request, engine.grammars.mask = add, timed_mask
+    engine.add_request, engine.grammars.bitmask = add, timed_fill
     wall = time.perf_counter()
     stats = summarize(run_engine(engine, workload, f"guided {share:.0%}"))
     wall = time.perf_counter() - wall
@@ -76,13 +76,10 @@ def run(model_tok, workload, share: float, block_size: int = 16) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_guided", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="default embedded:mid (embedded:tiny with --quick)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: embedded:tiny, one repeat")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = bench_parser("loadtests.bench_guided", __doc__, model=None, seed=OMIT, threads=2, repeats=None,
+                        model_help="default embedded:mid (embedded:tiny with --quick)",
+                        repeats_help="default 3 (1 with --quick)",
+                        quick="a smoke run: embedded:tiny, one repeat").parse_args(argv)
     args.model = args.model or ("embedded:tiny" if args.quick else "embedded:mid")
     args.repeats = args.repeats or (1 if args.quick else 3)
     workload, runs = run_shares(args, run)

@@ -17,8 +17,6 @@ Medians over the timed steps; noisy machine, read ratios.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -26,6 +24,7 @@ from typing import Any
 
 import torch
 
+from loadtests.report import OMIT, bench_parser, write_json
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.metrics import EngineMetrics, PrometheusBackend
 
@@ -97,16 +96,13 @@ def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
             "overhead_ms": 1e3 * statistics.median(overhead), "overhead_cpu_ms": 1e3 * statistics.median(overhead_cpu)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="embedded:tiny")
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser("loadtests.bench_overhead", __doc__, model="embedded:tiny", seed=OMIT, threads=2)
     p.add_argument("--decodes", type=int, default=256)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--long-prompt", type=int, default=1536,
                    help="greedy+long: one of the decodes has this long a context")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = {}
     print(f"{args.model}, {args.decodes} running decodes, {args.steps} timed passes, medians")
     print(f"{'case':<12} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12} {'overhead cpu ms':>16}")
@@ -117,9 +113,8 @@ def main() -> None:
         print(f"{name:<12} {row['iteration_ms']:>13.2f} {row['forward_ms']:>11.2f} {row['overhead_ms']:>12.2f}"
               f" {row['overhead_cpu_ms']:>16.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "decodes": args.decodes, "steps": args.steps,
-                       "threads": args.threads, "results": rows}, f, indent=2)
+        write_json(args.json, {"model": args.model, "decodes": args.decodes, "steps": args.steps,
+                               "threads": args.threads, "results": rows})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from loadtests import serve_local
-from loadtests.report import report
+from loadtests.report import bench_parser, report
 from loadtests.stats import percentile
 
 ROUTERS = ("prefix", "token_load", "power_of_two")
@@ -104,9 +104,8 @@ def run_router(args: argparse.Namespace, router: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_prefix_routing", description=__doc__.splitlines()[0])
+    p = bench_parser("loadtests.bench_prefix_routing", __doc__)
     p.add_argument("--routers", default=",".join(ROUTERS))
-    p.add_argument("--model", default="embedded:mid")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
@@ -117,9 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--chunk", type=int, default=256, help="max_batch_prefill_tokens")
     p.add_argument("--kv-tokens", type=int, default=16384, help="max_batch_total_tokens per replica")
     p.add_argument("--ray-cpus", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs-dir", type=Path, default=Path("loadtests/out/bench_prefix_routing"))
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = [run_router(args, r) for r in args.routers.split(",")]
     lines = [f"prefix routing on {args.replicas} x {args.model}: {args.conversations} conversations x "
@@ -129,8 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lines.append(f"{r['router']:<14}{r['ttft_p50_s'] * 1e3:>7.0f}ms{r['ttft_p99_s'] * 1e3:>7.0f}ms"
                      f"{r['later_ttft_p50_s'] * 1e3:>8.0f}ms{r['later_ttft_p99_s'] * 1e3:>8.0f}ms"
                      f"{r['hit_rate']:>9.1%}{r['elapsed_s']:>8.1f}")
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return report("\n".join(lines), {"config": config, "rows": rows}, args.json)
+    return report("\n".join(lines), {"config": vars(args), "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

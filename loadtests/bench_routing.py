@@ -32,6 +32,7 @@ from autoscale.serve_options import ROUTERS as SERVE_ROUTERS
 from loadtests import metrics_text, serve_local
 from loadtests.loadtest import load_samples, run_locust, summarize
 from loadtests.mix import MixSpec
+from loadtests.report import bench_parser
 from loadtests.sweep import warm_up
 
 ROUTERS = ("token_load", "power_of_two")  # the default pair; `--routers` takes any of SERVE_ROUTERS
@@ -149,20 +150,16 @@ def result_doc(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_routing",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="30 s per router (about 3-4 minutes)")
-    p.add_argument("--json", type=Path, default=Path("loadtests/out/bench_routing.json"))
+    p = bench_parser("loadtests.bench_routing", __doc__, model="embedded:tiny", seed=BENCH_MIX.seed,
+                     json_path="loadtests/out/bench_routing.json", quick="30 s per router (about 3-4 minutes)")
     p.add_argument("--runs-dir", type=Path, default=Path("loadtests/out/bench_routing"))
     p.add_argument("--routers", default=",".join(ROUTERS),
                    help="comma-separated: token_load, ttft, power_of_two")
-    p.add_argument("--model", default="embedded:tiny")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--rps", type=float, default=7.0, help="offered requests/s (Poisson)")
     p.add_argument("--duration", type=float, help="arrival window per router, s (default 90; quick 30)")
     p.add_argument("--drain", type=float, help="at most this long for open requests, s (default 30; quick 20)")
     p.add_argument("--long-share", type=float, default=BENCH_MIX.long_share)
-    p.add_argument("--seed", type=int, default=BENCH_MIX.seed)
     p.add_argument("--chunk", type=int, default=256, help="max_batch_prefill_tokens")
     p.add_argument("--kv-tokens", type=int, default=16384, help="max_batch_total_tokens per replica")
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the private Ray instance")

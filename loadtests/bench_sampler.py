@@ -9,11 +9,11 @@ partial sorts look several times faster than they are).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+from loadtests.report import OMIT, bench_parser, report
 from replicas.protocol import SamplingParams
 from replicas.request import Request
 from replicas.sampler import _sample_rows
@@ -33,18 +33,18 @@ def time_case(params: dict, vocab: int, rows: int, reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> dict:
+    p = bench_parser("loadtests.bench_sampler", __doc__, model=OMIT, seed=OMIT, threads=1)
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vocabs", default="2048,32000")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"{args.rows} rows, {args.threads} torch thread(s), ms per call")
-    for vocab in (int(v) for v in args.vocabs.split(",")):
-        for name, params in CASES:
-            print(f"V={vocab:>6} {name:<22} {time_case(params, vocab, args.rows, args.reps):8.2f}")
+    rows = [{"vocab": vocab, "case": name, "ms": time_case(params, vocab, args.rows, args.reps)}
+            for vocab in (int(v) for v in args.vocabs.split(",")) for name, params in CASES]
+    lines = [f"{args.rows} rows, {args.threads} torch thread(s), ms per call"]
+    lines += [f"V={r['vocab']:>6} {r['case']:<22} {r['ms']:8.2f}" for r in rows]
+    return report("\n".join(lines), {"config": vars(args), "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

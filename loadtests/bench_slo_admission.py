@@ -19,13 +19,11 @@ import statistics
 import sys
 
 import torch
-import transformers
 from tqdm import tqdm
 
 from loadtests.bench_engine import _greedy, build_workloads, kv_capacity, median_row, run_engine, summarize
-from loadtests.report import report
+from loadtests.report import bench_parser, load_bench_model, report
 from replicas import Engine, EngineConfig
-from replicas.models import load_model
 
 SYSTEMS = (("fixed 512", None, False), ("slo budget", "slo", False), ("slo budget + admission", "slo", True))
 
@@ -50,21 +48,14 @@ def run(model_tok, workload, slo_ms: float | None, admission: bool, args: argpar
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_slo_admission", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="embedded:mid")
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser("loadtests.bench_slo_admission", __doc__, quick="the quick chat workload",
+                     threads=2, repeats=1)
     p.add_argument("--slo-ms", type=float, default=80.0, help="TBT SLO of the SLO runs (ms)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--chat-requests", type=int, help="requests in the chat workload")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    model_tok = load_model(args.model)
+    model_tok = load_bench_model(args)
     vocab = model_tok[0].get_output_embeddings().weight.shape[0]
     workload = next(w for w in build_workloads(vocab, list(model_tok[1].all_special_ids), args.quick,
                                                args.seed, chat_requests=args.chat_requests)

@@ -12,19 +12,16 @@ Noisy shared machine: ratios within one run; `--repeats` interleaves and takes m
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
 import torch
-import transformers
 from tqdm import tqdm
 
 from loadtests.bench_engine import _greedy, build_workloads, kv_capacity, run_engine, summarize
-from loadtests.report import report
+from loadtests.report import bench_parser, load_bench_model, report
 from replicas import Engine, EngineConfig
-from replicas.models import load_model
 
 FIXED = (128, 256, 512, 1024, 2048)
 CEILING = 2048
@@ -89,22 +86,15 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_slo_budget", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="embedded:mid")
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser("loadtests.bench_slo_budget", __doc__, quick="the quick long_prompt workload",
+                     threads=2, repeats=1)
     p.add_argument("--slos", default="150,400", help="TBT SLOs (ms) of the SLO-budget runs")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--long-shorts", type=int, help="short requests in long_prompt")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
     slos = [float(s) for s in args.slos.split(",")]
-    model_tok = load_model(args.model)
+    model_tok = load_bench_model(args)
     vocab = model_tok[0].get_output_embeddings().weight.shape[0]
     workload = next(w for w in build_workloads(vocab, list(model_tok[1].all_special_ids), args.quick,
                                                args.seed, long_shorts=args.long_shorts)

@@ -13,7 +13,6 @@ machine the server, Ray and this client share the CPUs: compare intervals within
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -21,7 +20,7 @@ import time
 
 import httpx
 
-from loadtests.report import report
+from loadtests.report import OMIT, bench_parser, report
 from loadtests.serve_local import served
 from loadtests.stats import percentile
 
@@ -32,9 +31,8 @@ async def _mix(url: str, rate: float, duration_s: float, max_tokens: int, probe_
     probes: list[float] = []
     codes: dict[int, int] = {}
     chunks = 0
-    body = {"model": "embedded-tiny", "prompt": "hello there " * 20, "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True}
-    bad = {"model": "embedded-tiny", "prompt": "x", "max_tokens": 1, "temperature": -1}
+    body = {"prompt": "hello there " * 20, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    bad = {"prompt": "x", "max_tokens": 1, "temperature": -1}
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=4000)) as client:
         start = time.perf_counter()
 
@@ -70,7 +68,7 @@ async def _mix(url: str, rate: float, duration_s: float, max_tokens: int, probe_
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_stream_interval", description=__doc__.splitlines()[0])
+    p = bench_parser("loadtests.bench_stream_interval", __doc__, model="embedded:tiny", seed=OMIT)
     p.add_argument("--intervals", default="0,50", help="stream_interval_ms values, one server each")
     p.add_argument("--rates", default="4,8", help="streaming requests per second")
     p.add_argument("--duration-s", type=float, default=20.0)
@@ -78,16 +76,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--probe-rate", type=float, default=1.0, help="invalid requests per second beside")
     p.add_argument("--settle-s", type=float, default=30.0,
                    help="pause after each server stops (Ray's shutdown keeps the CPUs busy a while)")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = []
     for interval in (float(x) for x in args.intervals.split(",")):
-        with served({"replica": {"stream_interval_ms": interval}}, os.devnull) as server:
+        with served({"model": args.model, "replica": {"stream_interval_ms": interval}}, os.devnull) as server:
             for rate in (float(x) for x in args.rates.split(",")):
                 rows.append({"stream_interval_ms": interval, **asyncio.run(
                     _mix(server.url, rate, args.duration_s, args.max_tokens, args.probe_rate))})
         time.sleep(args.settle_s)
-    lines = [f"stream interval: embedded:tiny, {args.max_tokens}-token streams for {args.duration_s:g} s each, "
+    lines = [f"stream interval: {args.model}, {args.max_tokens}-token streams for {args.duration_s:g} s each, "
              f"{args.probe_rate:g} invalid request/s beside; client-side, ms",
              f"{'interval':>9}{'req/s':>7}{'200/429':>9}{'chunks':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
              f"{'gap p50':>8}{'gap p99':>8}{'400 p50':>8}{'400 p99':>8}"]

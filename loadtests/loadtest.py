@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from loadtests.mix import MixSpec
+from loadtests.report import OMIT, bench_parser
 from loadtests.stats import percentile
 from loadtests.workloads import PROMPT_SOURCES
 
@@ -191,14 +192,15 @@ def mix_from_args(args: argparse.Namespace, rps: float) -> MixSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.loadtest", description=__doc__.split("\n")[0])
+    # --seed comes with the workload flags (the locustfile takes them too); the results go to --out.
+    p = bench_parser("loadtests.loadtest", __doc__, model="", model_help="model name to send (default: the server's)",
+                     seed=OMIT, json_path=OMIT)
     p.add_argument("--host", default="http://127.0.0.1:8000")
     p.add_argument("--duration", type=parse_duration, default=60.0, help="arrival window (60s, 2m)")
     p.add_argument("--drain", type=parse_duration, default=30.0,
                    help="at most this long after the window for open requests to finish")
     p.add_argument("--rps", type=float, default=2.0, help="offered requests/s (Poisson)")
     p.add_argument("--out", type=Path, default=Path("loadtests/out"))
-    p.add_argument("--model", default="", help="model name to send (default: the server's)")
     add_slo_arguments(p)
     add_mix_arguments(p, MixSpec())
     args = p.parse_args(argv)

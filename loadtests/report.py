@@ -9,31 +9,34 @@ from pathlib import Path
 from typing import Any, Literal
 
 OMIT = False  # a flag `bench_parser` leaves out: the script has no use for it
+Flag = Literal[False]
 
 
-def bench_parser(module: str, doc: str, *, model: str | None | Literal[False] = "embedded:mid",
-                 model_help: str | None = None, seed: int | Literal[False] = 0,
-                 json_path: str | Path | None = None, quick: str | None = None,
-                 threads: int | None = None, repeats: int | None = None,
+def bench_parser(module: str, doc: str, *, model: str | None | Flag = "embedded:mid", model_help: str | None = None,
+                 seed: int | Flag = 0, json_path: str | Path | None | Flag = None, quick: str | None = None,
+                 threads: int | None | Flag = OMIT, repeats: int | None | Flag = OMIT, repeats_help: str | None = None,
                  formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> argparse.ArgumentParser:
     """The parser every benchmark script starts from, so a flag means the same everywhere:
-    --model (unless `model` is OMIT), --seed (unless OMIT), --json (results; `json_path` its
-    default), --quick (when `quick` says what it does), --threads and --repeats (engine
-    benchmarks: torch threads, runs per system), each with the default given."""
+    --model, --seed (the workload's), --json (the results; `json_path` its default), --quick
+    (when `quick` says what it does), --threads and --repeats (engine benchmarks: torch threads,
+    runs per system). Each argument is the flag's default; OMIT leaves the flag out."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.strip().splitlines()[0],
                                 formatter_class=formatter_class)
     if model is not OMIT:
-        p.add_argument("--model", default=model, help=model_help or "the model: embedded:NAME, a directory, a hub id")
+        p.add_argument("--model", default=model, help=model_help or "embedded:NAME, a model directory, "
+                       "a .gguf file or a hub id")
     if seed is not OMIT:
         p.add_argument("--seed", type=int, default=seed, help="workload seed")
-    p.add_argument("--json", type=Path, default=None if json_path is None else Path(json_path),
-                   help="write the results here as JSON")
+    if json_path is not OMIT:
+        p.add_argument("--json", type=Path, default=None if json_path is None else Path(json_path),
+                       help="write the results here as JSON")
     if quick is not None:
         p.add_argument("--quick", action="store_true", help=quick)
-    if threads is not None:
+    if threads is not OMIT:
         p.add_argument("--threads", type=int, default=threads, help="torch intra-op threads")
-    if repeats is not None:
-        p.add_argument("--repeats", type=int, default=repeats, help="runs per system, interleaved; medians reported")
+    if repeats is not OMIT:
+        p.add_argument("--repeats", type=int, default=repeats,
+                       help=repeats_help or "runs per system, interleaved; medians reported")
     return p
 
 
@@ -59,7 +62,7 @@ def jsonable(value: Any) -> Any:
         return str(value)
 
 
-def write_json(path: str | Path, result: dict[str, Any]) -> None:
+def write_json(path: str | Path, result: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=jsonable) + "\n")

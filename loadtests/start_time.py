@@ -12,14 +12,13 @@ started ends with it.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from loadtests.report import OMIT, bench_parser, write_json
 from loadtests.serve_run import Stack
 
 URL = "http://127.0.0.1:8000/v1/chat/completions"
@@ -48,12 +47,11 @@ def time_to_first_answer(cache: Path, log: Path, timeout_s: float = 600.0) -> tu
         stack.close()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser("loadtests.start_time", __doc__, model=OMIT, seed=OMIT)
     p.add_argument("--runs", type=int, default=1, help="cold + warm pairs")
-    p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--logs", type=Path, default=Path("loadtests/out/start_time"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.logs.mkdir(parents=True, exist_ok=True)
     rows = []
     for run in range(args.runs):
@@ -63,7 +61,7 @@ def main() -> None:
                 rows.append({"run": run, "start": kind, "seconds": round(seconds, 1), "answer": answer})
                 print(f"{kind:5} run {run}: first 200 after {seconds:6.1f} s  {answer!r}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from loadtests.loadtest import (add_mix_arguments, add_slo_arguments, load_sampl
                                 run_locust, summarize)
 from loadtests.mix import MixSpec, mixed_requests
 from loadtests.plot_sweep import plot
+from loadtests.report import OMIT, bench_parser
 from loadtests.workloads import ChatPromptPool, default_prompt_source
 from replicas.config import EngineConfig
 
@@ -144,9 +145,9 @@ def write_outputs(out_dir: Path, config: dict[str, Any], rows: list[dict[str, An
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtests.sweep", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="two rates, 25 s windows (about 8 minutes)")
-    p.add_argument("--model", default="embedded:mid")
+    # --seed comes with the workload flags; the results go to --out (JSON, CSV and the plot).
+    p = bench_parser("loadtests.sweep", __doc__, seed=OMIT, json_path=OMIT,
+                     quick="two rates, 25 s windows (about 8 minutes)")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated; also {SLO_POLICY} (stall_free, budget from the TBT SLO)")
     p.add_argument("--rates", help="comma-separated offered req/s (default: 0.2,0.4,0.6,0.8; quick: 0.3,0.8)")
