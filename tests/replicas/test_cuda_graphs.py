@@ -112,3 +112,17 @@ def test_graphs_need_the_flex_backend(llama) -> None:
     with pytest.raises(ValueError, match="flex"):
         engine(llama, attention_backend="sdpa", cuda_graphs=True)
     assert engine(llama).runner.cuda_graphs is False  # the CPU default
+
+
+def test_flex_and_padded_passes_make_no_tensor_off_the_device(llama) -> None:
+    """With torch's default device set to meta, a tensor the flex backend or the padded decode
+    path made without naming the pass's device would land on meta and the pass would fail (as
+    the same line would on CUDA); the tokens are those of the plain run."""
+    eng = engine(llama, attention_backend="flex", cuda_graphs=True, max_num_seqs=12)
+    ps = [[5, 6, 7], list(range(40, 75)), [9] * 12]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    want = eng.generate(ps, params)
+    with torch.device("meta"):
+        got = eng.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in want]
