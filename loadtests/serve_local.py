@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,15 +120,23 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
 # ---- the one harness: a server for a `with` block -----------------------------------------
 
 
-@dataclass(frozen=True)
-class Server:
-    """A server that `served` started: its URL, how it was started, what /health said once it
-    was up (`proxy_door`: the door's settings or null; `niceness`), and its processes."""
+class Server(str):
+    """A server that `served` started. The string is its base URL (what a caller mostly needs);
+    it also says how it was started, what /health said once it was up (`proxy_door`: the door's
+    settings or null; `niceness`), and which processes are its own."""
 
-    url: str
     start: str
     health: dict[str, Any]
     stack: Stack
+
+    def __new__(cls, url: str, start: str, health: dict[str, Any], stack: Stack) -> Server:
+        server = super().__new__(cls, url)
+        server.start, server.health, server.stack = start, health, stack
+        return server
+
+    @property
+    def url(self) -> str:
+        return str(self)
 
     def pids(self) -> list[int]:
         """Every process of this server now (RSS sampling)."""
