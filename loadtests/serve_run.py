@@ -71,11 +71,11 @@ def commands(start: str, config: Path, temp_dir: Path, ports: dict[str, int],
     the last runs to its end first. `ports`: gcs, client, agent, metrics, dashboard (cluster mode)."""
     nice = {**env, NICENESS_ENV: "0"}
     plain = {k: v for k, v in env.items() if k != NICENESS_ENV}
-    serve_local = [str(BIN / "serve"), "run", "-a", "local", str(config)]
+    own_ray = [str(BIN / "serve"), "run", "-a", "local", str(config)]  # a Ray instance of its own
     if start == "make":
-        return [(serve_local, nice)]
+        return [(own_ray, nice)]
     if start == "serve-run":
-        return [(serve_local, plain)]
+        return [(own_ray, plain)]
     if start == "cluster":
         auth = {"RAY_AUTH_MODE": auth_mode(env)}
         head = [str(BIN / "ray"), "start", "--head", "--port", str(ports["gcs"]), "--temp-dir", str(temp_dir),

@@ -63,9 +63,6 @@ def rss_report(samples: Sequence[Sample], group: str, t_start: float, t_end: flo
             "within": None if ratio is None else ratio <= 1 + tolerance}
 
 
-# ---- server processes: RSS ---------------------------------------------------------------------
-
-
 def group_of(cmdline: str) -> str | None:
     """The RSS group of a process by its title (`ray::ServeReplica:llm:LLMServer`), or None."""
     if "ServeReplica:" in cmdline:
