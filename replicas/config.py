@@ -17,6 +17,7 @@ from pydantic.dataclasses import dataclass
 POLICIES = ("static", "dynamic", "stall_free")
 Policy = Literal[POLICIES]  # type: ignore[valid-type]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+AttentionBackend = Literal["auto", "sdpa", "flex"]
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 DEFAULT_MODEL = "embedded:smollm2"  # a real model (SmolLM2-135M-Instruct), converted once
 # A stream's deltas are merged over this interval by default, and over at most half the TBT SLO:
@@ -86,6 +87,13 @@ class EngineConfig:
     compile_decode_attention: bool = Field(False, description=
         "decode attention as one torch.compile'd kernel reading the KV blocks in place (no "
         "gathered copy); costs a compile (seconds) at start")
+    attention_backend: AttentionBackend = Field("auto", description=
+        "paged attention kernel: sdpa (torch SDPA over gathered KV blocks, grouped decodes), flex "
+        "(torch FlexAttention over the paged cache, one call a pass; compiled on CUDA); auto: "
+        "flex on CUDA, sdpa elsewhere")
+    cuda_graphs: bool | None = Field(None, description=
+        "decode-only passes replay a CUDA graph captured at start per batch-size bucket (up to "
+        "max_num_seqs); mixed passes run eagerly. Needs CUDA and the flex backend; null: on there")
     enable_prefix_caching: bool = Field(True, description=
         "share the KV of full blocks between requests whose tokens start the same way (a system "
         "prompt, a conversation's history): cached tokens cost no prefill and no new KV")

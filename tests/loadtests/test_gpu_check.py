@@ -3,7 +3,6 @@ the wheels it gets), and every stage it records holds sane numbers."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import subprocess
@@ -14,8 +13,6 @@ import pytest
 
 from loadtests import gpu_check, gpu_wheels
 from loadtests.gpu_runner import RunnerOptions
-from replicas import engine as engine_module
-from replicas.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +121,12 @@ def test_runner_options_take_the_first_way_the_tree_offers() -> None:
     assert none.unsupported == {"attention_backend": "flex", "cuda_graphs": True} and not none.via_runner
 
 
-def test_a_runner_option_is_bound_while_the_engine_is_built(monkeypatch) -> None:
-    class Runner(ModelRunner):
-        def __init__(self, *args, attention_backend: str = "auto", **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.attention_backend = attention_backend
-
-    monkeypatch.setattr(engine_module, "ModelRunner", Runner)
-    options = RunnerOptions.resolve({"attention_backend": "sdpa"},
-                                    runner_params=inspect.signature(Runner.__init__).parameters)
+def test_a_runner_option_is_bound_while_the_engine_is_built() -> None:
+    """The runner's options are EngineConfig fields: they reach the runner through the config."""
+    options = RunnerOptions.resolve({"attention_backend": "sdpa", "cuda_graphs": False})
+    assert options.via_config == {"attention_backend": "sdpa", "cuda_graphs": False} and not options.unsupported
     model, tokenizer = gpu_check.build_model(gpu_check.SMALL, gpu_check.torch.device("cpu"))
     engine = options.build(model, tokenizer, max_batch_total_tokens=256)
-    assert engine.runner.attention_backend == "sdpa" and engine_module.ModelRunner is Runner
-    assert options.record()["runner_reports"] == {"attention_backend": "sdpa"}
+    assert engine.runner.attention_backend == "sdpa" and engine.config.attention_backend == "sdpa"
+    assert options.record()["runner_reports"]["attention_backend"] == "sdpa"
     assert engine.generate([[5, 6, 7]], gpu_check.stages.SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
