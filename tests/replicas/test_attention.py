@@ -5,14 +5,11 @@ different context lengths, chunked prefill with context, shared prefix blocks, G
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas import engine as engine_module
 from replicas.attention import PassLayout, PrefillSpan, resolve_backend
 from replicas.attention_flex import build_block_mask, logical_blocks, seq_tables
 from replicas.models import load_model
@@ -24,14 +21,10 @@ def model_tok(request):
 
 
 def engine(model_tok, backend: str, **overrides) -> Engine:
-    cfg = dict(max_batch_prefill_tokens=24, max_batch_total_tokens=1024, block_size=4, max_num_seqs=8)
+    cfg = dict(max_batch_prefill_tokens=24, max_batch_total_tokens=1024, block_size=4, max_num_seqs=8,
+               attention_backend=backend)
     cfg.update(overrides)
-    original = engine_module.ModelRunner
-    engine_module.ModelRunner = functools.partial(original, attention_backend=backend)
-    try:
-        return Engine(*model_tok, EngineConfig(**cfg))
-    finally:
-        engine_module.ModelRunner = original
+    return Engine(*model_tok, EngineConfig(**cfg))
 
 
 def prompts(n: int, seed: int = 3) -> list[list[int]]:

@@ -5,14 +5,11 @@ The capture itself needs CUDA; on CPU the same padded path runs eagerly."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas import engine as engine_module
 from replicas.cuda_graphs import bucket_sizes, choose_bucket, pad_decodes
 from replicas.kv_cache import BlockManager
 from replicas.models import load_model
@@ -24,13 +21,8 @@ def llama():
 
 
 def engine(llama, **runner) -> Engine:
-    original = engine_module.ModelRunner
-    engine_module.ModelRunner = functools.partial(original, **runner)
-    try:
-        return Engine(*llama, EngineConfig(max_batch_prefill_tokens=32, max_batch_total_tokens=1024,
-                                           block_size=4, max_num_seqs=12))
-    finally:
-        engine_module.ModelRunner = original
+    return Engine(*llama, EngineConfig(max_batch_prefill_tokens=32, max_batch_total_tokens=1024,
+                                       block_size=4, max_num_seqs=12, **runner))
 
 
 def test_buckets_cover_every_batch_size() -> None:
@@ -78,7 +70,7 @@ def test_padded_decode_passes_equal_the_eager_ones(llama) -> None:
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(5, 1900, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 60, 2, 25)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-    graphed = engine(llama, attention_backend="flex", cuda_graphs=True, max_num_seqs=12)
+    graphed = engine(llama, attention_backend="flex", cuda_graphs=True)
     assert graphed.runner.cuda_graphs and graphed.runner.graphs.buckets == [1, 2, 4, 8, 12]
     scratch = graphed.runner.graphs.scratch_block
     replays: list[tuple[int, int]] = []  # (real rows, bucket)
@@ -118,7 +110,7 @@ def test_flex_and_padded_passes_make_no_tensor_off_the_device(llama) -> None:
     """With torch's default device set to meta, a tensor the flex backend or the padded decode
     path made without naming the pass's device would land on meta and the pass would fail (as
     the same line would on CUDA); the tokens are those of the plain run."""
-    eng = engine(llama, attention_backend="flex", cuda_graphs=True, max_num_seqs=12)
+    eng = engine(llama, attention_backend="flex", cuda_graphs=True)
     ps = [[5, 6, 7], list(range(40, 75)), [9] * 12]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     want = eng.generate(ps, params)
