@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from replicas.protocol import SamplingParams
 
@@ -65,9 +65,9 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     stop_reason: str | int | None = None
-    # A seeded request's own random generator (torch.Generator), made by the sampler on its first
-    # draw: this module stays free of torch for the scheduler and the simulator.
-    generator: Any = None
+    # How many draws a seeded request has made: with its seed, the key of its next draw's
+    # randomness (the sampler's `_seed_keys`), so its tokens do not depend on its batch.
+    seeded_draws: int = 0
     # With params.logprobs: (logprob of each output token, ((id, logprob) of the top alternatives)).
     output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     # With params.prompt_logprobs: the same for prompt tokens 1, 2, ... (token 0 has none), appended

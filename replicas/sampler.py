@@ -5,11 +5,13 @@ top-p) draw by its CDF: one cumulative sum and one uniform per row, no noise ove
 The others: one temperature division, one partial top-k over the batch (at least the
 TOP_P_CANDIDATES most likely tokens for top-p rows; a row whose nucleus is wider sorts its own
 vocabulary), one top-p cut, and one draw by the exponential race (argmax of p / E with E ~ Exp(1)
-picks token i with probability p_i). A seeded request draws from its own generator, indexed by
-token id, so its tokens are reproducible whatever else is in the batch.
+picks token i with probability p_i). A seeded request's randomness is a hash of its seed, its draw
+count and the token id, computed on the device only where a path needs it (a uniform for a CDF
+row, the candidates' E for a race): its tokens are reproducible whatever else is in the batch and
+whichever path its row takes, and no noise over the vocabulary is made on the host or uploaded.
 
 A pass's sampling is planned on the host before the forward pass (`plan`: every parameter's
-arrays, seeded noise and grammar bitmasks join the pass's one upload) and runs on the device
+arrays, seed keys and grammar bitmasks join the pass's one upload) and runs on the device
 after it (`sample`), its tokens and logprobs coming back in one copy.
 """
 
@@ -32,12 +34,19 @@ from replicas.transfer import HostPack, Part, Staging, download
 TOP_P_CANDIDATES = 256
 
 
+def is_host(device: torch.device) -> bool:
+    """Whether the pass's device is the host itself: reading its tensors there copies nothing and
+    waits for nothing, so the sampler may check on the host and use numpy's kernels (an order of
+    magnitude faster than torch's for a row-wise argmax on CPU)."""
+    return device.type == "cpu"
+
+
 def sorts_top_p(device: torch.device) -> bool:
     """Whether top-p-only rows sort their whole vocabulary every pass. On an accelerator: yes, a
     sort there is cheap and finding out which rows need one would cost a sync. On CPU: no, a
     full sort costs many times a partial top-k there, and the check costs nothing (no device to
     wait for)."""
-    return device.type != "cpu"
+    return not is_host(device)
 
 
 @dataclass
@@ -48,11 +57,11 @@ class DrawPlan:
     rows: Part  # (n,)
     temps: Part  # (n,) float32
     plain: Part | None  # draw-row indices sampled by their CDF (no top-k, no top-p)
-    plain_u: tuple[Part, Part] | None  # (seeded CDF rows' uniforms, whether each row is seeded)
+    plain_keys: tuple[Part, Part] | None  # (each CDF row's seed key, whether it is seeded)
     filtered: Part | None  # draw-row indices filtered by top-k / top-p
     ks: Part | None  # (f,) each filtered row's k (the vocabulary: none)
     ps: Part | None  # (f,) float32 top_p
-    race: tuple[Part, Part] | None  # (seeded filtered rows, their E ~ Exp(1) per token id (s, V))
+    race_keys: tuple[Part, Part] | None  # (each filtered row's seed key, whether it is seeded)
     candidates: int
     all_top_k: bool
     any_unseeded: bool
@@ -82,7 +91,7 @@ def plan(requests: list[Request], prompt_spans: list[tuple[Request, int]], pack:
          device: torch.device, vocab: int, processors: LogitsProcessors | None = None,
          grammars: Grammars | None = None) -> SamplingPlan:
     """Host side of a pass's sampling: every parameter's arrays (processors, grammar bitmasks,
-    temperatures, top-k/top-p, seeded noise, logprob rows, prompt tokens scored) added to `pack`."""
+    temperatures, top-k/top-p, seed keys, logprob rows, prompt tokens scored) added to `pack`."""
     out = SamplingPlan(requests, prompt_spans, all(r.argmax_only for r in requests))
     if prompt_spans:
         chosen: list[int] = []
@@ -118,29 +127,32 @@ def _plan_draw(rows: list[int], requests: list[Request], pack: HostPack, device:
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     ps = [p.top_p for p in params]
     plain = [k == vocab and p >= 1.0 for k, p in zip(ks, ps)]  # the whole distribution
-    noise = _seeded_noise(requests, plain, vocab)
+    keys = _seed_keys(requests)
     prows = [i for i in range(len(rows)) if plain[i]]
     frows = [i for i in range(len(rows)) if not plain[i]]
     d = DrawPlan(pack.add(rows), pack.add([p.temperature for p in params], np.float32), None, None,
                  None, None, None, None, 0, True, False, None, len(prows), len(frows))
     if prows:
         d.plain = pack.add(prows)
-        if any(noise[i] is not None for i in prows):
-            d.plain_u = (pack.add([0.0 if noise[i] is None else noise[i][0] for i in prows], np.float32),
-                         pack.add([noise[i] is not None for i in prows], np.bool_))
+        d.plain_keys = _keys_part([keys[i] for i in prows], pack)
     if frows:
         fks = [ks[i] for i in frows]
         top_ks = [k for k in fks if k < vocab]
         d.all_top_k = len(top_ks) == len(frows)
         d.candidates = max(top_ks) if d.all_top_k else min(vocab, max(top_ks + [TOP_P_CANDIDATES]))
         d.filtered, d.ks, d.ps = pack.add(frows), pack.add(fks), pack.add([ps[i] for i in frows], np.float32)
-        seeded = [j for j, i in enumerate(frows) if noise[i] is not None]
-        d.any_unseeded = len(seeded) < len(frows)
-        if seeded:
-            d.race = (pack.add(seeded), pack.add(np.stack([noise[frows[j]] for j in seeded])))
+        d.race_keys = _keys_part([keys[i] for i in frows], pack)
+        d.any_unseeded = any(keys[i] is None for i in frows)
         if sorts_top_p(device) and not d.all_top_k and d.candidates < vocab:
             d.sort_rows = pack.add([j for j, k in enumerate(fks) if k == vocab])
     return d
+
+
+def _keys_part(keys: list[int | None], pack: HostPack) -> tuple[Part, Part] | None:
+    """The rows' seed keys and which rows are seeded, in the upload; None when no row is."""
+    if all(k is None for k in keys):
+        return None
+    return pack.add([0 if k is None else k for k in keys]), pack.add([k is not None for k in keys], np.bool_)
 
 
 @torch.inference_mode()  # the forward pass's logits are inference tensors: edited in place
@@ -158,7 +170,7 @@ def sample(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: H
     if p.guided is not None:
         rows, bits, keep_raw, every = p.guided
         x = apply_bitmask(x, pack.get(rows), pack.get(bits), keep_raw, every)
-    tokens = x.argmax(dim=-1)  # (N,) greedy rows' pick
+    tokens = _greedy_picks(x, p)
     if p.draw is not None:
         d = p.draw
         rows = pack.get(d.rows)
@@ -199,10 +211,19 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return _draw(logits.float(), d, pack)
 
 
+def _greedy_picks(x: torch.Tensor, p: SamplingPlan) -> torch.Tensor:
+    """(N,) each row's argmax, the greedy rows' pick (the drawn rows' are overwritten); nothing
+    when every row draws."""
+    if p.draw is not None and p.draw.num_plain + p.draw.num_filtered == x.shape[0]:
+        return torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    if is_host(x.device):
+        return torch.from_numpy(x.float().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def _argmax(logits: torch.Tensor) -> list[int]:
-    """Row-wise argmax, the pass's one copy back. On CPU numpy's is an order of magnitude faster
-    than torch's."""
-    if logits.device.type == "cpu":
+    """Row-wise argmax, the pass's one copy back (on the host: numpy's)."""
+    if is_host(logits.device):
         return logits.float().numpy().argmax(axis=-1).tolist()
     return download([logits.argmax(dim=-1)])[0].tolist()
 
@@ -278,32 +299,50 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torc
     return probs.masked_fill((cum - probs) >= top_p[:, None], 0.0), cum
 
 
-def _seeded_noise(requests: list[Request], plain: list[bool], vocab: int) -> list[np.ndarray | None]:
-    """This step's randomness of each seeded request, from its own generator (on the CPU, where
-    it lives; it travels in the pass's upload): one uniform for a row sampled by its CDF
-    (`plain`), else one E ~ Exp(1) per vocabulary entry in token order (the race, indexed by
-    token id whichever candidates a path keeps); None for unseeded rows. A seeded request's
-    tokens then depend on its seed alone, not on what else is in the batch."""
-    out: list[np.ndarray | None] = []
-    for r, whole in zip(requests, plain):
+def _seed_keys(requests: list[Request]) -> list[int | None]:
+    """Each seeded request's key for this draw (its seed and how many draws it has made, mixed
+    into 32 bits), counting the draw; None for unseeded rows."""
+    out: list[int | None] = []
+    for r in requests:
         if r.params.seed is None:
             out.append(None)
             continue
-        if r.generator is None:  # the first seeded draw of this request
-            r.generator = torch.Generator().manual_seed(r.params.seed)
-        if whole:
-            out.append(torch.rand(1, dtype=torch.float32, generator=r.generator, device="cpu").numpy())
-        else:
-            out.append(torch.empty(vocab, dtype=torch.float32, device="cpu").exponential_(generator=r.generator).numpy())
+        out.append(_splitmix64(_splitmix64(r.params.seed) + r.seeded_draws) >> 32)
+        r.seeded_draws += 1
     return out
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function: a well-mixed 64-bit value from any integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+_M64, _M32 = (1 << 64) - 1, (1 << 32) - 1
+_GOLDEN = 0x9E3779B1  # spreads consecutive token ids over 32 bits
+_MIX = 0x45D9F3B  # a 32-bit integer hash's multiplier; under 2^27, so products fit in int64
+
+
+def _uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A uniform in (0, 1) for each row's key (n,) and token id (n, c): a hash of the two in
+    int64 arithmetic (every intermediate stays below 2^63), the same on every device."""
+    h = (keys.unsqueeze(1) ^ (ids * _GOLDEN)) & _M32
+    h = ((h ^ (h >> 16)) * _MIX) & _M32
+    h = ((h ^ (h >> 16)) * _MIX) & _M32
+    h = h ^ (h >> 16)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def _by_cdf(probs: torch.Tensor, d: DrawPlan, pack: HostPack) -> torch.Tensor:
     """One draw per row of `probs` (n, V): the first token whose cumulative probability passes a
-    uniform u (seeded rows: their own u)."""
+    uniform u (seeded rows: their own u, the hash at token id 0)."""
     u = torch.rand(probs.shape[0], dtype=probs.dtype, device=probs.device)
-    if d.plain_u is not None:
-        u = torch.where(pack.get(d.plain_u[1]), pack.get(d.plain_u[0]), u)
+    if d.plain_keys is not None:
+        keys, seeded = pack.get(d.plain_keys[0]), pack.get(d.plain_keys[1])
+        own = _uniforms(keys, torch.zeros_like(keys).unsqueeze(1)).squeeze(1)
+        u = torch.where(seeded, own, u)
     cdf = probs.cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
@@ -312,19 +351,17 @@ def _by_cdf(probs: torch.Tensor, d: DrawPlan, pack: HostPack) -> torch.Tensor:
 def _exponentials(shape: torch.Size, index: torch.Tensor, d: DrawPlan, pack: HostPack,
                   subset: torch.Tensor | None = None) -> torch.Tensor:
     """E ~ Exp(1) for each (filtered row, column) of a race whose column j of row i is token
-    index[i, j]: seeded rows read their own per-token noise, the others fresh draws. `subset`:
+    index[i, j]: seeded rows' from their key and the token id, the others fresh draws. `subset`:
     the race covers these filtered rows only."""
     e = torch.empty(shape, dtype=torch.float32, device=index.device)
     if d.any_unseeded:
         e.exponential_()
-    if d.race is not None:
-        seeded, noise = pack.get(d.race[0]), pack.get(d.race[1])  # (s,), (s, V)
-        if subset is None:
-            e.index_copy_(0, seeded, noise.gather(1, index.index_select(0, seeded)))
-        else:  # the seeded rows among `subset`: where subset[j] == seeded[s]
-            match = subset[:, None] == seeded[None, :]  # (w, s)
-            own = noise.index_select(0, match.to(torch.int64).argmax(1)).gather(1, index)  # (w, V)
-            e = torch.where(match.any(1, keepdim=True), own, e)
+    if d.race_keys is not None:
+        keys, seeded = pack.get(d.race_keys[0]), pack.get(d.race_keys[1])  # (f,), (f,)
+        if subset is not None:
+            keys, seeded = keys.index_select(0, subset), seeded.index_select(0, subset)
+        own = -torch.log(_uniforms(keys, index))
+        e = torch.where(seeded.unsqueeze(1), own, e) if d.any_unseeded else own
     return e
 
 

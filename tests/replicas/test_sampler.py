@@ -49,7 +49,7 @@ def test_a_seeded_request_draws_the_same_whatever_its_batch() -> None:
     def seeded_tokens(own: dict, batch_rows: list[int], neighbour: dict) -> list[int]:
         rows = [req(**own, seed=7) if i == 2 else req(**neighbour) for i in batch_rows]
         at = batch_rows.index(2)
-        # The same Request objects every pass: the seeded one's generator moves on step by step.
+        # The same Request objects every pass: the seeded one's draw count moves on step by step.
         return [sample(logits[batch_rows], rows)[at] for logits in steps]
 
     for own in ({"temperature": 0.9, "top_p": 0.9, "top_k": 20}, {"temperature": 0.9, "top_k": 5},
@@ -96,3 +96,37 @@ def test_a_seeded_request_over_a_large_vocabulary_ignores_its_batch() -> None:
         for neighbour in ({"temperature": 1.0, "top_k": 700}, {"temperature": 1.0, "top_p": 0.5},
                           {"temperature": 1.0}, {"temperature": 0.0}):
             assert tokens(own, neighbour, batch=True) == alone, (own, neighbour)
+
+
+def test_a_seeded_request_draws_the_same_on_the_device_strategy(monkeypatch) -> None:
+    """The accelerator's path (top-p rows sort their whole vocabulary, nothing read on the host)
+    gives a seeded request the same tokens as the host's candidates-first path."""
+    from replicas import sampler
+
+    torch.manual_seed(2)
+    steps = torch.randn(4, 3, 1000) * 3
+    owns = ({"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.8, "top_k": 30, "top_p": 0.5},
+            {"temperature": 1.1}, {"temperature": 1.0, "top_k": 300})
+
+    def tokens() -> list[list[int]]:
+        rows = [req(**own, seed=21 + i) for i, own in enumerate(owns[:2])] + [req(temperature=0.0)]
+        more = [req(**own, seed=40 + i) for i, own in enumerate(owns[2:])]
+        return [sample(logits, rows) + sample(logits[:2], more) for logits in steps]
+
+    on_host = tokens()
+    monkeypatch.setattr(sampler, "is_host", lambda device: False)
+    assert tokens() == on_host
+
+
+def test_seeded_uniforms_are_uniform_and_independent_across_draws() -> None:
+    from replicas.sampler import _seed_keys, _uniforms
+
+    r = req(temperature=1.0, seed=5)
+    keys = torch.tensor([k for _ in range(2) for k in _seed_keys([r])])  # two consecutive draws
+    assert r.seeded_draws == 2 and keys[0] != keys[1]
+    u = _uniforms(keys, torch.arange(50_000).expand(2, -1))
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    counts = torch.histc(u[0], bins=10, min=0, max=1)
+    assert float((counts - 5000).abs().max()) < 5000 * 0.06
+    corr = torch.corrcoef(u)[0, 1]
+    assert abs(float(corr)) < 0.03

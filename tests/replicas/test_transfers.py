@@ -173,8 +173,8 @@ def test_each_pass_copies_in_once_and_out_once(monkeypatch) -> None:
     from replicas import sampler
 
     # The accelerator's sampling strategy (top-p rows sort their vocabulary, nothing is checked
-    # on the host), on CPU.
-    monkeypatch.setattr(sampler, "sorts_top_p", lambda device: True)
+    # or picked on the host), on CPU.
+    monkeypatch.setattr(sampler, "is_host", lambda device: False)
     engine = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_prefill_tokens=24,
                                                                   max_batch_total_tokens=2048))
     copies = count_passes(engine, PROMPTS * (len(PARAMS) // 2), PARAMS)
@@ -228,7 +228,9 @@ def main() -> None:
     args = p.parse_args()
     from replicas import sampler
 
-    if args.device_sampling and hasattr(sampler, "sorts_top_p"):
+    if args.device_sampling and hasattr(sampler, "is_host"):
+        sampler.is_host = lambda device: False
+    elif args.device_sampling and hasattr(sampler, "sorts_top_p"):  # an older tree
         sampler.sorts_top_p = lambda device: True
     engine = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_prefill_tokens=24,
                                                                   max_batch_total_tokens=2048))
