@@ -20,16 +20,16 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 from transformers import PreTrainedTokenizerBase
 
 from replicas.protocol import GuidedDecoding, InvalidRequestError
 from replicas.transfer import HostPack, Staging
 
 if TYPE_CHECKING:
+    import llguidance
+
     from replicas.request import Request
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ POOL_MIN_ROWS = 8
 
 def grammar_text(guided: GuidedDecoding) -> str:
     """The llguidance grammar of a constraint; ValueError when its text does not parse."""
+    import llguidance  # on first use: a replica that never constrains output never loads it
+
     kind, spec = guided.kind, guided.spec
     if kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
@@ -101,6 +103,8 @@ class Grammars:
             grammar = grammar_text(guided)
         except ValueError as exc:
             raise InvalidRequestError(f"{param}: cannot be compiled: {exc}", param) from None
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._ll_tokenizer(param), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{param}: cannot be compiled: {matcher.get_error()}", param)
@@ -126,6 +130,9 @@ class Grammars:
         rows = [i for i, r in enumerate(requests) if r.guide is not None]
         if not rows:
             return None
+        import llguidance  # loaded already: a request with a guide had its grammar compiled
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+
         bitmask = np.empty((len(rows), self.words), dtype=np.int32)
         if POOL_THREADS >= 2 and len(rows) >= POOL_MIN_ROWS:
             if self._executor is None:
