@@ -14,6 +14,7 @@ import dataclasses
 
 import json
 import re
+from decimal import Decimal
 
 import jsonschema
 import pytest
@@ -74,6 +75,12 @@ def model_tok():
     return load_model("embedded:tiny")
 
 
+def validate(text: str, schema: dict) -> None:
+    """jsonschema's check of `text`, numbers read as decimals: in binary floating point 71.13 is
+    not a multiple of 0.01 (71.13 / 0.01 = 7112.999...), in the JSON text it is."""
+    exact = json.loads(json.dumps(schema), parse_float=Decimal)
+    jsonschema.validate(json.loads(text, parse_float=Decimal), exact)
+
 def engine(model_tok, **overrides) -> Engine:
     cfg = dict(policy="stall_free", max_batch_prefill_tokens=64, max_batch_total_tokens=16384,
                block_size=16, max_num_seqs=32)
@@ -102,7 +109,7 @@ def test_every_output_under_a_json_schema_parses_and_validates(model_tok) -> Non
     for out, schema, p in zip(outs, schemas, params):
         assert out.finish_reason == "stop", f"{out.text!r} did not complete in {MAX_TOKENS} tokens"
         assert len(out.token_ids) <= BOUND
-        jsonschema.validate(json.loads(out.text), schema)
+        validate(out.text, schema)
     reference = Engine(*model_tok, EngineConfig(max_batch_total_tokens=4096)).generate(PROMPTS, free)
     assert [o.token_ids for o in outs[len(prompts):]] == [r.token_ids for r in reference]
 
@@ -120,7 +127,7 @@ def test_outputs_still_validate_through_chunked_prefill_and_preemption(model_tok
     assert sum(o.num_preemptions for o in outs) > 0, "the test needs a preemption to mean anything"
     for out in outs:
         assert out.finish_reason == "stop"
-        jsonschema.validate(json.loads(out.text), schema)
+        validate(out.text, schema)
 
 
 def test_json_object_outputs_parse(model_tok) -> None:
@@ -183,5 +190,5 @@ def test_every_sample_of_n_is_constrained(model_tok) -> None:
     assert len(outs) == 4
     for out in outs:
         assert out.finish_reason == "stop", out.text
-        jsonschema.validate(json.loads(out.text), schema)
+        validate(out.text, schema)
     assert len({o.text for o in outs}) > 1
