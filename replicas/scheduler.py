@@ -35,6 +35,11 @@ from replicas.protocol import ReplicaLoad
 from replicas.request import Request, RequestStatus
 
 
+# Under stall_free, while prompts wait to start, the prompts already prefilling leave this share
+# of a pass's prompt budget to waiting prompts that fit in it whole (what they leave goes back).
+QUEUE_SHARE = 0.5
+
+
 @dataclass
 class ScheduledSeq:
     """`num_tokens` tokens of `request` starting at position `start` run in this pass."""
@@ -233,28 +238,56 @@ class Scheduler:
             if nxt is not None:
                 budget = self.prefill_budget(out.decodes, nxt, budget)
         # Prompts already started continue before new ones are admitted, leaving the running
-        # decodes the same headroom admission keeps.
+        # decodes the same headroom admission keeps. While prompts wait, those in progress take
+        # at most 1 - QUEUE_SHARE of the budget first: a waiting prompt that fits whole in the
+        # rest prefills now instead of after a long prompt's last chunk. Only whole ones jump
+        # ahead (no pile of half-done prompts), and what they leave goes back to the long one.
         reserve = self.watermark_blocks if out.decodes else 0
+        held = budget - int(budget * QUEUE_SHARE) if self.waiting else budget
+        cut = False  # a prompt in progress does not finish this pass
         for req in prefilling:
-            if budget <= 0:
-                return
-            budget -= self._schedule_chunk(out, req, budget, reserve=reserve)
+            n = self._schedule_chunk(out, req, held, reserve=reserve) if held > 0 else 0
+            held -= n
+            budget -= n
+            cut = cut or n < req.num_tokens - req.num_computed_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._waits_for_parent(req):
-                return
+                break
             # A preempted request, or another choice of a started one, has a stream running.
             started = req.num_preemptions > 0 or req.first_choice is not None
             if not started and self.may_admit is not None and not self.may_admit(
                     len(self.running), self.num_running_tokens, req):
-                return
-            reserve = self.watermark_blocks if self.running else 0
+                break
             prefix = self.blocks.cached_prefix(req)
-            n = self._fit(req, budget, reserve, prefix)
-            if n <= 0:
-                return  # strict order: the most urgent request waits for room
+            n = self._fit(req, budget, self.watermark_blocks if self.running else 0, prefix)
+            need = req.num_tokens - (len(prefix) * self.blocks.block_size if prefix else req.num_computed_tokens)
+            if n <= 0 or (cut and n < need):
+                break  # strict order: the most urgent request waits for room
             self._admit(req, prefix)
             budget -= self._schedule_chunk(out, req, n, reserve=0)
+        if budget > 0 and prefilling:  # what the queue did not take goes back to them
+            self._extend_chunks(out, prefilling, budget, reserve)
+
+    def _extend_chunks(self, out: SchedulerOutput, prefilling: list[Request], budget: int,
+                       reserve: int) -> None:
+        """Grow the chunks of prompts in progress (or give one to those without) by up to
+        `budget` tokens in all, most urgent first."""
+        index = {id(s.request): i for i, s in enumerate(out.prefills)}
+        for req in prefilling:
+            if budget <= 0:
+                return
+            i = index.get(id(req))
+            if i is None:
+                budget -= self._schedule_chunk(out, req, budget, reserve=reserve)
+                continue
+            seq = out.prefills[i]
+            total = self._fit(req, seq.num_tokens + budget, reserve)
+            if total > seq.num_tokens:
+                ok = self.blocks.allocate(req.request_id, req.num_computed_tokens + total)
+                assert ok, "a fitted chunk must allocate"
+                out.prefills[i] = ScheduledSeq(req, seq.start, total)
+                budget -= total - seq.num_tokens
 
     def _schedule_dynamic(self, out: SchedulerOutput) -> None:
         budget = self.config.max_batch_prefill_tokens

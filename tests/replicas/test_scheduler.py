@@ -274,3 +274,35 @@ def test_the_scheduler_path_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_short_prompt_behind_a_long_one_starts_at_once_and_no_budget_is_lost():
+    s, clock = make("stall_free", mbp=16, mbt=512)
+    long = req("long", 100, 2, clock)
+    s.add(long)
+    assert tokens(step(s)) == {"long": 16}  # alone: the whole budget
+    short = req("short", 6, 5, clock)
+    s.add(short)
+    # The long prompt in progress leaves half the pass to the queue: the short one starts now,
+    # and the 2 tokens it does not need go back to the long one.
+    assert tokens(step(s)) == {"long": 10, "short": 6}
+    assert tokens(step(s)) == {"short": 1, "long": 15}  # short decodes; nothing waits
+    # A waiting request that cannot start (the running cap) leaves its share to the long prompt.
+    s.config = s.config.replace(max_num_seqs=2)
+    s.add(req("third", 4, 2, clock))
+    assert tokens(step(s)) == {"short": 1, "long": 15}
+
+
+def test_only_whole_prompts_jump_ahead_of_one_in_progress():
+    s, clock = make("stall_free", mbp=16, mbt=512)
+    a, b = req("a", 40, 2, clock), req("b", 40, 2, clock)
+    s.add(a)
+    s.add(b)
+    # b waits but does not fit whole in the queue's share: a takes the whole pass, twice.
+    assert tokens(step(s)) == {"a": 16}
+    assert tokens(step(s)) == {"a": 16}
+    assert tokens(step(s)) == {"a": 8, "b": 8}  # a finishes: b starts as before, cut to fit
+    c = req("c", 3, 2, clock)
+    s.add(c)
+    # b in progress takes its half first, c fits whole in the rest, the last 4 go back to b.
+    assert tokens(step(s)) == {"a": 1, "b": 12, "c": 3}
