@@ -28,8 +28,9 @@ records the mode and what /health said (`proxy_door`, `niceness`). Phases:
 3. overload (not with `--soak`): `--factor` x that rate for `--duration-s`. Per request: status,
    time to headers, TTFT, every inter-chunk gap, `[DONE]`, in-band error events, cut streams
    (ended without `[DONE]` and without an error event), 429 Retry-After / OpenAI error shape.
-4. recovery: one probe (`--probe-max-tokens` long) every `--probe-interval-s` right after the
-   overload; seconds until the probes are answered normally (200, TTFT <=
+4. recovery: one probe (`--probe-max-tokens` long) every `--probe-interval-s` (default: the
+   sustainable rate's mean interval, at least 0.5 s: faster probes are an overload of their own)
+   right after the overload; seconds until the probes are answered normally (200, TTFT <=
    `--recovery-ttft-factor` x unloaded) from then on.
 5. RSS (every second, whole run) of the Ray workers titled `ray::ServeReplica:<app>:LLMServer`,
    `...:OpenAIIngress`, and the HTTP `ray::ProxyActor`: start (just before the overload), peak,

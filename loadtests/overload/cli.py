@@ -199,7 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     by_mode("--baseline-s", f, "seconds at the sustainable rate whose p99s are the overload's "
             "baseline (0: the search step's)")
     by_mode("--recovery-s", f, "seconds of recovery probes")
-    add("--probe-interval-s", type=f, default=0.5, help="recovery probe spacing")
+    add("--probe-interval-s", type=f, default=None,
+        help="recovery probe spacing (default: the sustainable rate's mean interval, at least 0.5 s)")
     add("--probe-max-tokens", type=i, default=16, help="recovery probes' output tokens (at most --max-tokens)")
     add("--recovery-ttft-factor", type=f, default=5.0, help="normal: TTFT <= this x unloaded")
     add("--recovery-target-s", type=f, default=5.0, help="target: normal service within this")

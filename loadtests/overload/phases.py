@@ -155,11 +155,21 @@ def with_steady_baseline(found: dict[str, Any], st: dict[str, Any]) -> dict[str,
             "baseline_tbt_p99_s": st["tbt_p99_s"], "baseline_ttft_p99_s": st["ttft_p99_s"]}
 
 
-async def recovery(ctx: Ctx, unloaded_ttft_s: float) -> dict[str, Any]:
-    """Probes every `--probe-interval-s` for `--recovery-s`, from right after the overload."""
+def probe_interval_s(given: float | None, sustainable_req_s: float) -> float:
+    """The recovery probes' spacing: as given, else the sustainable rate's mean interval (at least
+    MIN_PROBE_INTERVAL_S). Probes are load too: faster than the sustainable rate they are an
+    overload of their own, refused for as long as the server stays full, however well it recovers."""
+    return given if given is not None else max(MIN_PROBE_INTERVAL_S, 1.0 / sustainable_req_s)
+
+
+MIN_PROBE_INTERVAL_S = 0.5
+
+
+async def recovery(ctx: Ctx, unloaded_ttft_s: float, interval_s: float) -> dict[str, Any]:
+    """Probes every `interval_s` for `--recovery-s`, from right after the overload."""
     a = ctx.args
-    n = int(a.recovery_s / a.probe_interval_s) + 1
-    offsets = [i * a.probe_interval_s for i in range(n)]
+    n = int(a.recovery_s / interval_s) + 1
+    offsets = [i * interval_s for i in range(n)]
     # Short answers: a probe asks whether a new request is served normally again, and probes of
     # --max-tokens each (2 a second of 256-token streams) were on a slow day an overload of their own.
     specs = uniform_specs(np.random.default_rng(a.seed + 3000), n, ctx.model, ctx.words,
@@ -170,7 +180,7 @@ async def recovery(ctx: Ctx, unloaded_ttft_s: float) -> dict[str, Any]:
     bound = a.recovery_ttft_factor * unloaded_ttft_s
     probes = [(r.sched_s, classify(r) == "ok" and r.ttft_s is not None and r.ttft_s <= bound, r.ttft_s)
               for r in run.recs]
-    return {"normal_ttft_bound_s": bound, "recovery_s": recovery_seconds(probes),
+    return {"normal_ttft_bound_s": bound, "interval_s": interval_s, "recovery_s": recovery_seconds(probes),
             "probes": [{"sent_s": round(t, 2), "normal": ok, "category": classify(r),
                         "status": r.status, "ttft_s": None if tt is None else round(tt, 4)}
                        for (t, ok, tt), r in zip(probes, run.recs)]}
@@ -201,7 +211,8 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
             run = await open_loop(ctx.client, specs, offsets, a.timeout_s, bar)
         t_end = time.monotonic()
         watcher.cancel()
-        rec_task = asyncio.create_task(recovery(ctx, warm["ttft_p50_s"]))
+        interval = probe_interval_s(a.probe_interval_s, rate / a.factor)
+        rec_task = asyncio.create_task(recovery(ctx, warm["ttft_p50_s"], interval))
         await drain(run, None)  # every request is bounded by --timeout-s
         drained_after_s = time.monotonic() - t_end
         rec = await rec_task

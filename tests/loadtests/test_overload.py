@@ -179,6 +179,12 @@ def test_sustainable_rate() -> None:
     assert search.sustainable_rate([(2.0, False), (1.0, False)]) is None
 
 
+def test_recovery_probes_come_no_faster_than_the_sustainable_rate() -> None:
+    assert phases.probe_interval_s(None, 1.0) == 1.0  # 1 req/s sustained: a probe a second
+    assert phases.probe_interval_s(None, 8.0) == phases.MIN_PROBE_INTERVAL_S == 0.5
+    assert phases.probe_interval_s(0.25, 1.0) == 0.25  # as given
+
+
 def test_recovery_seconds_needs_every_later_probe_normal() -> None:
     assert search.recovery_seconds([(0.0, True, 0.02), (0.5, True, 0.02)]) == pytest.approx(0.02)
     probes = [(0.0, False, 9.0), (0.5, True, 0.05), (1.0, False, 3.0), (1.5, True, 0.04),
