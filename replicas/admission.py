@@ -36,6 +36,7 @@ class PassRecord(Protocol):
     duration: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    prefill_budget: int | None  # the SLO budget's prompt tokens for the pass (None: the fixed budget)
 
 
 def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: float | None,
@@ -82,15 +83,21 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
 
 def _capacity(recent: Sequence[PassRecord], budget_tokens: int) -> float:
     """Prompt tokens per second the passes could prefill with the budget left after the newest
-    pass's decodes. A pass's time grows with the tokens it carries, so a full pass costs the
-    per-token time of the recent passes that prefilled: quick decode-only passes must not promise
-    a quick prefill (a burst admitted on that promise waits past its deadline). With no pass that
-    prefilled, the decode-only passes' time is all there is."""
-    left = max(0, budget_tokens - recent[0].num_decode_tokens)
+    pass's decodes (under a TBT SLO, at most the prompt budget the SLO gave that pass: with many
+    streams decoding it is a small part of the fixed one). A pass's time grows with the tokens it
+    carries, so a full pass (those decodes and that budget) costs the per-token time of the recent
+    passes that prefilled: quick decode-only passes must not promise a quick prefill (a burst
+    admitted on that promise waits past its deadline). With no pass that prefilled, the
+    decode-only passes' time is all there is."""
+    newest = recent[0]
+    left = max(0, budget_tokens - newest.num_decode_tokens)
+    if newest.prefill_budget is not None:
+        left = min(left, newest.prefill_budget)
     prefilled = [p for p in recent if p.num_prefill_tokens]
     if prefilled:
         tokens = sum(p.num_prefill_tokens + p.num_decode_tokens for p in prefilled)
-        return left / max(budget_tokens * sum(p.duration for p in prefilled) / tokens, 1e-6)
+        full = newest.num_decode_tokens + left
+        return left / max(full * sum(p.duration for p in prefilled) / tokens, 1e-6)
     busy = sum(p.duration for p in recent)
     return sum(max(0, budget_tokens - p.num_decode_tokens) for p in recent) / max(busy, 1e-6)
 

@@ -17,6 +17,7 @@ class Pass:
     duration: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    prefill_budget: int | None = None
 
 
 def test_admits_empty_queue_always_and_otherwise_within_the_bound() -> None:
@@ -47,6 +48,18 @@ def test_a_full_pass_costs_what_prefilling_passes_cost_per_token() -> None:
     per_token = 0.4 / 200  # the prefilling passes: 400 ms for 200 tokens
     assert rate is not None and abs(rate - (256 - 20) / (256 * per_token)) < 1e-6
     assert rate < (256 - 20) / 0.02 / 10  # a tenth of what the decode-only passes promised
+
+
+def test_under_a_tbt_slo_a_full_pass_is_the_prompt_budget_the_slo_gave() -> None:
+    """With many streams decoding the SLO leaves a pass few prompt tokens: the capacity is priced
+    with those, not with the fixed budget (a burst admitted on the fixed one waited past its
+    deadline)."""
+    passes = [Pass(t / 10, 0.1, 30, 60, prefill_budget=30) for t in range(10)]
+    rate = drain_rate(passes, 512, backlog_since=None, now=1.0)
+    per_token = 1.0 / 900  # 10 passes of 90 tokens in 1 s
+    assert rate is not None and abs(rate - 30 / (90 * per_token)) < 1e-6  # 300 tokens/s
+    fixed = drain_rate([Pass(t / 10, 0.1, 30, 60) for t in range(10)], 512, backlog_since=None, now=1.0)
+    assert fixed is not None and abs(fixed - 452 / (512 * per_token)) < 1e-6 and rate < fixed / 2
 
 
 def test_drain_rate_only_reads_the_recent_window() -> None:
