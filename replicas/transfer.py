@@ -97,7 +97,7 @@ def download(parts: Sequence[torch.Tensor]) -> list[np.ndarray]:
     copied, split back into flat numpy arrays of their own dtypes."""
     if not parts:
         return []
-    raw = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+    raw = torch.cat([_bytes(p) for p in parts])
     host = raw.cpu().numpy()
     out, offset = [], 0
     for p in parts:
@@ -105,6 +105,14 @@ def download(parts: Sequence[torch.Tensor]) -> list[np.ndarray]:
         out.append(host[offset:offset + n].view(_NUMPY_DTYPES[p.dtype]))
         offset += n
     return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as a flat uint8 tensor (an empty one may carry any strides: numpy's
+    argmax over no rows has stride 0, which `view` refuses)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,

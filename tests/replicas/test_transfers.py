@@ -255,3 +255,13 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def test_download_takes_empty_parts_whatever_their_strides() -> None:
+    from replicas.transfer import download
+
+    import numpy as np
+
+    no_rows = torch.from_numpy(np.zeros((0, 5), np.float32).argmax(axis=-1))  # stride 0 in numpy
+    out = download([torch.tensor([3, 4]), no_rows, torch.tensor([1.5])])
+    assert out[0].tolist() == [3, 4] and out[1].size == 0 and out[2].tolist() == [1.5]
