@@ -47,7 +47,7 @@ def tree(procs: dict[int, Proc], roots: Iterable[int], mark: str | None = None) 
 
 def terminate(started: dict[int, int], grace_s: float = 10.0) -> None:
     """SIGTERM each process of `started` (pid -> start time); SIGKILL the ones still there after
-    `grace_s`. A pid whose start time differs is another process that took a freed number: left alone."""
+    `grace_s`, and wait (up to `grace_s` again) until they are gone. A pid whose start time differs is another process that took a freed number: left alone."""
     pending = set(started)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         now = table()
@@ -58,8 +58,10 @@ def terminate(started: dict[int, int], grace_s: float = 10.0) -> None:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+        # SIGTERM gets the grace period; a SIGKILLed process is gone once the kernel has torn it
+        # down, which on a busy machine is not at once: wait for that too.
         deadline = time.monotonic() + grace_s
-        while sig == signal.SIGTERM and pending and time.monotonic() < deadline:
+        while pending and time.monotonic() < deadline:
             time.sleep(0.2)
             pending = {pid for pid in pending if not ended(pid)}
 
