@@ -216,16 +216,20 @@ def _greedy_picks(x: torch.Tensor, p: SamplingPlan) -> torch.Tensor:
     when every row draws."""
     if p.draw is not None and p.draw.num_plain + p.draw.num_filtered == x.shape[0]:
         return torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    if is_host(x.device):
-        return torch.from_numpy(x.float().numpy().argmax(axis=-1))
-    return x.argmax(dim=-1)
+    return _row_argmax(x)
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:
-    """Row-wise argmax, the pass's one copy back (on the host: numpy's)."""
-    if is_host(logits.device):
-        return logits.float().numpy().argmax(axis=-1).tolist()
-    return download([logits.argmax(dim=-1)])[0].tolist()
+    """Row-wise argmax, the pass's one copy back."""
+    picks = _row_argmax(logits)
+    return (picks if is_host(logits.device) else download([picks])[0]).tolist()
+
+
+def _row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """(N,) each row's argmax, on x's device (on the host: numpy's)."""
+    if is_host(x.device):
+        return torch.from_numpy(x.float().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _scored(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[torch.Tensor]:

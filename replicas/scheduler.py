@@ -243,13 +243,14 @@ class Scheduler:
         # rest prefills now instead of after a long prompt's last chunk. Only whole ones jump
         # ahead (no pile of half-done prompts), and what they leave goes back to the long one.
         reserve = self.watermark_blocks if out.decodes else 0
-        held = budget - int(budget * QUEUE_SHARE) if self.waiting else budget
+        shared = bool(self.waiting)  # the prompts in progress leave the queue its share
+        held = budget - int(budget * QUEUE_SHARE) if shared else budget
         cut = False  # a prompt in progress does not finish this pass
         for req in prefilling:
             n = self._schedule_chunk(out, req, held, reserve=reserve) if held > 0 else 0
             held -= n
             budget -= n
-            cut = cut or n < req.num_tokens - req.num_computed_tokens
+            cut = cut or n < req.num_tokens_to_compute
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._waits_for_parent(req):
@@ -261,12 +262,11 @@ class Scheduler:
                 break
             prefix = self.blocks.cached_prefix(req)
             n = self._fit(req, budget, self.watermark_blocks if self.running else 0, prefix)
-            need = req.num_tokens - (len(prefix) * self.blocks.block_size if prefix else req.num_computed_tokens)
-            if n <= 0 or (cut and n < need):
+            if n <= 0 or (cut and n < req.num_tokens_to_compute - len(prefix) * self.blocks.block_size):
                 break  # strict order: the most urgent request waits for room
             self._admit(req, prefix)
             budget -= self._schedule_chunk(out, req, n, reserve=0)
-        if budget > 0 and prefilling:  # what the queue did not take goes back to them
+        if shared and budget > 0 and prefilling:  # what the queue did not take goes back to them
             self._extend_chunks(out, prefilling, budget, reserve)
 
     def _extend_chunks(self, out: SchedulerOutput, prefilling: list[Request], budget: int,

@@ -155,14 +155,14 @@ def with_steady_baseline(found: dict[str, Any], st: dict[str, Any]) -> dict[str,
             "baseline_tbt_p99_s": st["tbt_p99_s"], "baseline_ttft_p99_s": st["ttft_p99_s"]}
 
 
+MIN_PROBE_INTERVAL_S = 0.5
+
+
 def probe_interval_s(given: float | None, sustainable_req_s: float) -> float:
     """The recovery probes' spacing: as given, else the sustainable rate's mean interval (at least
     MIN_PROBE_INTERVAL_S). Probes are load too: faster than the sustainable rate they are an
     overload of their own, refused for as long as the server stays full, however well it recovers."""
     return given if given is not None else max(MIN_PROBE_INTERVAL_S, 1.0 / sustainable_req_s)
-
-
-MIN_PROBE_INTERVAL_S = 0.5
 
 
 async def recovery(ctx: Ctx, unloaded_ttft_s: float, interval_s: float) -> dict[str, Any]:
