@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -120,6 +121,8 @@ class LLMServer:
         self._drain_tps: float | None = None
         self._drain_at = float("-inf")
         self._backlog_since: float | None = None  # when the waiting queue last became non-empty
+        self._drain_lock = threading.Lock()  # the event loop and the engine's loop thread both ask
+        engine.drain_rate = self.drain_tps  # the engine refuses at once who would wait past the deadline
         logger.info("replica ready: %s", self.model_info())
 
     # ---- generation ------------------------------------------------------------------
@@ -141,6 +144,7 @@ class LLMServer:
             # Capped: across hosts the clocks may disagree, and skew must not expire requests.
             credit = min(max(0.0, time.time() - arrived_at), self._max_transit_credit_s)
             arrival = time.perf_counter() - credit
+        arrived = arrival if arrival is not None else time.perf_counter()
         batch = prompt_batch(prompt_token_ids)
         num_prompt_tokens = sum(len(p) for p in batch)
         try:
@@ -164,8 +168,8 @@ class LLMServer:
                 if out.finish_reason == "queue_timeout":
                     if not first:  # never expected (once choice 0 is scheduled no choice expires,
                         # Scheduler.expire): fail the stream in-band rather than pass for a choice
-                        raise self._queue_timeout(num_prompt_tokens)
-                    yield self._queue_timeout(num_prompt_tokens)
+                        raise self._queue_timeout(num_prompt_tokens, time.perf_counter() - arrived)
+                    yield self._queue_timeout(num_prompt_tokens, time.perf_counter() - arrived)
                     return
                 yield out
         except InvalidRequestError as rejected:  # the loop refused it at intake (a duplicate id)
@@ -221,14 +225,24 @@ class LLMServer:
                 f"{self.config.options.max_queued_tokens}, or what drains within engine.queue_timeout_s); "
                 f"retry after {retry} s", None, retry)
 
-    def _queue_timeout(self, num_prompt_tokens: int) -> QueueTimeoutError:
+    def _queue_timeout(self, num_prompt_tokens: int, waited_s: float) -> QueueTimeoutError:
         timeout = self.config.engine.queue_timeout_s
-        retry = admission.retry_after_s(self.queued_tokens + num_prompt_tokens, self.drain_tps())
-        return QueueTimeoutError(f"the request waited {timeout} s (queue_timeout_s) without being "
-                                 f"scheduled: the server is overloaded; retry after {retry} s", None, retry)
+        drain = self.drain_tps()
+        retry = admission.retry_after_s(self.queued_tokens + num_prompt_tokens, drain)
+        if waited_s < timeout:  # refused early: the queue ahead drains too slowly (Scheduler.expire)
+            why = (f"after {waited_s:.1f} s in the queue: at the rate it drains ({drain or 0:.0f} prompt "
+                   f"tokens/s) it would not be scheduled within queue_timeout_s ({timeout} s)")
+        else:
+            why = f"after waiting {timeout} s (queue_timeout_s) without being scheduled"
+        return QueueTimeoutError(f"the request was refused {why}: the server is overloaded; "
+                                 f"retry after {retry} s", None, retry)
 
     def drain_tps(self) -> float | None:
         """Waiting prompt tokens prefilled per second lately (`admission.drain_rate`), cached."""
+        with self._drain_lock:
+            return self._drain_tps_locked()
+
+    def _drain_tps_locked(self) -> float | None:
         now = time.perf_counter()
         if now - self._drain_at >= DRAIN_REFRESH_S:
             engine = self.engine.engine

@@ -9,7 +9,7 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -137,6 +137,10 @@ class Engine:
         self.last_load: ReplicaLoad = self.scheduler.load()  # refreshed after every change
         # Called after every iteration with (stats, batch, engine): metrics, load reports.
         self.observers: list[EngineObserver] = []
+        # The rate its waiting prompt tokens drain (tokens/s; None: unknown), set by whoever
+        # measures it (the replica): a waiting request predicted to start past the queue
+        # deadline is refused at once (`Scheduler.expire`). Called on the loop thread.
+        self.drain_rate: Callable[[], float | None] | None = None
         if self.pass_time is not None:
             self.profile_passes()  # the model is fitted before the first request: no guessing
 
@@ -290,8 +294,10 @@ class Engine:
         return sample(logits.sampled, logits.prompt, logits.sampling, logits.pack, self.logits_processors)
 
     def _expire(self) -> list[RequestOutput]:
-        """Requests past the queue deadline leave before the pass is scheduled."""
-        expired = self.scheduler.expire(self.scheduler.clock())
+        """Requests past the queue deadline, or predicted to start past it, leave before the pass
+        is scheduled."""
+        drain = self.drain_rate() if self.drain_rate is not None and self.scheduler.waiting else None
+        expired = self.scheduler.expire(self.scheduler.clock(), drain)
         if not expired:
             return []
         self.last_load = self.scheduler.load()

@@ -61,7 +61,8 @@ class QueueFullError(RequestRejected):
 
 
 class QueueTimeoutError(QueueFullError):
-    """The request waited past the queue deadline without being scheduled: retry later."""
+    """The request was not scheduled within the queue deadline, or was predicted not to be (the
+    queue ahead drains too slowly): retry later."""
 
     default_code = "queue_timeout"
 

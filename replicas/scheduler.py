@@ -184,8 +184,12 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=self.urgency)
         self.num_waiting_tokens += request.num_tokens_to_compute
 
-    def expire(self, now: float) -> list[Request]:
-        """Finish the waiting requests never scheduled within `queue_timeout_s` of arrival.
+    def expire(self, now: float, drain_tps: float | None = None) -> list[Request]:
+        """Finish the waiting requests that will not be scheduled within `queue_timeout_s` of
+        arrival: those past the deadline, and, given the rate the queue drains (`drain_tps`,
+        prompt tokens per second; None or 0: unknown), those whose predicted start (the tokens
+        waiting ahead of them, drained at that rate) already lies past it. Refused now, not at
+        the deadline: the answer is the same, and the client hears it seconds sooner.
 
         A preempted request (scheduled before, its client already has tokens) never expires, nor
         does another choice of a request whose choice 0 was scheduled (its stream has started).
@@ -193,9 +197,16 @@ class Scheduler:
         timeout = self.config.queue_timeout_s
         if timeout is None or not self.waiting:
             return []
-        expired = [r for r in self.waiting
-                   if r.first_scheduled_time is None and now - r.arrival_time > timeout
-                   and (r.first_choice is None or r.first_choice.first_scheduled_time is None)]
+        expired = []
+        ahead = 0  # tokens to compute of the requests before this one (most urgent first)
+        for r in self.waiting:
+            fresh = r.first_scheduled_time is None and (
+                r.first_choice is None or r.first_choice.first_scheduled_time is None)
+            start = now + ahead / drain_tps if drain_tps else now
+            if fresh and start - r.arrival_time > timeout:
+                expired.append(r)  # it leaves: the ones behind it do not wait for it
+            else:
+                ahead += r.num_tokens_to_compute
         for req in expired:
             self.finish(req, RequestStatus.FINISHED_QUEUE_TIMEOUT)
         return expired

@@ -55,7 +55,8 @@ REFUSERS = (("the requests before this one wait", "proxy: queueing"),
             ("the replicas' queues take", "ingress: token gate"),
             ("without reaching a model replica", "ingress: queue deadline"),
             ("the replica's queue is full", "replica: queue bound"),
-            ("without being scheduled", "replica: queue deadline"))
+            ("without being scheduled", "replica: queue deadline"),
+            ("it would not be scheduled within", "replica: predicted past deadline"))
 
 
 def refuser(message: str) -> str:

@@ -17,8 +17,8 @@ from replicas.config import ReplicaConfig, ReplicaOptions
 from replicas.deployment import LLMServer, build_engine
 from replicas.engine import activation_bytes, kv_memory_bytes, weight_bytes
 from replicas.models import load_model, model_max_length
-from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, ReplicaLoad, ReplicaUnhealthyError,
-                               RequestRejected)
+from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError, ReplicaLoad,
+                               ReplicaUnhealthyError, RequestRejected)
 
 MODEL = "embedded:tiny"
 CAP = 64
@@ -98,6 +98,33 @@ async def test_queue_cap_refuses_with_retry_after(server: LLMServer, await_until
     await running.aclose()
     await await_until(lambda: idle_load(server), what="both requests gone")
     assert server.queued_tokens == 0
+
+
+@module_loop
+async def test_a_request_the_queue_would_start_past_its_deadline_is_refused_at_once(await_until: Callable) -> None:
+    """The engine asks the replica for its drain rate: at 1 prompt token/s, a prompt behind 40
+    waiting tokens would start 40 s after arrival, past the 30 s deadline, so it is refused now
+    (a 429 with Retry-After that says why), not in 30 s; the one in front keeps waiting."""
+    srv = make_server(EngineConfig(max_num_seqs=1, max_batch_total_tokens=1024, queue_timeout_s=30.0),
+                      max_queued_tokens=4096)
+    try:
+        assert srv.engine.engine.drain_rate == srv.drain_tps  # wired to the replica's measure
+        running = srv.generate([5] * 8, SamplingParams(max_tokens=1000, ignore_eos=True), 0, "long")
+        await anext(running)
+        await anext(running)  # a token: it holds the only slot
+        srv.engine.engine.drain_rate = lambda: 1.0
+        front = srv.generate([5] * 40, SamplingParams(max_tokens=1), 0, "front")
+        assert isinstance(await anext(front), Acknowledged)
+        [ack, refused] = await drain(srv, [5] * 40, {"max_tokens": 1}, "behind")
+        assert isinstance(ack, Acknowledged) and isinstance(refused, QueueTimeoutError)
+        assert "it would not be scheduled within queue_timeout_s (30.0 s)" in refused.message
+        assert 1 <= refused.retry_after_s <= 60
+        assert srv.load().num_waiting == 1  # the front one stays
+        await front.aclose()
+        await running.aclose()
+        await await_until(lambda: idle_load(srv), what="both requests gone")
+    finally:
+        srv.shutdown()
 
 
 @module_loop

@@ -135,8 +135,11 @@ def test_summarize_counts_latencies_and_rejections() -> None:
      "ingress: in-flight limit"),
     ("the server is at capacity: 900 prompt tokens wait and this request adds 50, over the bound of "
      "800 the replicas' queues take; retry after 2 s", "ingress: token gate"),
-    ("the request waited 10.0 s (queue_timeout_s) without being scheduled: the server is overloaded",
-     "replica: queue deadline"),
+    ("the request was refused after waiting 10.0 s (queue_timeout_s) without being scheduled: the "
+     "server is overloaded; retry after 3 s", "replica: queue deadline"),
+    ("the request was refused after 1.2 s in the queue: at the rate it drains (300 prompt tokens/s) it "
+     "would not be scheduled within queue_timeout_s (5.0 s): the server is overloaded; retry after 3 s",
+     "replica: predicted past deadline"),
     ("Service Unavailable", "other")])
 def test_refuser_names_the_bound_from_the_message(message: str, who: str) -> None:
     assert records.refuser(message) == who

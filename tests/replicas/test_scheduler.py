@@ -236,6 +236,34 @@ def test_expire_takes_only_never_scheduled_requests_past_the_deadline():
     assert s.expire(clock.t) == [fresh]
 
 
+def test_expire_refuses_at_once_who_the_queue_would_start_past_the_deadline():
+    """With the drain rate known, a request whose predicted start (tokens waiting ahead of it /
+    rate) lies past its deadline leaves now; those behind it no longer wait for its tokens, and a
+    request that has a stream running (preempted) stays whatever the prediction."""
+    cfg = EngineConfig(max_batch_prefill_tokens=16, max_batch_total_tokens=1024, block_size=4,
+                       queue_timeout_s=2.5)
+    clock = FakeClock()
+    s = Scheduler(cfg, BlockManager(256, 4), clock)
+    a, b, c, d = (req(r, 100, 4, clock) for r in "abcd")  # arrive at 0, 1, 2 and 3 ms
+    e = req("e", 10, 4, clock)
+    for r in (a, b, c, d, e):
+        s.add(r)
+    now = clock.t
+    assert s.expire(now, drain_tps=None) == []  # no rate: only the deadline counts
+    # 100 tokens/s: a starts now, b in 1 s, c in 2 s (all within 2.5 s of arrival), d in 3 s:
+    # d leaves; e then waits behind 300 tokens, 3 s: it leaves as well.
+    assert s.expire(now, drain_tps=100.0) == [d, e]
+    assert [r.request_id for r in s.waiting] == ["a", "b", "c"]
+    assert s.num_waiting_tokens == 300
+    assert d.finish_reason == "queue_timeout"
+    # At 200 tokens/s everyone left starts within 1 s.
+    assert s.expire(now, drain_tps=200.0) == []
+    # A preempted request is never refused: it counts ahead of the rest, and the rest go.
+    c.first_scheduled_time = now  # c ran before and was preempted: its client has tokens
+    assert s.expire(now + 1.6, drain_tps=100.0) == [b]  # b would start 2.6 s after arrival; c stays
+    assert [r.request_id for r in s.waiting] == ["a", "c"]
+
+
 def test_without_a_deadline_nothing_expires():
     s, clock = make("stall_free")
     r = req("a", 4, 4, clock)
