@@ -6,14 +6,17 @@ the same rule and a 429's Retry-After means the same thing wherever it is comput
 
 The bound a replica's waiting queue may hold is derived from its own budgets:
 
-    bound = clamp(drain_tps * queue_timeout_s * QUEUE_FILL, floor = max_batch_prefill_tokens,
-                  ceiling = max_queued_tokens)
+    bound = min(drain_tps * queue_timeout_s * QUEUE_FILL, max_queued_tokens)
 
 where `drain_tps` is the rate at which its waiting prompt tokens are actually being prefilled
 (measured; see `drain_rate`). A prompt admitted past that bound would wait longer than the queue
-deadline for its first pass, and be refused then, after occupying the queue: refusing it at once
-is cheaper for everyone. Without a deadline the bound is `max_queued_tokens`. An empty queue
-always admits (so one prompt longer than the bound is still served).
+deadline for its first pass, and be refused then (`Scheduler.expire` refuses it as soon as its
+predicted start passes the deadline), after occupying the queue: refusing it at once is cheaper
+for everyone. The queue is filled to a fraction of the deadline because the drain slows as the
+requests admitted start decoding (under a TBT SLO their decodes shrink each pass's prompt
+budget): a request must not be admitted on a rate that will not hold until its start. Without
+a deadline the bound is `max_queued_tokens`. An empty queue always admits (so one prompt longer
+than the bound is still served, and a stalled queue, bound 0, keeps one request at its head).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Protocol
 MAX_RETRY_AFTER_S = 60
 DRAIN_WINDOW_S = 2.0  # passes this recent measure the drain rate
 MIN_BACKLOG_S = 0.5  # a backlog younger than this is judged by capacity, not by what it achieved
-QUEUE_FILL = 0.8  # admit up to 80% of what drains within the deadline: arrivals keep coming
+QUEUE_FILL = 0.25  # admit a quarter of what drains within the deadline (see above)
 
 
 class PassRecord(Protocol):
@@ -37,6 +40,7 @@ class PassRecord(Protocol):
     num_prefill_tokens: int
     num_decode_tokens: int
     prefill_budget: int | None  # the SLO budget's prompt tokens for the pass (None: the fixed budget)
+    queue_held: bool  # SLO admission held the waiting head back: nothing starts until a stream ends
 
 
 def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: float | None,
@@ -52,7 +56,8 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
     arriving at an idle replica is not judged by the quiet second before it. Without a backlog,
     or with a younger one, the achieved rate only shows the arrivals, so the capacity of the
     recent passes counts too: per pass, the token budget left after its decodes; with no recent
-    pass, None (unmeasured).
+    pass, None (unmeasured). When the newest pass's SLO admission held the waiting head back,
+    nothing starts until a stream ends: 0.0 (stalled), whatever the passes show.
 
     `running_since`: when the pass in progress began (None: none is). The backlog is judged up to
     then: a pass still running has prefilled nothing yet that the record shows, and one long
@@ -60,6 +65,8 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
     stalled queue; counted as one, it had refused prompts an idle second later would take.
     """
     seen = now if running_since is None else min(now, running_since)  # what completed passes show
+    if passes and backlog_since is not None and passes[-1].queue_held:
+        return 0.0
     if backlog_since is not None and seen - backlog_since >= min_backlog_s:
         start = max(seen - window_s, backlog_since)
         achieved = 0
@@ -102,17 +109,15 @@ def _capacity(recent: Sequence[PassRecord], budget_tokens: int) -> float:
     return sum(max(0, budget_tokens - p.num_decode_tokens) for p in recent) / max(busy, 1e-6)
 
 
-def queue_bound(max_queued_tokens: int, prefill_budget: int, drain_tps: float | None,
-                queue_timeout_s: float | None) -> int:
+def queue_bound(max_queued_tokens: int, drain_tps: float | None, queue_timeout_s: float | None) -> int:
     """Waiting prompt tokens a replica admits (see the module docstring).
 
-    Unmeasured (None) or no deadline: `max_queued_tokens`. A stalled queue (0.0) takes only
-    the floor, one prefill budget: what it would drain first once it moves.
+    Unmeasured (None) or no deadline: `max_queued_tokens`. A stalled queue (0.0): 0, so only an
+    empty one admits (whoever waited behind its head would be refused at once, `Scheduler.expire`).
     """
-    floor = min(prefill_budget, max_queued_tokens)
     if queue_timeout_s is None or drain_tps is None:
         return max_queued_tokens
-    return max(floor, min(max_queued_tokens, int(drain_tps * queue_timeout_s * QUEUE_FILL)))
+    return min(max_queued_tokens, int(drain_tps * queue_timeout_s * QUEUE_FILL))
 
 
 def admits(queued_tokens: int, prompt_tokens: int, bound: int) -> bool:

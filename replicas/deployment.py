@@ -259,8 +259,8 @@ class LLMServer:
 
     def queue_bound_tokens(self) -> int:
         engine = self.config.engine
-        return admission.queue_bound(self.config.options.max_queued_tokens, engine.max_batch_prefill_tokens,
-                                     self.drain_tps(), engine.queue_timeout_s)
+        return admission.queue_bound(self.config.options.max_queued_tokens, self.drain_tps(),
+                                     engine.queue_timeout_s)
 
     @property
     def queued_tokens(self) -> int:

@@ -65,6 +65,7 @@ class IterationStats:
     context_tokens: int  # KV tokens attended over all sequences
     num_preempted: int = 0
     num_stalled: int = 0  # running requests that were decoding but got no token this pass
+    queue_held: bool = False  # SLO admission held the waiting head back (the streams are full)
     # The SLO budget (EngineConfig.tbt_slo_ms): the pass's prefill budget and predicted time;
     # budget None when the fixed one applied (no SLO, no decodes, or the model untrusted).
     prefill_budget: int | None = None
@@ -406,7 +407,7 @@ class Engine:
         stats = IterationStats(
             start, end - start, shape.prefill_tokens, shape.decode_tokens, shape.sequences,
             shape.context_tokens, len(batch.preempted),
-            num_stalled=batch.num_stalled, predicted_s=predicted, cpu_s=cpu_s)
+            num_stalled=batch.num_stalled, queue_held=batch.head_held, predicted_s=predicted, cpu_s=cpu_s)
         if self.slo_budget is not None:
             stats.prefill_budget, stats.budget_fallback = self.slo_budget.last, self.slo_budget.fallback
             stats.pass_target_s = self.slo_budget.last_target_s

@@ -66,6 +66,8 @@ class SchedulerOutput:
     # Running requests that were decoding but get no token this pass (dynamic and static run a
     # prefill pass without the decodes; stall_free never skips one).
     num_stalled: int = 0
+    # SLO admission held the queue's head back: no new request starts until a stream ends.
+    head_held: bool = False
 
     @property
     def seqs(self) -> list[ScheduledSeq]:
@@ -202,7 +204,10 @@ class Scheduler:
         for r in self.waiting:
             fresh = r.first_scheduled_time is None and (
                 r.first_choice is None or r.first_choice.first_scheduled_time is None)
-            start = now + ahead / drain_tps if drain_tps else now
+            if drain_tps is None or not ahead:
+                start = now
+            else:  # a stalled queue (0.0) starts no one behind its head
+                start = now + ahead / drain_tps if drain_tps > 0 else float("inf")
             if fresh and start - r.arrival_time > timeout:
                 expired.append(r)  # it leaves: the ones behind it do not wait for it
             else:
@@ -270,6 +275,7 @@ class Scheduler:
             started = req.num_preemptions > 0 or req.first_choice is not None
             if not started and self.may_admit is not None and not self.may_admit(
                     len(self.running), self.num_running_tokens, req):
+                out.head_held = True
                 break
             prefix = self.blocks.cached_prefix(req)
             n = self._fit(req, budget, self.watermark_blocks if self.running else 0, prefix)

@@ -36,7 +36,7 @@ TEST_APP_ARGS: dict[str, Any] = {
         "max_num_seqs": 64,
         # No queue deadline (the default), so the queue bound is max_queued_tokens. With one, the
         # bound follows the measured drain rate, and a CPU-starved pass reads as a stalled queue
-        # (bound: one prefill budget). Deadlines are tested on apps of their own.
+        # (bound 0: only an empty queue admits). Deadlines are tested on apps of their own.
         "tbt_slo_ms": 5_000,  # metrics count tokens within it; no autoscaling (no max_replicas)
     },
     "replica": {"max_queued_tokens": 16_384},

@@ -143,7 +143,8 @@ def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
     args = AppArgs()
     assert args.replica_config().engine.queue_timeout_s is None  # the engine's default: no deadline
     served = AppArgs.model_validate(yaml.safe_load(CONFIG.read_text())["applications"][0]["args"])
-    assert served.replica_config().engine.queue_timeout_s == 5.0  # the served config's deadline
+    served_engine = served.replica_config().engine
+    assert served_engine.queue_timeout_s == 10.0 and served_engine.slo_admission  # the served config's
     assert served.replica_config().engine.tbt_slo_ms == 500.0  # and its TBT SLO
     assert llm_deployment_options(args)["max_queued_requests"] == args.max_queued_requests == 256
     assert args.resolved_ingress_replicas == 1

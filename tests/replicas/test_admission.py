@@ -18,6 +18,7 @@ class Pass:
     num_prefill_tokens: int
     num_decode_tokens: int
     prefill_budget: int | None = None
+    queue_held: bool = False
 
 
 def test_admits_empty_queue_always_and_otherwise_within_the_bound() -> None:
@@ -104,14 +105,26 @@ def test_a_long_pass_in_progress_is_not_a_stalled_queue() -> None:
     assert drain_rate(before + blocked, 256, backlog_since=1.2, now=3.05, running_since=3.0) == 0.0
 
 
-def test_queue_bound_is_what_drains_within_the_deadline_clamped() -> None:
-    assert queue_bound(32_768, 512, 1000.0, None) == 32_768  # no deadline: the cap
-    assert queue_bound(32_768, 512, 1000.0, 10.0) == int(1000 * 10 * QUEUE_FILL)
-    assert queue_bound(4096, 512, 1000.0, 10.0) == 4096  # never above the cap
-    assert queue_bound(32_768, 512, 1.0, 10.0) == 512  # never below one prefill budget
-    assert queue_bound(32_768, 512, None, 10.0) == 32_768  # nothing measured yet: the cap
-    assert queue_bound(32_768, 512, 0.0, 10.0) == 512  # a stalled queue takes only the floor
-    assert queue_bound(64, 512, 0.0, 10.0) == 64  # (the floor never exceeds the cap)
+def test_a_queue_whose_head_the_slo_holds_back_drains_nothing() -> None:
+    """SLO admission held the head in the newest pass: no one starts until a stream ends, so
+    the rate is 0.0 however young the backlog and whatever the passes prefilled (chunks of
+    prompts already started); without a backlog the hold means nothing."""
+    passes = [Pass(t / 10, 0.1, 50, 8) for t in range(9)] + [Pass(0.9, 0.1, 50, 8, queue_held=True)]
+    assert drain_rate(passes, 256, backlog_since=0.95, now=1.0) == 0.0
+    assert drain_rate(passes, 256, backlog_since=0.0, now=1.0) == 0.0
+    assert drain_rate(passes, 256, backlog_since=None, now=1.0) > 0
+    passes[-1].queue_held = False
+    assert drain_rate(passes, 256, backlog_since=0.95, now=1.0) > 0
+
+
+def test_queue_bound_is_what_drains_within_the_deadline_capped() -> None:
+    assert queue_bound(32_768, 1000.0, None) == 32_768  # no deadline: the cap
+    assert queue_bound(32_768, 1000.0, 10.0) == int(1000 * 10 * QUEUE_FILL) == 2500
+    assert queue_bound(2048, 1000.0, 10.0) == 2048  # never above the cap
+    assert queue_bound(32_768, 4.0, 10.0) == 10  # a slow queue takes what drains in time
+    assert queue_bound(32_768, None, 10.0) == 32_768  # nothing measured yet: the cap
+    assert queue_bound(32_768, 0.0, 10.0) == 0  # a stalled queue: only an empty one admits
+    assert admits(0, 500, 0) and not admits(1, 1, 0)
 
 
 def test_retry_after_is_the_excess_over_the_drain_rate_in_whole_seconds() -> None:

@@ -262,6 +262,12 @@ def test_expire_refuses_at_once_who_the_queue_would_start_past_the_deadline():
     c.first_scheduled_time = now  # c ran before and was preempted: its client has tokens
     assert s.expire(now + 1.6, drain_tps=100.0) == [b]  # b would start 2.6 s after arrival; c stays
     assert [r.request_id for r in s.waiting] == ["a", "c"]
+    # A stalled queue (0.0: nothing prefilled lately) starts no one behind its head: a new
+    # arrival goes at once; the head waits for its deadline.
+    f = req("f", 10, 4, clock)
+    s.add(f)
+    assert s.expire(f.arrival_time, drain_tps=0.0) == [f]
+    assert [r.request_id for r in s.waiting] == ["a", "c"]
 
 
 def test_without_a_deadline_nothing_expires():

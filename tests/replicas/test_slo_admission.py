@@ -72,6 +72,7 @@ def test_the_scheduler_holds_the_queue_in_order_and_lets_started_streams_back() 
     out = sched.schedule()
     assert [s.request.request_id for s in out.prefills] == ["r0", "r1", "r2"]
     assert [r.request_id for r in sched.waiting] == ["r3", "r4"]
+    assert out.head_held  # the pass says so: the replica's drain rate reads it as a stalled queue
     # A preempted request has a stream running: it is not held back.
     back = request("back")
     back.num_preemptions = 1
@@ -88,7 +89,7 @@ def test_the_hook_sees_the_running_count_and_their_tokens() -> None:
     sched = scheduler(lambda n, tokens, req: seen.append((n, tokens, req.request_id)) or True)
     for i, n in enumerate([10, 20, 30]):
         sched.add(request(f"r{i}", n))
-    sched.schedule()
+    assert not sched.schedule().head_held
     assert seen == [(0, 0, "r0"), (1, 10, "r1"), (2, 30, "r2")]
 
 
