@@ -87,7 +87,7 @@ class AdmissionGate:
         self._maybe_refresh(now)
         loads = self._loads if now - self._loads_at <= self.max_age_s else {}
         queues = [QueueView(load.waiting_tokens, load.queue_bound_tokens, load.drain_tps)
-                  for load in loads.values() if load.queue_bound_tokens > 0]
+                  for load in loads.values() if load.queue_bound_tokens is not None]
         return door_decision(prompt_tokens, queues, self._unreflected(loads, now) if queues else 0)
 
     def _count(self, decision: Decision) -> Decision:

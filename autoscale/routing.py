@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from replicas.admission import admits
 from replicas.prefix_hash import block_hashes
 from replicas.protocol import ReplicaLoad
 
@@ -162,9 +163,11 @@ def choose_by_ttft(request_tokens: int, request_kv_tokens: int, loads: Mapping[s
     def key(replica: str) -> tuple[bool, bool, float, float]:
         load = loads.get(replica)
         fits = kv_headroom(load, in_flight_kv.get(replica, 0)) >= request_kv_tokens
-        backlog = (load.waiting_tokens if load is not None else 0) + in_flight.get(replica, 0) + request_tokens
-        admits = load is None or load.queue_bound_tokens <= 0 or backlog <= load.queue_bound_tokens
-        return (not fits, not admits, backlog / (prefill_rate(load) or default), rng.random())
+        queued = (load.waiting_tokens if load is not None else 0) + in_flight.get(replica, 0)
+        backlog = queued + request_tokens
+        bound = load.queue_bound_tokens if load is not None else None
+        ok = bound is None or admits(queued, request_tokens, bound)
+        return (not fits, not ok, backlog / (prefill_rate(load) or default), rng.random())
 
     return sorted(candidates, key=key)
 

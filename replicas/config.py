@@ -64,7 +64,8 @@ class EngineConfig:
     seed: int = Field(0, description="seed of the sampler for requests without their own")
     queue_timeout_s: float | None = Field(None, description=
         "a request still waiting for its first forward pass this long after it arrived is refused "
-        "(429, code queue_timeout); it also bounds what the queues admit; null: it waits")
+        "(429, code queue_timeout), or as soon as the rate the queue drains predicts it will be; it "
+        "also bounds what the queues admit (a quarter of what drains within it); null: it waits")
     kv_watermark: float = Field(0.01, description=
         "admission keeps this fraction of the KV blocks free while requests run, so running "
         "decodes rarely preempt")
@@ -79,7 +80,8 @@ class EngineConfig:
         "(false: the fixed budget; the SLO then serves metrics, the door and scaling)")
     slo_admission: bool = Field(False, description=
         "with the SLO budget: a waiting request starts only while the running streams' decodes "
-        "and it are predicted within the SLO (else it waits, and past queue_timeout_s gets 429)")
+        "and it are predicted within the SLO (else it waits, and with queue_timeout_s the queue "
+        "holds no one behind it: they get 429 at once)")
     budget_margin: float = Field(0.8, description=
         "the SLO budget aims each pass at tbt_slo_ms x budget_margin")
     slo_budget_floor: int = Field(16, description=

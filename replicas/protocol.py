@@ -394,7 +394,9 @@ class ReplicaLoad:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
-    queue_bound_tokens: int = 0  # waiting prompt tokens it admits (replicas.admission.queue_bound)
+    # Waiting prompt tokens it admits (replicas.admission.queue_bound; 0: only while its queue is
+    # empty, a stalled queue); None: not reported (the scheduler's own share of a report).
+    queue_bound_tokens: int | None = None
     drain_tps: float = 0.0  # waiting prompt tokens it prefills per second lately
     prefill_tps: float = 0.0  # prompt tokens per second its pass-time model predicts; 0: no model
     tbt_samples: tuple[float, ...] = ()  # TBT samples new since this replica's previous report

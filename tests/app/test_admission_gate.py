@@ -51,6 +51,21 @@ async def test_refuses_over_the_summed_bound_with_retry_after_from_the_drain_rat
     assert gate.num_refused == 1
 
 
+async def test_a_stalled_replica_bound_0_refuses_unless_its_queue_is_empty() -> None:
+    """Bound 0 is a report (a stalled queue takes one request, at its head), not a missing one:
+    the door refuses on it; a replica that reported no bound (None) stays out of the view."""
+    clock = Clock()
+    loads = {"a": load("a", 50, 0, 0.0, clock.t),
+             "b": ReplicaLoad("b", waiting_tokens=10_000, timestamp=clock.t)}  # no bound reported
+    gate, _ = await primed(loads, clock)
+    refused = await gate.decide(10)
+    assert not refused.admitted and refused.bound_tokens == 0 and refused.queued_tokens == 50
+    loads["a"] = load("a", 0, 0, 0.0, clock.t + 0.5)
+    clock.t += 0.1
+    await refreshed(gate)
+    assert (await gate.decide(10)).admitted  # empty: it takes one
+
+
 async def test_its_own_admissions_count_until_a_report_shows_them() -> None:
     clock = Clock()
     loads = {"a": load("a", 0, 1000, 100.0, clock.t)}

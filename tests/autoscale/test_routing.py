@@ -150,6 +150,13 @@ def test_ttft_prefers_a_replica_whose_queue_bound_admits_the_prompt() -> None:
     # 500 + 800 > 1000: the fast replica would answer 429, so the slower one that admits wins.
     assert choose_by_ttft(800, 0, {"fast": fast, "slow": slow}, {}) == ["slow", "fast"]
     assert choose_by_ttft(400, 0, {"fast": fast, "slow": slow}, {}) == ["fast", "slow"]
+    # A stalled queue (bound 0) admits only while empty; no bound reported (None) admits.
+    stalled = dataclasses.replace(ttft_load(0, prefill_tps=10_000), queue_bound_tokens=0)
+    unknown = ttft_load(500, prefill_tps=1000)
+    assert unknown.queue_bound_tokens is None
+    assert choose_by_ttft(400, 0, {"stalled": stalled, "unknown": unknown}, {}) == ["stalled", "unknown"]
+    assert choose_by_ttft(400, 0, {"stalled": stalled, "unknown": unknown},
+                          {"stalled": 100}) == ["unknown", "stalled"]  # one routed there already
 
 
 # ---- prefix affinity ---------------------------------------------------------------------
