@@ -57,7 +57,10 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
     or with a younger one, the achieved rate only shows the arrivals, so the capacity of the
     recent passes counts too: per pass, the token budget left after its decodes; with no recent
     pass, None (unmeasured). When the newest pass's SLO admission held the waiting head back,
-    nothing starts until a stream ends: 0.0 (stalled), whatever the passes show.
+    nothing starts until a stream ends: 0.0 (stalled), whatever the passes show; when one of the
+    recent passes did, the streams are full and a new prompt starts only as one ends, so the
+    rate is what was achieved, not the capacity (an empty queue then would otherwise admit a
+    burst on the capacity, refused as soon as it waits behind the held head).
 
     `running_since`: when the pass in progress began (None: none is). The backlog is judged up to
     then: a pass still running has prefilled nothing yet that the record shows, and one long
@@ -85,6 +88,8 @@ def drain_rate(passes: Sequence[PassRecord], budget_tokens: int, backlog_since: 
         return None
     span = max(seen - recent[-1].start, sum(p.duration for p in recent), 1e-6)
     achieved = sum(p.num_prefill_tokens for p in recent) / span
+    if any(p.queue_held for p in recent):
+        return achieved
     return max(achieved, _capacity(recent, budget_tokens))
 
 

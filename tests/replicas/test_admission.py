@@ -109,12 +109,16 @@ def test_a_queue_whose_head_the_slo_holds_back_drains_nothing() -> None:
     """SLO admission held the head in the newest pass: no one starts until a stream ends, so
     the rate is 0.0 however young the backlog and whatever the passes prefilled (chunks of
     prompts already started); without a backlog the hold means nothing."""
-    passes = [Pass(t / 10, 0.1, 50, 8) for t in range(9)] + [Pass(0.9, 0.1, 50, 8, queue_held=True)]
+    passes = [Pass(t / 10, 0.1, 50, 8, queue_held=t == 3) for t in range(9)] + [Pass(0.9, 0.1, 50, 8, queue_held=True)]
     assert drain_rate(passes, 256, backlog_since=0.95, now=1.0) == 0.0
     assert drain_rate(passes, 256, backlog_since=0.0, now=1.0) == 0.0
-    assert drain_rate(passes, 256, backlog_since=None, now=1.0) > 0
     passes[-1].queue_held = False
-    assert drain_rate(passes, 256, backlog_since=0.95, now=1.0) > 0
+    # Held lately, the queue empty or young: the rate achieved (500 tokens/s), not the capacity.
+    assert abs(drain_rate(passes, 256, backlog_since=0.95, now=1.0) - 500.0) < 1e-6
+    assert abs(drain_rate(passes, 256, backlog_since=None, now=1.0) - 500.0) < 1e-6
+    passes[3].queue_held = False
+    # Not held: the capacity, 248 prompt tokens in a 256-token pass at 0.1 s per 58 tokens.
+    assert abs(drain_rate(passes, 256, backlog_since=None, now=1.0) - 248 * 58 / 25.6) < 1e-6
 
 
 def test_queue_bound_is_what_drains_within_the_deadline_capped() -> None:

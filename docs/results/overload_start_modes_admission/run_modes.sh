@@ -1,17 +1,5 @@
 #!/usr/bin/env bash
 # Issue 35's table after the queue-admission change (SLO admission, 10 s deadline, refusal on a
-# predicted miss): every start mode x both workloads, serve_config.yaml as shipped, the overload
-# tool starting the server itself as a user would (--start), one run at a time on the 2 cores.
-cd /work/main
-export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/ovadm}
-OV=".venv/bin/python -m loadtests.overload --step-s 10 --max-steps 4 --baseline-s 20 --duration-s 30 --recovery-s 10 --rss-after-s 10"
-for mode in make serve-run cluster; do
-  for w in 96 256; do
-    if [ $w = 96 ]; then wl="--workload short-output"; else wl="--workload uniform --max-tokens 256 --prompt-tokens 64"; fi
-    echo "$(date +%T) $mode $w load $(cut -d' ' -f1 /proc/loadavg)"
-    $OV --start $mode $wl --json $OUT/ov_${mode}_${w}.json > $OUT/ov_${mode}_${w}.log 2>&1
-    echo "$(date +%T) $mode $w rc=$?"
-  done
-done
-echo ALL DONE
+# predicted miss): the same runs as ../overload_start_modes_slo/run_modes.sh, serve_config.yaml as
+# shipped, one at a time on the 2 cores. The JSON here is from 7aefa0d.
+OUT=${OUT:-/tmp/ovadm} exec bash "$(dirname "$0")/../overload_start_modes_slo/run_modes.sh"
