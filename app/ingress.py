@@ -132,7 +132,7 @@ class OpenAIIngress:
         the request came through the proxy door and the ingress's niceness: what a server started
         without them lacks under overload (README, 'On a Ray cluster')."""
         try:
-            await asyncio.wait_for(self.llm.check_health.remote(), HEALTH_TIMEOUT_S)
+            runner = await asyncio.wait_for(self.llm.check_health.remote(), HEALTH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure means not healthy
             return OpenAIError(503, f"unhealthy: {exc}", code="unhealthy").response()
         passed = request.headers.get(PASSED_HEADER.decode())
@@ -143,7 +143,7 @@ class OpenAIIngress:
                            "without %s=%s (serve_config.yaml's controller_options set it for a Serve "
                            "instance it starts; a running one keeps its own): overload is refused "
                            "late, by the ingress (README, 'On a Ray cluster')", CALLBACK_ENV, IMPORT_PATH)
-        return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness})
+        return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness, "runner": runner})
 
     @api.get("/metrics")
     async def metrics(self) -> Response:

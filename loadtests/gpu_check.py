@@ -4,11 +4,14 @@ Prepare the wheels the bare image lacks (here, with the network; loadtests/gpu_w
 the list is found), then on the device, from the repository root (one call, under 8 minutes):
 
     python -m loadtests.gpu_check --wheels loadtests/out/gpu_wheels
-    pip install -q --no-index --no-deps --target /tmp/site loadtests/out/gpu_wheels/*.whl && \\
-        PYTHONPATH=/tmp/site python -m loadtests.gpu_check --out $OUT/gpu_check.json
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site loadtests/out/gpu_wheels/*.whl && \\
+        export PYTHONPATH=/tmp/site && python3 -m loadtests.gpu_check --probe --out $OUT/gpu_probe.json && \\
+        python3 -m loadtests.gpu_check --out $OUT/gpu_check.json
 
-(device `run`: carry ["loadtests/out/gpu_wheels"], timeout_s 540). Rehearsal on CPU, a tiny model
-of the same family: `python -m loadtests.gpu_check --device cpu --small --out PATH`.
+(device `run`: carry ["loadtests/out/gpu_wheels"], timeout_s 540; the image has `python3`, no
+`python`). The probe (`--probe`, loadtests/gpu_probe.py) runs first, in about a minute: if it
+shows compiles after warm-up, a fallback or a parity miss, fix that before the full check.
+Rehearsals on CPU: `python -m loadtests.gpu_check --device cpu --small [--probe] --out PATH`.
 
 The model is Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, MLP 8192,
 vocab 128256, tied embeddings, rope theta 500000) with random weights made on the device, and a
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="torch threads; default: 1 on CPU, torch's choice on a GPU")
     p.add_argument("--budget-scale", type=float, default=1.0,
                    help="multiplies every stage budget and the deadline")
+    p.add_argument("--probe", action="store_true",
+                   help="the one-minute probe only (loadtests/gpu_probe.py): compiles, fallback, parity")
     p.add_argument("--wheels", default=None, metavar="DIR",
                    help="download the wheels the GPU image lacks into DIR and exit")
     args = p.parse_args(argv)
@@ -294,6 +299,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"wheels": [str(w) for w in gpu_wheels.download(args.wheels)]}
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
+    if args.probe:
+        from loadtests.gpu_probe import LAYOUTS, run_probe
+        result = {"meta": {"device": str(device), "torch": torch.__version__, "commit": _commit(),
+                           "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
+                  "probe": run_probe(device, ("4:1",) if args.small else tuple(LAYOUTS))}
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["probe"], indent=2))
+        return result
     plan = SMALL_PLAN if args.small else FULL
     # One thread on a shared CPU: several spin-wait on cores other processes hold, passes slow down many-fold.
     threads = args.threads or (1 if device.type == "cpu" else None)

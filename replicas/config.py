@@ -91,11 +91,18 @@ class EngineConfig:
         "gathered copy); costs a compile (seconds) at start")
     attention_backend: AttentionBackend = Field("auto", description=
         "paged attention kernel: sdpa (torch SDPA over gathered KV blocks, grouped decodes), flex "
-        "(torch FlexAttention over the paged cache, one call a pass; compiled on CUDA); auto: "
-        "flex on CUDA, sdpa elsewhere")
+        "(torch FlexAttention over the paged cache: one call for the decodes, one a prefill chunk, "
+        "each reading only its sequence's blocks; compiled on CUDA, where block_size must be a "
+        "power of two >= 16); auto: flex on CUDA, sdpa elsewhere. If flex fails to start, the "
+        "replica logs a WARNING and runs sdpa (/health says which runs)")
     cuda_graphs: bool | None = Field(None, description=
-        "decode-only passes replay a CUDA graph captured at start per batch-size bucket (up to "
-        "max_num_seqs); mixed passes run eagerly. Needs CUDA and the flex backend; null: on there")
+        "decode-only passes run the whole forward compiled per batch-size bucket (powers of two "
+        "up to max_num_seqs) and, on CUDA, captured in a graph; mixed passes run eagerly. Needs "
+        "the flex backend; null: on with flex on CUDA")
+    compile_backend: str | None = Field(None, description=
+        "torch.compile backend of the flex path (its attention calls and the decode step), all "
+        "compiled at start; null: inductor on CUDA, nothing compiled elsewhere ('eager' or "
+        "'aot_eager' trace without generating code: tests)")
     enable_prefix_caching: bool = Field(True, description=
         "share the KV of full blocks between requests whose tokens start the same way (a system "
         "prompt, a conversation's history): cached tokens cost no prefill and no new KV")

@@ -1,40 +1,45 @@
-"""CUDA graphs for decode-only passes: the forward pass captured once per batch-size bucket,
-replayed with the pass's inputs copied into its static buffers.
+"""Decode-only passes as gpt-fast runs them: the whole forward (embedding, norms, rotary, MLPs,
+attention, head) compiled at static shapes per batch-size bucket, so inductor fuses the
+elementwise work, and captured once per bucket in a CUDA graph that each pass replays.
 
-A decode-only pass of n rows runs in the smallest bucket B >= n. The B - n padding rows are
-harmless by construction: each writes its k/v into the scratch block (reserved from the block
-manager, so no request is ever given it) and attends to that block only, and its logits are
-dropped. Passes with any prefill, or more decodes than the largest bucket, run eagerly.
+A decode-only pass of n rows runs in the smallest bucket B >= n (buckets are powers of two:
+a decode step reads the weights once whatever its rows, so padding is nearly free). The B - n
+padding rows are harmless by construction: each writes its k/v into the scratch block
+(reserved from the block manager, so no request is ever given it), reads that block only
+(through the page map's padding row), and its logits are dropped.
 
-Attention in a graph needs shapes that do not change between replays: the FlexAttention
-backend's metadata (every row's sequence, block tables at the full table width, the block mask
-over the whole cache) has them, so graphs go with that backend. On CPU there is nothing to
-capture: the same padded path runs eagerly (what the tests check).
+Everything a replay reads lives in persistent buffers written before it: the tokens, the runner
+rows, the page counts and the page lists. The lists' buffer is as wide as the longest context
+allows, but a pass writes only the columns its longest live context needs (bucketed), and the
+kernel reads only the counted ones. Capture and replay both run under inference mode (a change
+of grad mode is a recompile). On CPU nothing is captured: the compiled step (or the plain
+forward) runs directly, which is what the tests exercise.
 """
 
 from __future__ import annotations
 
+import logging
+import types
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from replicas.attention import PassMeta
-from replicas.attention_flex import FlexMeta, build_block_mask, logical_blocks
+from replicas.attention_flex import FlexMeta, bucket_width, decode_block_mask, decode_lists
 from replicas.transfer import HostPack, Part
 
-SMALL_BUCKETS = (1, 2, 4, 8, 16, 32)
-BUCKET_STEP = 16  # above the small buckets: padding costs at most this many rows
+log = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes captured: 1, 2, 4, 8, 16, 32, then every BUCKET_STEP, up to max_num_seqs
-    (itself a bucket, so every decode-only pass has one)."""
-    sizes = [b for b in SMALL_BUCKETS if b < max_num_seqs]
-    b = SMALL_BUCKETS[-1] + BUCKET_STEP
+    """Batch sizes captured: powers of two below max_num_seqs, then max_num_seqs itself (so
+    every decode-only pass has one)."""
+    sizes, b = [], 1
     while b < max_num_seqs:
         sizes.append(b)
-        b += BUCKET_STEP
+        b *= 2
     return sizes + [max_num_seqs]
 
 
@@ -43,111 +48,149 @@ def choose_bucket(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def pad_decodes(tokens: np.ndarray, tables: np.ndarray, bucket: int, width: int, scratch_block: int,
-                block_size: int, dummy_block: int) -> tuple[np.ndarray, np.ndarray]:
-    """A decode-only pass's inputs padded to `bucket` rows.
+class CompileCounter:
+    """A torch.compile backend that counts the graphs it compiles (each call is one), and those
+    after warm-up, then hands the graph to `backend` (inductor, or eager/aot_eager in tests)."""
 
-    tokens (3, n): ids, positions, slots; tables (n, w): each row's blocks (unused entries
-    `dummy_block`). Padding rows: token 0 at position 0, written to the scratch block's first
-    slot, their table the scratch block alone (so they attend to what they wrote, nothing of a
-    request's). Tables come back at the static width `width`.
-    """
-    n, w = tables.shape
-    padded = np.zeros((3, bucket), dtype=np.int64)
-    padded[:, :n] = tokens
-    padded[2, n:] = scratch_block * block_size
-    out = np.full((bucket, width), dummy_block, dtype=np.int64)
-    out[:n, :w] = tables
-    out[n:, 0] = scratch_block
-    return padded, out
+    def __init__(self, backend: str | object = "inductor") -> None:
+        self.backend = backend
+        self.compiles = 0
+        self.after_warmup = 0
+        self.warm = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.compiles += 1
+        if self.warm:
+            self.after_warmup += 1
+            log.warning("a graph compiled after warm-up (%d so far): a pass shape that warm-up missed",
+                        self.after_warmup)
+        backend = self.backend
+        if isinstance(backend, str):
+            backend = torch._dynamo.lookup_backend(backend)
+        return backend(gm, example_inputs)
+
+
+def own_copy(fn):
+    """`fn` with a code object of its own: torch.compile keeps its graphs (and its recompile
+    limit) per code object, so each runner's compiled callables are its own."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+
+
+def _decode_forward(runner, ids, pos, slots, rows, kv_num, kv_idx):
+    """One decode step over static buffers -> (B, V) logits: the block mask from the page lists,
+    then the model's forward with the paged attention."""
+    bs = runner.blocks.block_size
+    lists = {"kv_num": kv_num, "kv_idx": kv_idx}
+    mask = decode_block_mask(lists, runner.page_map.table, rows, pos, bs, runner.k_cache.shape[1])
+    meta = PassMeta(runner.k_cache, runner.v_cache, slots, FlexMeta(mask, [], flex_attention, bs))
+    return runner.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                        attn_meta=meta).logits[0]
 
 
 @dataclass
-class _Static:
-    """One bucket's static buffers (replays read them), its graph and its output."""
+class Buffers:
+    """What every bucket's replay reads (bucket B reads the first B rows of each)."""
 
-    tokens: torch.Tensor  # (3, B) ids, positions, slots
-    seq: torch.Tensor  # (B,) each row its own sequence
-    tables: torch.Tensor  # (B, width)
-    logical: torch.Tensor  # (B, num_blocks) int32
-    meta: PassMeta
-    graph: object | None = None
-    logits: torch.Tensor | None = None  # (B, V) the captured pass's output
+    ids: torch.Tensor  # (Bmax,) int64
+    pos: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor  # (Bmax,) runner rows (page map rows)
+    kv_num: torch.Tensor  # (Bmax,) int32 pages of each entry
+    kv_idx: torch.Tensor  # (Bmax, Wmax) int32 its pages
 
 
 class DecodeGraphs:
-    """The decode-only forward per bucket: captured on CUDA, run eagerly elsewhere."""
+    """The decode-only forward per bucket: compiled (when a compile backend is given) and, on
+    CUDA, captured; run directly elsewhere."""
 
-    def __init__(self, runner, buckets: list[int], scratch_block: int) -> None:
+    def __init__(self, runner, buckets: list[int], scratch_block: int, compiler: CompileCounter | None,
+                 capture: bool) -> None:
         self.runner = runner
         self.buckets = buckets
         self.scratch_block = scratch_block
-        self.width = runner._table.shape[1]
-        self.num_blocks = runner.k_cache.shape[1] // runner.blocks.block_size  # the cache's, scratch included
-        self._static = {b: self._buffers(b) for b in buckets}
-        self.capture = runner.device.type == "cuda"
+        bs = runner.blocks.block_size
+        self.max_width = bucket_width(-(-runner.max_model_len // bs))
+        device, bmax = runner.device, buckets[-1]
+        self.buffers = Buffers(*(torch.zeros(bmax, dtype=torch.int64, device=device) for _ in range(4)),
+                               torch.ones(bmax, dtype=torch.int32, device=device),
+                               torch.full((bmax, self.max_width), scratch_block, dtype=torch.int32, device=device))
+        self.buffers.slots.fill_(scratch_block * bs)  # until the first pass: every row in the scratch block
+        self.buffers.rows.fill_(runner.page_map.pad_row)
+        runner.page_map.table[runner.page_map.pad_row, scratch_block] = 0  # padding rows read the scratch page
+        self.compiler = compiler
+        step = own_copy(_decode_forward)
+        if compiler is not None:  # static shapes: one graph per bucket, flex decoding needs a static batch
+            step = torch.compile(step, backend=compiler, fullgraph=True, dynamic=False)
+        self.step = step
+        self.capture = capture
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph, its logits)
+
+    def warm_up(self) -> None:
+        """Run (so compile) every bucket."""
+        for b in reversed(self.buckets):
+            self._forward(b)
+
+    def capture_all(self) -> None:
+        """Capture every bucket on CUDA: the largest first, so the smaller ones reuse its memory
+        pool."""
+        pool = None
         if self.capture:
-            pool = None
-            for b in reversed(buckets):  # the largest first: the smaller ones reuse its memory
-                pool = self._capture(self._static[b], pool)
+            for b in reversed(self.buckets):
+                pool = self._capture(b, pool)
 
     def bucket(self, n: int) -> int | None:
         return choose_bucket(n, self.buckets)
 
-    def plan(self, tokens: np.ndarray, tables: np.ndarray, bucket: int, pack: HostPack) -> tuple[Part, Part]:
-        """Host side: the padded inputs, added to the pass's upload."""
-        bs = self.runner.blocks.block_size
-        padded, padded_tables = pad_decodes(tokens, tables, bucket, self.width, self.scratch_block, bs,
-                                            self.num_blocks)
-        return pack.add(padded), pack.add(padded_tables)
+    def plan(self, tokens: np.ndarray, rows, lens, bucket: int, pack: HostPack) -> tuple[Part, Part, Part]:
+        """Host side: the pass padded to `bucket` rows, added to the pass's upload. tokens (3, n):
+        ids, positions, slots; rows/lens: each decode's runner row and context length."""
+        runner, n = self.runner, tokens.shape[1]
+        bs = runner.blocks.block_size
+        padded = np.zeros((4, bucket), dtype=np.int64)  # ids, positions, slots, rows
+        padded[:3, :n] = tokens
+        padded[2, n:] = self.scratch_block * bs
+        padded[3, :n] = rows
+        padded[3, n:] = runner.page_map.pad_row
+        lists = decode_lists(runner._table, rows, lens, bs, full_blocks=False)  # every page partial
+        width = lists["kv_idx"].shape[1]
+        kv_num = np.ones(bucket, dtype=np.int32)
+        kv_num[:n] = lists["kv_num"]
+        kv_idx = np.full((bucket, width), self.scratch_block, dtype=np.int32)
+        kv_idx[:n] = lists["kv_idx"]
+        return pack.add(padded), pack.add(kv_num), pack.add(kv_idx)
 
-    def run(self, bucket: int, parts: tuple[Part, Part], pack: HostPack) -> torch.Tensor:
-        """Device side: copy the inputs into the bucket's buffers, refresh its mask, replay.
-        Returns (B, V) logits (the caller keeps the real rows' before the next pass)."""
-        s = self._static[bucket]
-        s.tokens.copy_(pack.get(parts[0]))
-        s.tables.copy_(pack.get(parts[1]))
-        self._refresh(s)
-        if s.graph is None:
-            return self._forward(s)
-        s.graph.replay()
-        return s.logits
+    def run(self, bucket: int, parts: tuple[Part, Part, Part], pack: HostPack) -> torch.Tensor:
+        """Device side: copy the inputs into the buffers, replay. Returns (B, V) logits (the
+        caller keeps the real rows' before the next pass)."""
+        buf = self.buffers
+        tokens, kv_num, kv_idx = (pack.get(p) for p in parts)
+        for i, dst in enumerate((buf.ids, buf.pos, buf.slots, buf.rows)):
+            dst[:bucket].copy_(tokens[i])
+        buf.kv_num[:bucket].copy_(kv_num)
+        buf.kv_idx[:bucket, :kv_idx.shape[1]].copy_(kv_idx)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            return self._forward(bucket)
+        graph[0].replay()
+        return graph[1]
 
-    def _buffers(self, b: int) -> _Static:
-        device, bs = self.runner.device, self.runner.blocks.block_size
-        tokens = torch.zeros((3, b), dtype=torch.int64, device=device)
-        tokens[2] = self.scratch_block * bs  # until the first pass: every row in the scratch block
-        tables = torch.full((b, self.width), self.num_blocks, dtype=torch.int64, device=device)
-        tables[:, 0] = self.scratch_block
-        seq = torch.arange(b, device=device)
-        logical = logical_blocks(tables, self.num_blocks)
-        mask = build_block_mask(seq, tokens[1], logical, bs, self.num_blocks * bs)
-        attend = self.runner.backend.attend_fn
-        meta = PassMeta(self.runner.k_cache, self.runner.v_cache, tokens[2], FlexMeta(mask, attend))
-        return _Static(tokens, seq, tables, logical, meta)
+    def _forward(self, b: int) -> torch.Tensor:
+        buf = self.buffers
+        return self.step(self.runner, buf.ids[:b], buf.pos[:b], buf.slots[:b], buf.rows[:b], buf.kv_num[:b],
+                         buf.kv_idx[:b])
 
-    def _refresh(self, s: _Static) -> None:
-        """The mask of the new tables, written into the buffers the captured pass reads."""
-        bs = self.runner.blocks.block_size
-        s.logical.copy_(logical_blocks(s.tables, self.num_blocks))
-        fresh = build_block_mask(s.seq, s.tokens[1], s.logical, bs, self.num_blocks * bs)
-        mask = s.meta.attention.block_mask
-        for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices"):
-            getattr(mask, name).copy_(getattr(fresh, name))
-
-    def _forward(self, s: _Static) -> torch.Tensor:
-        return self.runner.model(input_ids=s.tokens[0:1], position_ids=s.tokens[1:2], use_cache=False,
-                                 attn_meta=s.meta).logits[0]
-
-    def _capture(self, s: _Static, pool: object | None) -> object:
+    def _capture(self, b: int, pool: object | None) -> object:
         """Warm up (compiles, allocations) on a side stream, then capture into the shared pool."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(s)
+                self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
-        s.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(s.graph, pool=pool):
-            s.logits = self._forward(s)
-        return s.graph.pool()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self._forward(b)
+        self.graphs[b] = (graph, logits)
+        return graph.pool()
+

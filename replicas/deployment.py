@@ -306,11 +306,21 @@ class LLMServer:
         """Serve's autoscaling metrics hook: TBT percentiles and token load of this replica."""
         return self.reporter.autoscaling_stats() if self.reporter is not None else {}
 
-    def check_health(self) -> None:
-        """Serve's health probe: raises when the engine loop died or one step is wedged."""
+    def check_health(self) -> dict[str, Any]:
+        """Serve's health probe: raises when the engine loop died or one step is wedged. Returns
+        the runner's status (the ingress's /health shows it; Serve ignores it)."""
         if not self.engine.is_healthy():
             reason = repr(self.engine.error) if self.engine.error else "loop not running or wedged"
             raise RuntimeError(f"engine unhealthy: {reason}")
+        return self.runner_status()
+
+    def runner_status(self) -> dict[str, Any]:
+        """Which forward path runs (a flex path that failed to start says why) and the graphs
+        compiled since start: after warm-up there should be none."""
+        runner = self.engine.engine.runner
+        total, after = runner.compiles
+        return {"path": runner.path, "compiles_since_start": total, "compiles_after_warmup": after,
+                "fallback_error": runner.fallback_error}
 
     def shutdown(self) -> None:
         """Stop load reports and the engine loop thread."""

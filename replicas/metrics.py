@@ -160,9 +160,21 @@ class EngineMetrics:
                                 "back: its decodes beside the running ones were predicted over the "
                                 "TBT SLO (stall_free with the SLO budget).", t)
         self._held_seen = 0
+        self.compiles = g(p + "compiles", "Graphs the model runner compiled since start, warm-up included "
+                          "(a rise while serving: a pass shape warm-up missed, seconds of stall).", (*t, "phase"))
+        self.path = g(p + "runner_path", "1 for the forward path the model runner runs: flex+graphs, flex, "
+                      "sdpa, or 'sdpa (fallback)' after the flex path failed to start.", (*t, "path"))
+        self._compiles_seen: tuple[int, int] | None = None
 
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
         tags = self.tags
+        compiles = engine.runner.compiles
+        if compiles != self._compiles_seen:
+            if self._compiles_seen is None:
+                self.path.record(1, {**tags, "path": engine.runner.path})
+            self.compiles.record(compiles[0] - compiles[1], {**tags, "phase": "warm_up"})
+            self.compiles.record(compiles[1], {**tags, "phase": "serving"})
+            self._compiles_seen = compiles
         self.iter_time.record(stats.duration, tags)
         if stats.num_prefill_tokens:
             self.iter_tokens.record(stats.num_prefill_tokens, {**tags, "phase": "prefill"})

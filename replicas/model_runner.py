@@ -15,21 +15,26 @@ not rebuilt from lists every pass.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.fx.experimental import _config as shape_config  # torch.compile's symbolic shapes
 from transformers import PreTrainedModel
 
 from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, paged_attention, resolve_backend
-from replicas.attention_flex import FlexBackend, seq_tables
+from replicas.attention_flex import Q_TILE, FlexBackend, PageMap, flex_call
 from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
-from replicas.cuda_graphs import DecodeGraphs, bucket_sizes
+from replicas.cuda_graphs import CompileCounter, DecodeGraphs, bucket_sizes, own_copy
 from replicas.kv_cache import BlockManager
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
 from replicas.transfer import HostPack, Staging
+
+log = logging.getLogger(__name__)
+WARM_UP_ROUNDS = 3
 
 __all__ = ["ATTN_IMPL", "PAD_MIN", "PAD_SLACK", "ModelRunner", "PassLogits", "kv_shape", "paged_attention",
            "text_config"]
@@ -72,51 +77,144 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int,
                  compile_decode_attention: bool = False, attention_backend: str = "auto",
-                 cuda_graphs: bool | None = None, max_num_seqs: int = 128) -> None:
+                 cuda_graphs: bool | None = None, max_num_seqs: int = 128,
+                 compile_backend: str | None = None) -> None:
         """`attention_backend`: "auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex".
         `cuda_graphs`: decode-only passes replay a graph captured at start per batch-size bucket
-        up to `max_num_seqs` (None: on CUDA with the flex backend; needs flex)."""
+        up to `max_num_seqs` (None: on CUDA with the flex backend; needs flex).
+        `compile_backend`: the torch.compile backend of the flex path (its attention calls and
+        the decode step); None: inductor on CUDA, nothing compiled elsewhere (tests pass "eager").
+
+        If the flex path fails to start (a compile, a capture, whatever the exception), the
+        runner logs a WARNING and runs the eager SDPA path instead: `path` says which runs."""
         self.model = model
         self.blocks = blocks
+        self.max_model_len = max_model_len
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         layers, kv_heads, head_dim = kv_shape(model.config)
-        slots = blocks.num_blocks * blocks.block_size
-        shape = (layers, slots, kv_heads, head_dim)
+        self.num_pages = blocks.num_blocks  # the cache's, the scratch block included
+        shape = (layers, self.num_pages * blocks.block_size, kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.set_attn_implementation(ATTN_IMPL)
-        self.attention_backend = resolve_backend(attention_backend, self.device)
-        self.backend = self._backend(compile_decode_attention)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._staging = Staging(self.device)
         # Persistent block table, on the host: one row per request in recent passes (see _row).
         # Each pass's metadata is sliced from it with numpy (microseconds, where a small torch op
-        # costs ~10 us on CPU) and handed to the device in the pass's one upload.
+        # costs ~10 us on CPU) and handed to the device in the pass's one upload. A pass holds at
+        # most max_num_seqs requests and a row outlives its request by one pass: 2 x max_num_seqs
+        # rows, and one more for the padding rows of captured passes (the page map's last).
         width = -(-max_model_len // blocks.block_size)
-        self._table = np.zeros((64, width), dtype=np.int64)
-        self._free_rows: list[int] = list(range(63, -1, -1))
+        rows = 2 * max_num_seqs + 1
+        self._table = np.zeros((rows, width), dtype=np.int64)
+        self._free_rows: list[int] = list(range(rows - 2, -1, -1))
         # request -> [row, blocks written, preemptions when written]
         self._rows: dict[Request, list[int]] = {}
         self._live: dict[Request, list[int]] = {}
         self._new_rows = False  # a request got an entry this pass (see _end_pass)
+        self.attention_backend = resolve_backend(attention_backend, self.device)
         if cuda_graphs is None:  # on wherever there is something to capture
             cuda_graphs = self.device.type == "cuda" and self.attention_backend == "flex"
-        self.cuda_graphs = cuda_graphs
-        if self.cuda_graphs and self.attention_backend != "flex":
+        if cuda_graphs and self.attention_backend != "flex":
             raise ValueError("cuda_graphs needs the flex attention backend (static shapes)")
-        self.graphs = (DecodeGraphs(self, bucket_sizes(max_num_seqs), blocks.reserve())
-                       if self.cuda_graphs else None)
-
-    def _backend(self, compile_decode_attention: bool):
-        bs = self.blocks.block_size
+        self.cuda_graphs = cuda_graphs
+        self.page_map: PageMap | None = None
+        self.compiler: CompileCounter | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.fallback_error: str | None = None
         if self.attention_backend == "flex":
-            return FlexBackend(bs, self.blocks.num_blocks, self.device)
-        fused = None
-        if compile_decode_attention:
-            heads = text_config(self.model.config).num_attention_heads
-            fused = compiled_decode(self.k_cache, self.v_cache, bs, heads)
-        return SdpaBackend(bs, fused)
+            try:
+                self._start_flex(max_num_seqs, compile_backend)
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the replica serves
+                self.fallback_error = f"{type(exc).__name__}: {exc}"
+                log.warning("the flex attention path failed to start (%s); running the eager SDPA path",
+                            self.fallback_error, exc_info=True)
+                self.attention_backend, self.cuda_graphs = "sdpa", False
+                self.page_map = self.graphs = None
+        if self.attention_backend == "sdpa":
+            fused = None
+            if compile_decode_attention:
+                heads = text_config(self.model.config).num_attention_heads
+                fused = compiled_decode(self.k_cache, self.v_cache, blocks.block_size, heads)
+            self.backend = SdpaBackend(blocks.block_size, fused)
+
+    @property
+    def path(self) -> str:
+        """What runs: "flex+graphs", "flex" or "sdpa", and "sdpa (fallback)" after a failed start."""
+        if self.fallback_error is not None:
+            return "sdpa (fallback)"
+        return "flex+graphs" if self.graphs is not None else self.attention_backend
+
+    @property
+    def compiles(self) -> tuple[int, int]:
+        """Graphs compiled by this runner: (since start, after warm-up)."""
+        c = self.compiler
+        return (c.compiles, c.after_warmup) if c is not None else (0, 0)
+
+    def _start_flex(self, max_num_seqs: int, compile_backend: str | None) -> None:
+        """The flex backend, its compiled callables (this runner's own) and the decode graphs,
+        every shape a pass can bring compiled now (`warm_up`)."""
+        bs = self.blocks.block_size
+        self.page_map = PageMap(self._table.shape[0], self.num_pages, self.device)
+        if compile_backend is None and self.device.type == "cuda":
+            compile_backend = "inductor"
+        self.compiler = CompileCounter(compile_backend) if compile_backend else None
+        attend_fn = None
+        if self.compiler is not None:  # dynamic in rows and list widths; 0/1 sizes warm up apart
+            attend_fn = torch.compile(own_copy(flex_call), backend=self.compiler, dynamic=True)
+        self.backend = FlexBackend(bs, self.num_pages, self.page_map, self.device, attend_fn)
+        if self.cuda_graphs:
+            self.graphs = DecodeGraphs(self, bucket_sizes(max_num_seqs), self.blocks.reserve(), self.compiler,
+                                       capture=self.device.type == "cuda")
+        self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every shape group a pass can bring through the compiled callables, so none
+        compiles in serving: decode calls of one and of several entries, prefill chunks of one
+        and of several rows (list widths and tile counts are never 1, see attention_flex), each
+        decode bucket. Under inference mode, as the passes run."""
+        if self.compiler is None:
+            return
+        with shape_config.patch(use_duck_shape=False):
+            # Until a round compiles nothing: a compile can change state a guard reads (the
+            # `kernels` package's hub hooks leave a global set after the first one).
+            for _ in range(WARM_UP_ROUNDS):
+                before = self.compiler.compiles
+                self._warm_attention()
+                if self.graphs is not None:
+                    self.graphs.warm_up()
+                if self.compiler.compiles == before:
+                    break
+            else:
+                raise RuntimeError(f"warm-up still compiling after {WARM_UP_ROUNDS} rounds")
+            if self.graphs is not None:
+                self.graphs.capture_all()
+        self.compiler.warm = True
+
+    def _warm_attention(self) -> None:
+        """One layer's attention, reading nothing (the page map has no entry for these rows), for
+        each shape group: decodes alone (1 and 3), chunks alone (1 row, 3 rows, two tiles)."""
+        bs, heads = self.blocks.block_size, text_config(self.model.config).num_attention_heads
+        head_dim = self.k_cache.shape[-1]
+        attn = next(m for m in self.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling"))
+        width = -(-(2 + Q_TILE + 3) // bs)
+        table = np.arange(width, dtype=np.int64)[None].repeat(3, 0) % self.num_pages
+        for decodes, chunk in ((1, 0), (3, 0), (0, 1), (0, 3), (2, Q_TILE + 3)):
+            start = 2 if chunk else 0
+            spans = [PrefillSpan(decodes, chunk, start, 2)] if chunk else []
+            layout = PassLayout(table, bs, list(range(decodes)), [2 + i for i in range(decodes)], spans,
+                                decodes + chunk, [])
+            pack = HostPack()
+            plan = self.backend.plan(layout, pack)
+            pos = np.array([1 + i for i in range(decodes)] + list(range(start, start + chunk)), dtype=np.int64)
+            pos_part = pack.add(pos)
+            pack.send(self.device, self._staging)
+            meta = self.backend.metadata(plan, pack, pack.get(pos_part))
+            q = torch.zeros((decodes + chunk, heads, head_dim), dtype=self.dtype, device=self.device)
+            kc, vc = self.k_cache[0], self.v_cache[0]
+            meta.attend(attn, q, None, None, kc, vc, attn.scaling)
 
     def _row(self, req: Request, table: list[int]) -> int:
         """The request's row of the persistent block table (`table`: its block table now), its
@@ -128,12 +226,16 @@ class ModelRunner:
         """
         entry = self._rows.get(req)
         if entry is None or entry[2] != req.num_preemptions:
+            if entry is not None and self.page_map is not None:  # preempted: its old blocks are not its
+                self.page_map.clear(entry[0], self._table[entry[0], :entry[1]])
             row = entry[0] if entry is not None else self._take_row()
             entry = [row, 0, req.num_preemptions]
             self._new_rows = True
         row, have = entry[0], entry[1]
         if have < len(table):
             self._table[row, have:len(table)] = table[have:]
+            if self.page_map is not None:
+                self.page_map.write(row, have, table[have:])
             entry[1] = len(table)
         self._live[req] = entry
         return row
@@ -155,10 +257,9 @@ class ModelRunner:
         return out
 
     def _take_row(self) -> int:
-        if not self._free_rows:  # double the table
-            n = self._table.shape[0]
-            self._table = np.concatenate((self._table, np.zeros_like(self._table)))
-            self._free_rows.extend(range(2 * n - 1, n - 1, -1))
+        if not self._free_rows:
+            raise RuntimeError(f"no free block-table row: more than {self._table.shape[0] // 2} requests "
+                               "in one pass (max_num_seqs)")
         return self._free_rows.pop()
 
     def _end_pass(self) -> None:
@@ -168,6 +269,8 @@ class ModelRunner:
             for req, entry in self._rows.items():
                 if req not in live:
                     self._free_rows.append(entry[0])
+                    if self.page_map is not None:
+                        self.page_map.clear(entry[0], self._table[entry[0], :entry[1]])
         self._rows, self._live, self._new_rows = live, {}, False
 
     def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list:
@@ -220,15 +323,17 @@ class ModelRunner:
         self._end_pass()
         pack = HostPack()
         tokens = np.stack((np.array(ids, dtype=np.int64), pos, slots))  # (3, T)
+        map_part = self.page_map.plan(pack) if self.page_map is not None else None
         bucket = self.graphs.bucket(len(ids)) if self.graphs is not None and not prefills else None
-        if bucket is not None:  # decode-only: the bucket's captured pass, padded
-            _, tables = seq_tables(layout, self.graphs.num_blocks)
-            graph_inputs = self.graphs.plan(tokens, tables, bucket, pack)
+        if bucket is not None:  # decode-only: the bucket's compiled (captured) step, padded
+            graph_inputs = self.graphs.plan(tokens, layout.decode_rows, layout.decode_lens, bucket, pack)
         else:
             tokens_part, attn = pack.add(tokens), self.backend.plan(layout, pack)
         keep = pack.add(sampled + prompt_rows)
         plan = sampling(prompt_spans, pack) if sampling is not None else None
         pack.send(self.device, self._staging)  # the pass's one host-to-device copy
+        if self.page_map is not None:
+            self.page_map.apply(map_part, pack)
         keep_d = pack.get(keep)
         if bucket is not None:
             logits = self.graphs.run(bucket, graph_inputs, pack).index_select(0, keep_d)  # (N, V)
@@ -236,8 +341,9 @@ class ModelRunner:
         tokens_d = pack.get(tokens_part)
         meta = PassMeta(self.k_cache, self.v_cache, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
         kwargs = {"logits_to_keep": keep_d} if self._keep_logits else {}
-        logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,
-                            attn_meta=meta, **kwargs).logits[0]
+        with shape_config.patch(use_duck_shape=False):  # the compiled attention's sizes stay apart
+            logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,
+                                attn_meta=meta, **kwargs).logits[0]
         logits = logits if self._keep_logits else logits[keep_d]  # (N + M, V)
         return PassLogits(logits[:len(sampled)], logits[len(sampled):], prompt_spans, plan, pack)
 
