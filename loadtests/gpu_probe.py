@@ -144,20 +144,20 @@ def run_probe(device: torch.device, layouts: tuple[str, ...] = tuple(LAYOUTS),
     started = time.perf_counter()
     head_dim = 64 if device.type == "cuda" else 16
     torch._dynamo.utils.counters.clear()
-    layouts: dict[str, Any] = {}
+    records: dict[str, Any] = {}
     skipped = []
     for name in layouts:
         if time.perf_counter() - started > deadline_s:
             skipped.append(name)
             continue
-        layouts[name] = probe_layout(name, device, head_dim)
+        records[name] = probe_layout(name, device, head_dim)
     probe: dict[str, Any] = {
-        "compiles_after_warmup": sum(r["compiles_after_warmup"] for r in layouts.values()),
+        "compiles_after_warmup": sum(r["compiles_after_warmup"] for r in records.values()),
         "graph_breaks": int(sum(torch._dynamo.utils.counters["graph_break"].values())),
-        "fallback": any(r["path"] != "flex+graphs" for r in layouts.values()),
+        "fallback": any(r["path"] != "flex+graphs" for r in records.values()),
         "parity_passed": all(r["parity_equal"] == r["parity_prompts"] and r["same_tokens_under_preemption"]
-                             for r in layouts.values()),
-        "layouts": layouts, "skipped": skipped}
+                             for r in records.values()),
+        "layouts": records, "skipped": skipped}
     if device.type == "cuda" and time.perf_counter() - started < deadline_s:
         probe["decode_attention"] = decode_attention_times(device)
     probe["seconds"] = round(time.perf_counter() - started, 2)
