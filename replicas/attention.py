@@ -73,8 +73,11 @@ class Backend(Protocol):
 class PassMeta:
     """What every layer of one pass receives (through the model's **kwargs)."""
 
-    k_cache: torch.Tensor  # (layers, slots, Hkv, D)
-    v_cache: torch.Tensor
+    # Each layer's cache (slots, Hkv, D): views of the runner's (layers, slots, Hkv, D) tensor, one
+    # object a layer. Compiled, a write into one is in place; selecting the layer from the whole
+    # tensor inside the graph makes inductor copy the whole cache in and back each step.
+    k_cache: tuple[torch.Tensor, ...]
+    v_cache: tuple[torch.Tensor, ...]
     slots: torch.Tensor  # (T,) where each packed token's k/v is written
     attention: AttentionMeta
 
@@ -92,8 +95,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     k = key[0].transpose(0, 1)  # (T, Hkv, D)
     v = value[0].transpose(0, 1)
     kc, vc = m.k_cache[module.layer_idx], m.v_cache[module.layer_idx]  # (S, Hkv, D)
-    kc.index_copy_(0, m.slots, k)
-    vc.index_copy_(0, m.slots, v)
+    if torch.compiler.is_compiling():
+        # index_put_: inductor writes it in place into the cache (its reinplacing knows it);
+        # index_copy_ would be functionalized into a copy of the whole cache, then copied back
+        kc[m.slots] = k
+        vc[m.slots] = v
+    else:
+        kc.index_copy_(0, m.slots, k)
+        vc.index_copy_(0, m.slots, v)
     return m.attention.attend(module, q, k, v, kc, vc, scaling).unsqueeze(0), None
 
 

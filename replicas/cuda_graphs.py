@@ -83,7 +83,7 @@ def _decode_forward(runner, ids, pos, slots, rows, kv_num, kv_idx):
     bs = runner.blocks.block_size
     lists = {"kv_num": kv_num, "kv_idx": kv_idx}
     mask = decode_block_mask(lists, runner.page_map.table, rows, pos, bs, runner.k_cache.shape[1])
-    meta = PassMeta(runner.k_cache, runner.v_cache, slots, FlexMeta(mask, [], flex_attention, bs))
+    meta = PassMeta(runner.k_layers, runner.v_layers, slots, FlexMeta(mask, [], flex_attention, bs))
     return runner.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
                         attn_meta=meta).logits[0]
 

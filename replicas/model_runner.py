@@ -97,6 +97,7 @@ class ModelRunner:
         shape = (layers, self.num_pages * blocks.block_size, kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_layers, self.v_layers = self.k_cache.unbind(0), self.v_cache.unbind(0)  # see PassMeta
         model.set_attn_implementation(ATTN_IMPL)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._staging = Staging(self.device)
@@ -339,7 +340,7 @@ class ModelRunner:
             logits = self.graphs.run(bucket, graph_inputs, pack).index_select(0, keep_d)  # (N, V)
             return PassLogits(logits, logits[:0], prompt_spans, plan, pack)
         tokens_d = pack.get(tokens_part)
-        meta = PassMeta(self.k_cache, self.v_cache, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
+        meta = PassMeta(self.k_layers, self.v_layers, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
         kwargs = {"logits_to_keep": keep_d} if self._keep_logits else {}
         with shape_config.patch(use_duck_shape=False):  # the compiled attention's sizes stay apart
             logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,
