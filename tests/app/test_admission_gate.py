@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.admission import AdmissionGate
 from autoscale.load import ReplicaLoad
+
+pytestmark = pytest.mark.unit
 
 
 class Clock:

@@ -17,6 +17,8 @@ from app.errors import OpenAIError, from_exception
 from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
 from replicas.protocol import InvalidRequestError, QueueFullError, ReplicaUnhealthyError
 
+pytestmark = pytest.mark.unit
+
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 
 

@@ -11,6 +11,8 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from app.errors import ENGINE_RETRY_AFTER_S, MAX_MESSAGE_CHARS, OpenAIError, from_exception
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_client_that_went_away_is_info_not_a_server_fault(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="app.errors"):

@@ -8,8 +8,11 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from replicas import SamplingParams
+
+pytestmark = pytest.mark.serve
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 PROMPTS = ["The quick brown fox", "A serving system on Ray Serve"]

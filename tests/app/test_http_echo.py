@@ -15,6 +15,8 @@ import torch
 
 from replicas import SamplingParams
 
+pytestmark = pytest.mark.serve
+
 C = "/v1/completions"
 PROMPT = "The quick brown fox jumps over the lazy dog. A serving system"
 TOL = 2e-5  # fp32: the packed, chunked forward against HF's plain one

@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytestmark = pytest.mark.serve
+
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytestmark = pytest.mark.serve
+
 MAX_TOKENS = 12
 PROMPT = "The quick brown fox jumps over the lazy dog. A serving system"
 MESSAGES = [{"role": "system", "content": "You are terse."},

@@ -14,6 +14,8 @@ import httpx
 import jsonschema
 import pytest
 
+pytestmark = pytest.mark.serve
+
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX_TOKENS = 200

@@ -20,6 +20,8 @@ from replicas.models import load_model, model_max_length
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError, ReplicaLoad,
                                ReplicaUnhealthyError, RequestRejected)
 
+pytestmark = pytest.mark.engine
+
 MODEL = "embedded:tiny"
 CAP = 64
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.memory import IdleTrim, _malloc_trim, trim_when_idle
+
+pytestmark = pytest.mark.unit
 
 
 def test_trims_once_per_idle_spell_after_busy() -> None:

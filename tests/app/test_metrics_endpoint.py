@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+pytestmark = pytest.mark.serve
+
 PREFIX = "ray_stallfree_"
 APP = "metrics"
 # An app of its own: its series start at zero, so the counts need no baseline. (A scrape of the

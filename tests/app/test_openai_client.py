@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+pytestmark = pytest.mark.serve
+
 MAX_TOKENS = 6
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytestmark = pytest.mark.serve
+
 OVERLOAD_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-overload", 
                      "engine": {"max_num_seqs": 4, "max_batch_total_tokens": 1024, "queue_timeout_s": 3.0},
                      "replica": {"max_queued_tokens": 128},

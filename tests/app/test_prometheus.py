@@ -3,7 +3,11 @@ with their HELP/TYPE lines."""
 
 from __future__ import annotations
 
+import pytest
+
 from app.prometheus import app_series
+
+pytestmark = pytest.mark.unit
 
 NODE_A = """# HELP ray_stallfree_request_success_total Finished requests.
 # TYPE ray_stallfree_request_success_total counter

@@ -14,6 +14,8 @@ from app.middleware import StreamLimitMiddleware
 from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, IMPORT_PATH, NICENESS_ENV, Pending,
                             PendingMiddleware, ProxyDoorConfig, middlewares, proxy_env)
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

@@ -16,6 +16,8 @@ import pytest
 
 from loadtests import serve_local
 
+pytestmark = pytest.mark.process
+
 SERVER_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 4096},
                "num_cpus": 1, "ingress_num_cpus": 0.1, "replica": {"stream_interval_ms": 0},
                "proxy_door": {"max_requests": 1, "min_requests": 1}}

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+pytestmark = pytest.mark.serve
+
 CAP = 64  # max_queued_tokens of the app below
 QUEUE_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-queue", 
                   "engine": {"max_num_seqs": 1},  # no queue deadline: it waits as long as the test needs

@@ -20,6 +20,8 @@ from loadtests.mc_eval import encode_pairs, score_hf, score_http
 from loadtests.real_text import MULTIPLE_CHOICE, PASSAGES, mc_accuracy, mc_picks
 from replicas.models import load_model
 
+pytestmark = pytest.mark.real_model
+
 MODEL, SERVED = "embedded:smollm2", "embedded-smollm2"
 APP_ARGS = {"model": MODEL, "num_cpus": 1, "ingress_num_cpus": 0.1,
             "engine": {"max_batch_prefill_tokens": 256, "max_batch_total_tokens": 4096, "max_num_seqs": 16}}

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytestmark = pytest.mark.serve
+
 APP = "death"
 NUM_STREAMS = 6
 DEATH_APP_ARGS = {"model": "embedded:tiny", "served_model_name": "tiny-death", "num_replicas": 2,

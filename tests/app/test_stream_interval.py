@@ -12,6 +12,8 @@ import pytest
 
 from loadtests.bench_stream_interval import _mix
 
+pytestmark = pytest.mark.serve
+
 APP_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 2048},
             "num_cpus": 1, "ingress_num_cpus": 0.1, "replica": {"stream_interval_ms": 2000}}
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from starlette.types import Message
 
 from app.middleware import StreamLimitMiddleware
 from app.stream_limit import DECREASE, GROW_IDLE, PERSIST, StreamLimit, watch_loop
+
+pytestmark = pytest.mark.unit
 
 
 class Clock:

@@ -17,6 +17,8 @@ from app.streaming import Collected, Gathered, StreamMeta, chat_events, chat_res
 from app.tools import NO_PARAMETERS, ToolCallReader, ToolPlan, call_schema
 from replicas.protocol import InvalidRequestError, RequestOutput
 
+pytestmark = pytest.mark.unit
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = {"get_weather": WEATHER, "now": None}
 NAMED = ToolPlan("named", ("get_weather", "now"), "get_weather")

@@ -27,6 +27,7 @@ def report(running: int, waiting: int, samples: list[float], ts: float = 0.0) ->
                        block_size=16, tbt_samples=tuple(samples), timestamp=ts)
 
 
+@pytest.mark.unit
 def test_aggregates_over_two_replicas():
     clock = Clock()
     book = LoadBook(window_s=10.0, stale_after_s=2.0, clock=clock)
@@ -41,6 +42,7 @@ def test_aggregates_over_two_replicas():
     assert list(only_b.replicas) == ["b"] and only_b.num_tbt_samples == 0
 
 
+@pytest.mark.unit
 def test_window_and_since_limit_the_samples():
     clock = Clock()
     book = LoadBook(window_s=10.0, stale_after_s=100.0, clock=clock)
@@ -54,6 +56,7 @@ def test_window_and_since_limit_the_samples():
     assert book.snapshot().num_tbt_samples == 10
 
 
+@pytest.mark.unit
 def test_stale_replicas_are_dropped_and_remove_forgets():
     clock = Clock()
     book = LoadBook(stale_after_s=2.0, clock=clock)
@@ -67,6 +70,7 @@ def test_stale_replicas_are_dropped_and_remove_forgets():
     assert book.snapshot().replicas == {}
 
 
+@pytest.mark.unit
 def test_replica_key_is_serves_full_id_string():
     from ray.serve._private.common import DeploymentID
     from ray.serve.request_router import ReplicaID
@@ -86,6 +90,7 @@ def controller(ray_serve):
     kill_controller(name, namespace)
 
 
+@pytest.mark.serve
 def test_actor_snapshot_from_reporters(controller, wait_until):
     import ray
 
@@ -116,6 +121,7 @@ def test_actor_snapshot_from_reporters(controller, wait_until):
                what="fake-b's new load")
 
 
+@pytest.mark.serve
 def test_actor_drops_replicas_that_stop_reporting(ray_serve, wait_until):
     import ray
 
@@ -131,6 +137,7 @@ def test_actor_drops_replicas_that_stop_reporting(ray_serve, wait_until):
         kill_controller(name, namespace)
 
 
+@pytest.mark.serve
 def test_reporter_survives_a_dead_controller(controller, wait_until):
     from autoscale.reporter import LoadReporter
 
@@ -153,6 +160,7 @@ def test_reporter_survives_a_dead_controller(controller, wait_until):
     assert (rep.num_sent, rep.num_failed) == (sent, 1)
 
 
+@pytest.mark.unit
 def test_prefix_sketches_go_only_to_who_asks():
     """A replica's Bloom sketch rides in its load; only the prefix router's snapshot carries it
     (the door, the policy and the token-load router get the loads without it)."""

@@ -3,9 +3,13 @@ arrives or it completes; with no report at all every uncompleted request counts.
 
 from __future__ import annotations
 
+import pytest
+
 from autoscale.inflight import InFlightBook
 from autoscale.load import ReplicaLoad
 from autoscale.routing import RequestCost
+
+pytestmark = pytest.mark.unit
 
 
 def test_tentative_then_routed_elsewhere_then_completed():

@@ -7,6 +7,8 @@ import pytest
 
 from autoscale.load import ClusterSnapshot, ReplicaLoad, SlidingWindow, percentile
 
+pytestmark = pytest.mark.unit
+
 
 def test_percentile_nearest_rank():
     values = [float(i) for i in range(1, 101)]  # 1..100, shuffled order must not matter

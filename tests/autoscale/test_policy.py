@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
@@ -13,6 +14,8 @@ from ray.serve.request_router import ReplicaID
 
 from autoscale.load import ClusterSnapshot, ReplicaLoad
 from autoscale.policy import STATE_KEY, TbtSloPolicy, snapshot_from_metrics
+
+pytestmark = pytest.mark.unit
 
 DEP = DeploymentID(name="LLMServer", app_name="default")
 

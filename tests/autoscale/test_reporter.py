@@ -6,8 +6,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from autoscale.reporter import LoadReporter, new_tbt_samples
 from replicas.protocol import ReplicaLoad
+
+pytestmark = pytest.mark.unit
 
 
 def FakeLoad(**fields: Any) -> ReplicaLoad:  # noqa: N802 - reads like the record it builds

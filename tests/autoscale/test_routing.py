@@ -8,10 +8,14 @@ import dataclasses
 import random
 from collections import Counter
 
+import pytest
+
 from autoscale.load import ReplicaLoad
 from autoscale.routing import (RequestCost, choose_by_ttft, choose_replica, kv_headroom, power_of_two,
                                prefill_rate, request_cost,
                                round_robin)
+
+pytestmark = pytest.mark.unit
 
 
 def load(rid: str, running: int = 0, waiting: int = 0, free_blocks: int = 1000, total: int = 1000,

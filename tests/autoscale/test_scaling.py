@@ -9,6 +9,8 @@ import pytest
 from autoscale.load import ClusterSnapshot, ReplicaLoad
 from autoscale.scaling import ScalingConfig, ScalingState, can_shrink, decide_replicas
 
+pytestmark = pytest.mark.unit
+
 SLO = 0.1
 CFG = ScalingConfig(tbt_slo_s=SLO, min_replicas=1, max_replicas=4, upscale_cooldown_s=5.0,
                     downscale_cooldown_s=30.0, downscale_stable_s=5.0, downscale_margin=0.7,

@@ -23,6 +23,8 @@ from autoscale.controller import kill_controller
 from autoscale.scaling import ScalingConfig
 from autoscale.serve_options import deployment_options
 
+pytestmark = pytest.mark.serve
+
 
 def fake_token_server(controller_name: str, namespace: str) -> Any:
     """A Serve deployment class whose `generate` streams like the engine and reports its load.

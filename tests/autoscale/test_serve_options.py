@@ -12,6 +12,8 @@ from autoscale.scaling import ScalingConfig
 from autoscale.serve_options import (deployment_options, graceful_shutdown_timeout, request_router_config,
                                      yaml_example)
 
+pytestmark = pytest.mark.unit
+
 
 def test_router_selection():
     ours = request_router_config("token_load", controller_name="c", namespace="n", seed=3)

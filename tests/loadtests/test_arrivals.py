@@ -10,6 +10,8 @@ import pytest
 import autoscale.load
 from loadtests import arrivals, metrics_text, stats
 
+pytestmark = pytest.mark.unit
+
 
 def test_poisson_is_exponential_gaps_at_the_rate() -> None:
     times = arrivals.poisson(np.random.default_rng(0), 5000, rate=4.0)

@@ -8,6 +8,8 @@ import torch
 from loadtests.bench_decode import (FORWARD_PARTS, PHASES, equal_case, fill, hf_decode_step, make_engine,
                                     mixed_case, profile_case)
 
+pytestmark = pytest.mark.engine
+
 
 def test_hf_decode_steps_attend_over_the_same_context_every_time() -> None:
     engine = make_engine("embedded:tiny", [40] * 3, threads=1)

@@ -22,6 +22,7 @@ SYSTEMS = {"chat": ALL, "chat_poisson": ALL, "long_prompt": ENGINE, "long_contex
 VOCAB = 32000
 
 
+@pytest.mark.unit
 def test_summarize_computes_ttft_tbt_and_throughput() -> None:
     traces = [Trace("a", "short", 0.0, [1.0, 1.5, 2.0]), Trace("b", "long", 1.0, [4.0, 6.0])]
     row = summarize(traces)
@@ -34,12 +35,14 @@ def test_summarize_computes_ttft_tbt_and_throughput() -> None:
     assert row["ttft_p50_long_s"] == pytest.approx(3.0)
 
 
+@pytest.mark.unit
 def test_kv_capacity_is_what_sixteen_padded_sequences_hold() -> None:
     w = long_prompt_workload(32000, seed=0, num_short=2, num_long=1)
     assert kv_capacity(w, 16) == 16 * w.max_total_len // 16 * 16
     assert kv_capacity(w, 16) <= 16 * w.max_total_len
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("quick", [True, False])
 def test_workloads_are_deterministic_and_chat_poisson_is_chat_retimed(quick: bool) -> None:
     ws = build_workloads(VOCAB, [0, 1, 2], quick, seed=0)
@@ -55,6 +58,7 @@ def test_workloads_are_deterministic_and_chat_poisson_is_chat_retimed(quick: boo
     assert build_workloads(VOCAB, [], quick, 0, poisson_rate=3.0)[1].settings["poisson_rate"] == 3.0
 
 
+@pytest.mark.real_model
 def test_real_prompts_go_to_chat_and_chat_poisson_only() -> None:
     """With a pool, chat carries real prompts (arrivals and output lengths unchanged) and
     chat_poisson is still chat re-timed; long_prompt and long_context keep their random ids."""
@@ -71,6 +75,7 @@ def test_real_prompts_go_to_chat_and_chat_poisson_only() -> None:
     assert [w.requests for w in real[2:]] == [w.requests for w in random[2:]]
 
 
+@pytest.mark.unit
 def test_long_context_sizes_and_kv_capacity() -> None:
     """Quick: 2 longs of 1000-1200 + 96 out, 16 shorts; flags override the counts. Every system's
     KV (16 x longest) holds all requests at once several times over: nothing is KV-bound."""
@@ -86,6 +91,7 @@ def test_long_context_sizes_and_kv_capacity() -> None:
         assert kv_capacity(w, 16) > 3 * sum(r.total_len for r in w.requests)
 
 
+@pytest.mark.unit
 def test_targets_compare_ratios() -> None:
     rows = [{"workload": "long_prompt", "system": "engine_stall_free", "output_tok_s": 95.0,
              "tbt_p99_s": 0.1},
@@ -97,6 +103,7 @@ def test_targets_compare_ratios() -> None:
     assert t["engine_stall_free / hf_generate_batch output_tok_s"]["met"] is None
 
 
+@pytest.mark.unit
 def test_targets_on_chat_poisson_and_long_context() -> None:
     """stall_free >= 4x HF static and >= 1.5x generate_batch on chat; >= 1.5x generate_batch
     on chat_poisson and long_context."""
@@ -119,6 +126,7 @@ def test_targets_on_chat_poisson_and_long_context() -> None:
     assert context["value"] == pytest.approx(2.4) and context["met"] is True and context["target"] == ">= 1.5"
 
 
+@pytest.mark.engine
 def test_bench_smoke_on_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = main(["--model", "embedded:tiny", "--quick", "--chat-requests", "6",
@@ -145,6 +153,7 @@ def test_bench_smoke_on_tiny_model(tmp_path: Path) -> None:
     assert "engine_stall_free" in data["table"]
 
 
+@pytest.mark.real_model
 def test_bench_smoke_on_the_real_model_with_real_prompts(tmp_path: Path) -> None:
     """Two chat requests (seed 22: a question and a passage task, 10 and 18 tokens out) on
     SmolLM2 through HF static batches, generate_batch and stall_free: every system makes every

@@ -3,7 +3,11 @@ request doing its plain twin's tokens (the script checks), and reports ratios to
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.bench_guided import SHARES, main
+
+pytestmark = pytest.mark.engine
 
 
 def test_a_quick_run_reports_every_share(tmp_path) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.bench_logprobs import SHARES, main
+
+pytestmark = pytest.mark.engine
 
 
 def test_a_tiny_run_reports_every_share() -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.bench_overhead import measure
+
+pytestmark = pytest.mark.engine
 
 
 def test_measure_splits_the_pass() -> None:

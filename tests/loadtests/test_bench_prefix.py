@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.bench_prefix import main
+
+pytestmark = pytest.mark.engine
 
 
 def test_a_tiny_run_reports_on_and_off_for_both_workloads() -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from loadtests import bench_routing as br
 
+pytestmark = pytest.mark.unit
+
 METRICS_TEXT = """\
 # HELP ray_stallfree_request_success_total Finished requests by finish reason.
 # TYPE ray_stallfree_request_success_total counter

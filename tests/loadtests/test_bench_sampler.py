@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.bench_sampler import CASES, time_case
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_case_runs() -> None:

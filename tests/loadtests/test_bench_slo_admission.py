@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.bench_slo_admission import SYSTEMS, main
+
+pytestmark = pytest.mark.engine
 
 
 def test_a_tiny_run_reports_every_system() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.bench_slo_budget import check, main
 
 
@@ -9,6 +11,7 @@ def row(mbp, slo, tbt_p99_ms, long_ttft):
     return {"mbp": mbp, "tbt_slo_ms": slo, "tbt_p99_s": tbt_p99_ms / 1e3, "long_ttft_s": long_ttft}
 
 
+@pytest.mark.unit
 def test_the_target_compares_with_the_best_fixed_budget_that_meets_the_slo() -> None:
     rows = [row(128, None, 80, 0.8), row(512, None, 140, 0.6), row(2048, None, 500, 0.4),
             row(2048, 150.0, 130, 0.65), row(2048, 100.0, 120, 0.7)]
@@ -18,6 +21,7 @@ def test_the_target_compares_with_the_best_fixed_budget_that_meets_the_slo() -> 
     assert by[100.0]["best_fixed_mbp"] == 128 and not by[100.0]["tbt_within_slo"] and not by[100.0]["met"]
 
 
+@pytest.mark.engine
 def test_a_tiny_run_reports_every_system() -> None:
     result = main(["--model", "embedded:tiny", "--quick", "--long-shorts", "3", "--slos", "50",
                    "--threads", "1"])

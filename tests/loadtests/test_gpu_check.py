@@ -14,6 +14,8 @@ import pytest
 from loadtests import gpu_check, gpu_wheels
 from loadtests.gpu_runner import RunnerOptions
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def image() -> tuple[list[str], set[str]]:

@@ -42,6 +42,7 @@ def _req(ttft: float | None, gaps: list[float], *, finished: bool = True, error:
             "num_chunks": len(gaps) + (ttft is not None)}
 
 
+@pytest.mark.unit
 def test_summary_counts_goodput_errors_and_censored_ttft() -> None:
     reqs = [_req(0.5, [0.1, 0.1], end=4.0),             # meets both SLOs
             _req(0.5, [0.1, 0.9], end=5.0),             # one gap over the TBT SLO
@@ -59,12 +60,14 @@ def test_summary_counts_goodput_errors_and_censored_ttft() -> None:
     assert s["error_messages"] == {"HTTP 429: full": 1}
 
 
+@pytest.mark.unit
 def test_parse_duration() -> None:
     assert [parse_duration(x) for x in ("60s", "2m", "1m30s", "90", "1h")] == [60, 120, 90, 90, 3600]
     with pytest.raises(Exception, match="not a duration"):
         parse_duration("soon")
 
 
+@pytest.mark.unit
 def test_mix_is_the_same_sequence_at_every_rate() -> None:
     slow = [r for r, _ in zip(mixed_requests(MixSpec(rps=0.5, seed=7)), range(150))]
     fast = [r for r, _ in zip(mixed_requests(MixSpec(rps=2.0, seed=7)), range(150))]
@@ -77,11 +80,13 @@ def test_mix_is_the_same_sequence_at_every_rate() -> None:
     assert all(min(r.prompt_token_ids) > 2 and max(r.prompt_token_ids) < 2048 for r in slow)
 
 
+@pytest.mark.unit
 def test_whole_prompt_budget_admits_the_longest_prompt() -> None:
     mix = MixSpec(long_max=1300)
     assert whole_prompt_mbp(mix) == 1536 >= mix.long_max
 
 
+@pytest.mark.real_model
 def test_real_mix_is_the_random_mix_with_chat_prompts() -> None:
     """Same ids, kinds, output lengths and arrivals; a short request gets a question, a long
     one a passage task, both from the pool."""
@@ -112,6 +117,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.url
 
 
+@pytest.mark.process
 def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: str, tmp_path: Path) -> None:
     code = loadtest_main(["--host", live_server, "--duration", "5s", "--drain", "30s", "--rps", "2",
                           "--out", str(tmp_path), *SMOKE_MIX])
@@ -137,6 +143,7 @@ def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: 
     assert (tmp_path / "loadtest.html").stat().st_size > 0
 
 
+@pytest.mark.process
 def test_real_prompts_reach_the_server_as_sent(live_server: str, tmp_path: Path) -> None:
     """`--prompts real`: the Locust process builds the pool from --model's tokenizer; every
     request is one of its prompts and gets exactly its max_tokens."""
@@ -156,6 +163,7 @@ def test_real_prompts_reach_the_server_as_sent(live_server: str, tmp_path: Path)
         loadtest_main(["--host", live_server, "--prompts", "real"])  # which tokenizer? no --model
 
 
+@pytest.mark.unit
 def test_the_sweep_lets_only_its_slo_line_choose_the_budget() -> None:
     from app.args import AppArgs
     from loadtests.sweep import SLO_POLICY, SWEEP_MIX, app_args, parse_args
@@ -175,6 +183,7 @@ def test_the_sweep_lets_only_its_slo_line_choose_the_budget() -> None:
     assert AppArgs(**app_args(narrow, SLO_POLICY, SWEEP_MIX)).engine.budget_margin == 0.7
 
 
+@pytest.mark.real_model
 def test_the_sweep_sends_real_prompts_on_a_real_model() -> None:
     """The prompt source follows the model; whole-prompt policies get a budget that admits the
     longest real prompt; the prefix cache stays off unless asked (real prompts repeat)."""

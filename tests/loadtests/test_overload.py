@@ -24,6 +24,7 @@ def rec(**kw: object) -> records.Rec:
 # ---- SSE ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_sse_kind_tells_content_from_done_error_and_empty_chunks() -> None:
     assert sse_client.sse_kind(b'data: {"choices":[{"index":0,"text":"hi","finish_reason":null}]}') == "content"
     assert sse_client.sse_kind(b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}') == "other"
@@ -36,6 +37,7 @@ def test_sse_kind_tells_content_from_done_error_and_empty_chunks() -> None:
     assert sse_client.sse_kind(b": keep-alive") == "other"
 
 
+@pytest.mark.unit
 def test_split_events_keeps_the_unfinished_tail() -> None:
     events, rest = sse_client.split_events(b"data: a\n\ndata: b\n\ndata: c")
     assert events == [b"data: a", b"data: b"] and rest == b"data: c"
@@ -45,6 +47,7 @@ def test_split_events_keeps_the_unfinished_tail() -> None:
     assert events == [b"data: x"] and rest == b""
 
 
+@pytest.mark.unit
 def test_read_stream_times_every_gap_and_when_the_worst_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reads at t = 10.0 (first token), 10.1, 10.4, 10.5 (+[DONE]) of a request scheduled at 9.9,
     2 s into its phase: gaps 0.1, 0.3, 0.1; the worst ended 2 + 0.5 s into the phase."""
@@ -71,6 +74,7 @@ def test_read_stream_times_every_gap_and_when_the_worst_ended(monkeypatch: pytes
 # ---- classification ----------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("kw", "category"), [
     ({"status": 200, "done": True}, "ok"),
     ({"status": 200, "done": False}, "cut"),
@@ -89,6 +93,7 @@ def test_classify(kw: dict[str, object], category: str) -> None:
     assert records.classify(rec(**kw)) == category
 
 
+@pytest.mark.unit
 def test_is_openai_error_wants_all_four_fields() -> None:
     good = {"error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": "x"}}
     assert records.is_openai_error(good)
@@ -101,6 +106,7 @@ def test_is_openai_error_wants_all_four_fields() -> None:
 # ---- statistics --------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_summarize_counts_latencies_and_rejections() -> None:
     recs = [rec(status=200, done=True, headers_s=0.01, ttft_s=0.1, end_s=1.0, gaps=[0.02, 0.04]),
             rec(status=200, done=True, headers_s=0.01, ttft_s=0.3, end_s=1.2, gaps=[0.06]),
@@ -128,6 +134,7 @@ def test_summarize_counts_latencies_and_rejections() -> None:
                               "other": {"n": 1, "p50_s": 0.15, "p99_s": 0.15, "max_s": 0.15}}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("message, who", [
     ("the server is at capacity: the requests before this one wait 2.3 s for their first token "
      "(the proxy's target 2.0 s); retry after 1 s", "proxy: queueing"),
@@ -145,11 +152,13 @@ def test_refuser_names_the_bound_from_the_message(message: str, who: str) -> Non
     assert records.refuser(message) == who
 
 
+@pytest.mark.unit
 def test_summarize_empty() -> None:
     s = stats.summarize([], 0.0)
     assert s["sent"] == 0 and s["offered_req_s"] == 0.0 and s["ttft_p99_s"] is None
 
 
+@pytest.mark.unit
 def test_step_verdict() -> None:
     good = [rec(status=200, done=True, ttft_s=0.1, end_s=0.5) for _ in range(20)]
     assert search.step_verdict(stats.summarize(good, 1.0), 0.95, 2.0) == (True, "ok")
@@ -162,6 +171,7 @@ def test_step_verdict() -> None:
     assert search.step_verdict(stats.summarize([], 1.0), 0.95, 2.0) == (False, "no requests")
 
 
+@pytest.mark.unit
 def test_next_rate_doubles_then_stops_at_the_first_failure() -> None:
     assert search.next_rate([], 2.0, 6, 256.0) == 2.0
     assert search.next_rate([(2.0, True)], 2.0, 6, 256.0) == 4.0
@@ -170,6 +180,7 @@ def test_next_rate_doubles_then_stops_at_the_first_failure() -> None:
     assert search.next_rate([(128.0, True)], 128.0, 6, 200.0) is None  # above max_rate
 
 
+@pytest.mark.unit
 def test_next_rate_halves_while_nothing_passed() -> None:
     assert search.next_rate([(2.0, False)], 2.0, 6, 256.0) == 1.0
     assert search.next_rate([(2.0, False), (1.0, False)], 2.0, 6, 256.0) == 0.5
@@ -177,17 +188,20 @@ def test_next_rate_halves_while_nothing_passed() -> None:
     assert search.next_rate([(0.2, False)], 0.2, 6, 256.0) is None  # below min_rate
 
 
+@pytest.mark.unit
 def test_sustainable_rate() -> None:
     assert search.sustainable_rate([(2.0, True), (4.0, True), (8.0, False)]) == 4.0
     assert search.sustainable_rate([(2.0, False), (1.0, False)]) is None
 
 
+@pytest.mark.unit
 def test_recovery_probes_come_no_faster_than_the_sustainable_rate() -> None:
     assert phases.probe_interval_s(None, 1.0) == 1.0  # 1 req/s sustained: a probe a second
     assert phases.probe_interval_s(None, 8.0) == phases.MIN_PROBE_INTERVAL_S == 0.5
     assert phases.probe_interval_s(0.25, 1.0) == 0.25  # as given
 
 
+@pytest.mark.unit
 def test_recovery_seconds_needs_every_later_probe_normal() -> None:
     assert search.recovery_seconds([(0.0, True, 0.02), (0.5, True, 0.02)]) == pytest.approx(0.02)
     probes = [(0.0, False, 9.0), (0.5, True, 0.05), (1.0, False, 3.0), (1.5, True, 0.04),
@@ -197,6 +211,7 @@ def test_recovery_seconds_needs_every_later_probe_normal() -> None:
     assert search.recovery_seconds([]) is None
 
 
+@pytest.mark.unit
 def test_slope_per_min_is_least_squares() -> None:
     ts = [0.0, 60.0, 120.0, 180.0]
     assert mem.slope_per_min(ts, [100.0, 102.0, 104.0, 106.0]) == pytest.approx(2.0)
@@ -216,6 +231,7 @@ SAMPLES: list[mem.Sample] = [(0.0, {"LLMServer": 500 * MB}), (1.0, {"LLMServer":
                             (4.0, {"LLMServer": 590 * MB, "OpenAIIngress": 300 * MB})]
 
 
+@pytest.mark.unit
 def test_rss_at_takes_the_last_sample_at_or_before() -> None:
     assert mem.rss_at(SAMPLES, 2.5, "LLMServer") == 800 * MB
     assert mem.rss_at(SAMPLES, 99.0, "LLMServer") == 590 * MB
@@ -224,6 +240,7 @@ def test_rss_at_takes_the_last_sample_at_or_before() -> None:
     assert mem.rss_at(SAMPLES, 1.0, "ProxyActor") is None
 
 
+@pytest.mark.unit
 def test_rss_report() -> None:
     rep = mem.rss_report(SAMPLES, "LLMServer", 1.0, 2.0, 2.0, 0.2)
     assert rep["start_mb"] == 510.0 and rep["peak_mb"] == 800.0 and rep["after_mb"] == 590.0
@@ -233,6 +250,7 @@ def test_rss_report() -> None:
     assert missing["start_mb"] is None and missing["within"] is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("cmd", "group"), [
     ("ray::ServeReplica:llm:LLMServer", "LLMServer"),
     ("ray::ServeReplica:llm:LLMServer.generate", "LLMServer"),
@@ -248,6 +266,7 @@ def test_group_of(cmd: str, group: str | None) -> None:
 # ---- workload ----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_request_bodies() -> None:
     rng = np.random.default_rng(0)
     spec = workload.uniform_specs(rng, 3, "m", 10, 64)[0]
@@ -267,6 +286,7 @@ def test_request_bodies() -> None:
 # ---- the engine's gauges and the target table ---------------------------------------------------
 
 
+@pytest.mark.unit
 def test_engine_gauges() -> None:
     text = "\n".join([
         "# TYPE ray_stallfree_kv_cache_usage_perc gauge",
@@ -284,6 +304,7 @@ CFG = {"timeout_s": 120.0, "reject_p99_s": 0.5, "tbt_factor": 1.5, "queue_deadli
        "rss_tolerance": 0.2, "recovery_target_s": 5.0, "rss_slope_mb_min": 1.0}
 
 
+@pytest.mark.unit
 def test_overload_targets_and_table() -> None:
     recs = ([rec(status=200, done=True, ttft_s=0.5, end_s=2.0, gaps=[0.05] * 10)] * 50
             + [rec(status=429, headers_s=0.02, retry_after=True, json_body=True, openai_body=True)] * 50)
@@ -301,6 +322,7 @@ def test_overload_targets_and_table() -> None:
     assert table.splitlines()[0].startswith("target") and table.count("PASS") >= 8
 
 
+@pytest.mark.unit
 def test_overload_targets_without_429s_are_not_applicable() -> None:
     summary = stats.summarize([rec(status=200, done=True, ttft_s=0.5, end_s=2.0)], 1.0)
     rows = {r["target"]: r for r in report.overload_targets(summary, None, None, {}, CFG)}
@@ -308,6 +330,7 @@ def test_overload_targets_without_429s_are_not_applicable() -> None:
     assert next(r for t, r in rows.items() if "TBT" in t)["status"] == "n/a"
 
 
+@pytest.mark.unit
 def test_rss_slopes_separate_a_cache_filling_early_from_a_leak() -> None:
     mb = mem.MB
     # The engine grows 2 MB/min for 10 min, then holds; the ingress grows 0.5 MB/min throughout.
@@ -320,6 +343,7 @@ def test_rss_slopes_separate_a_cache_filling_early_from_a_leak() -> None:
     assert whole["ProxyActor"] is None
 
 
+@pytest.mark.unit
 def test_soak_targets() -> None:
     sk = {"summary": stats.summarize([rec(status=200, done=True)] * 3 + [rec(status=500)], 60.0),
           "rss_slope_mb_per_min": {"LLMServer": 1.1, "OpenAIIngress": 3.0, "ProxyActor": None},
@@ -336,6 +360,7 @@ def test_soak_targets() -> None:
     assert rows["healthy after the soak"] == "PASS"
 
 
+@pytest.mark.unit
 def test_quick_fills_only_unset_options() -> None:
     args = cli.parse_args(["--quick", "--duration-s", "7"])
     assert args.duration_s == 7.0 and args.step_s == 3.0 and args.max_steps == 2 and args.baseline_s == 5.0
@@ -345,6 +370,7 @@ def test_quick_fills_only_unset_options() -> None:
     assert cli.parse_args(["--baseline-s", "0"]).baseline_s == 0.0
 
 
+@pytest.mark.unit
 def test_the_steady_phase_becomes_the_baseline_and_the_step_is_kept() -> None:
     found = {"sustainable_req_s": 2.0, "found": True, "baseline_tbt_p99_s": 0.07, "baseline_ttft_p99_s": 0.13}
     st = {"rate": 2.0, "seconds": 60.0, "pass": True, "tbt_p99_s": 0.11, "ttft_p99_s": 0.2}
@@ -364,6 +390,7 @@ def test_the_steady_phase_becomes_the_baseline_and_the_step_is_kept() -> None:
 # ---- the load generator's own side ----------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_door_probe_times_each_answer_on_a_new_connection() -> None:
     """A local server answering 429 then 200: one record per scheduled request, in order, each
     with its status and a latency; a closed port is a None status, not a crash."""
@@ -398,6 +425,7 @@ def test_door_probe_times_each_answer_on_a_new_connection() -> None:
     assert sse_client.door_probe(url, b"{}", 0.0, -1.0, 1.0, 1.0) == []  # the warm-up call sends nothing
 
 
+@pytest.mark.unit
 def test_probe_summary() -> None:
     samples = [(0.0, 429, 0.01), (0.25, 429, 0.03), (0.5, 200, 2.0), (0.75, None, 5.0)]
     s = stats.probe_summary(samples)
@@ -406,6 +434,7 @@ def test_probe_summary() -> None:
     assert s["reject_p50_s"] == 0.01 and s["reject_p99_s"] == 0.03 and s["reject_max_s"] == 0.03
 
 
+@pytest.mark.unit
 def test_the_door_probe_row_judges_its_own_429s() -> None:
     summary = stats.summarize([rec(status=429, headers_s=2.0, retry_after=True, json_body=True,
                                 openai_body=True)] * 10, 1.0)
@@ -418,6 +447,7 @@ def test_the_door_probe_row_judges_its_own_429s() -> None:
     assert rows["429 p99 latency < 500 ms (door probe)"] == "n/a"
 
 
+@pytest.mark.process
 def test_raise_priority_sets_every_thread_and_reports_it() -> None:
     """In a child process (the test run keeps its own priority): a higher niceness is always
     allowed, and the threads started before the call get it too."""
@@ -434,6 +464,7 @@ def test_raise_priority_sets_every_thread_and_reports_it() -> None:
     assert out.stdout.split() == ["7", "7"]
 
 
+@pytest.mark.unit
 def test_the_proxy_doors_own_messages_name_their_rule() -> None:
     """Each refusal the proxy door makes, as the middleware words it, is attributed to its rule
     (the words in REFUSERS must follow app/proxy_door.py's messages)."""
@@ -488,6 +519,7 @@ def test_the_proxy_doors_own_messages_name_their_rule() -> None:
 # ---- workloads, the run table, the flags ------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_uniform_workload_is_todays_requests_and_short_output_adds_long_prompts() -> None:
     uniform = workload.load_specs("uniform", np.random.default_rng(3), 50, "m", 40, 64, 0.5)
     assert uniform == workload.uniform_specs(np.random.default_rng(3), 50, "m", 40, 64)  # same seed, same bodies
@@ -502,6 +534,7 @@ def test_the_uniform_workload_is_todays_requests_and_short_output_adds_long_prom
         workload.load_specs("long", np.random.default_rng(0), 1, "m", 1, 1, 1.0)
 
 
+@pytest.mark.unit
 def test_the_workload_sets_the_lengths_the_command_line_leaves_open() -> None:
     args = cli.parse_args([])
     assert (args.start, args.workload, args.prompt_tokens, args.max_tokens) == ("make", "uniform", 64, 64)
@@ -514,6 +547,7 @@ def test_the_workload_sets_the_lengths_the_command_line_leaves_open() -> None:
         cli.parse_args(["--start", "local"])  # the launcher is for the other benchmarks
 
 
+@pytest.mark.unit
 def test_the_run_row_sets_each_phase_beside_the_sustainable_rate() -> None:
     recs = ([rec(status=200, done=True, ttft_s=0.4, end_s=2.0, gaps=[0.3], send_lag_s=0.01)] * 8
             + [rec(status=429, headers_s=0.05, send_lag_s=0.2), rec(status=503, headers_s=0.1, send_lag_s=0.01),
@@ -535,6 +569,7 @@ def test_the_run_row_sets_each_phase_beside_the_sustainable_rate() -> None:
 # ---- one short run against a real server -------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_short_overload_run_against_serve_run(tmp_path) -> None:  # noqa: ANN001
     """`--start serve-run`: a server started by plain `serve run` from serve_config.yaml, a few
     seconds of the short-output workload at 3x a given rate; the JSON names the mode, what

@@ -8,6 +8,8 @@ import pytest
 
 from loadtests import pass_report
 
+pytestmark = pytest.mark.unit
+
 
 def _row(t, duration, predicted, prefill, decode, cpu=None, target=None):
     return {"time": t, "duration_s": duration, "cpu_s": duration if cpu is None else cpu,

@@ -7,6 +7,8 @@ import pytest
 from app.args import AppArgs
 from loadtests.serve_local import merge_args, parse_sets
 
+pytestmark = pytest.mark.unit
+
 
 def test_dotted_sets_fill_nested_records_and_merge() -> None:
     sets = parse_sets(["model=embedded:tiny", "engine.policy=dynamic", "engine.max_num_seqs=4",

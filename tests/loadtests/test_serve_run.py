@@ -19,6 +19,7 @@ PORTS = {"gcs": 1001, "client": 1002, "agent": 1003, "metrics": 1004, "dashboard
 ENV = {"PATH": "/bin", "RAY_worker_niceness": "15", "RAY_AUTH_MODE": "disabled"}
 
 
+@pytest.mark.unit
 def test_make_and_serve_run_differ_only_in_the_workers_niceness(tmp_path) -> None:  # noqa: ANN001
     (make_argv, make_env), = commands("make", tmp_path / "c.yaml", tmp_path, PORTS, ENV)
     (plain_argv, plain_env), = commands("serve-run", tmp_path / "c.yaml", tmp_path, PORTS, ENV)
@@ -27,6 +28,7 @@ def test_make_and_serve_run_differ_only_in_the_workers_niceness(tmp_path) -> Non
     assert {k: v for k, v in make_env.items() if k != "RAY_worker_niceness"} == plain_env
 
 
+@pytest.mark.unit
 def test_cluster_starts_a_private_head_then_serve_run_against_it(tmp_path) -> None:  # noqa: ANN001
     (head, head_env), (client, client_env) = commands("cluster", tmp_path / "c.yaml", tmp_path, PORTS, ENV)
     assert head[1:4] == ["start", "--head", "--port"] and head[4] == "1001"
@@ -38,6 +40,7 @@ def test_cluster_starts_a_private_head_then_serve_run_against_it(tmp_path) -> No
         commands("docker", tmp_path, tmp_path, PORTS, ENV)
 
 
+@pytest.mark.unit
 def test_auth_mode_follows_the_token_at_hand(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setattr(serve_run, "AUTH_TOKEN_FILE", tmp_path / "auth_token")
     assert serve_run.auth_mode({}) == "disabled"
@@ -46,6 +49,7 @@ def test_auth_mode_follows_the_token_at_hand(monkeypatch: pytest.MonkeyPatch, tm
     assert serve_run.auth_mode({}) == "token" and serve_run.auth_mode({"RAY_AUTH_MODE": "disabled"}) == "disabled"
 
 
+@pytest.mark.unit
 def test_the_config_is_serve_config_yaml_with_the_args_and_port() -> None:
     args = {"model": "embedded:tiny", "engine": {"policy": "dynamic"}}
     config = serve_config(args, 4321)
@@ -56,6 +60,7 @@ def test_the_config_is_serve_config_yaml_with_the_args_and_port() -> None:
     assert config["applications"][0]["import_path"] == original["applications"][0]["import_path"]
 
 
+@pytest.mark.unit
 def test_tree_takes_the_roots_the_marked_and_their_descendants() -> None:
     table = {1: (0, "init", 0, 0), 10: (1, "serve run", 0, 5), 11: (10, "raylet --temp=/tmp/lt-x", 0, 6),
              12: (11, "ray::ServeReplica", 0, 7), 20: (1, "gcs_server --log_dir=/tmp/lt-x/s", 0, 8),
@@ -65,6 +70,7 @@ def test_tree_takes_the_roots_the_marked_and_their_descendants() -> None:
     assert procs.tree(table, [], "/tmp/lt-y") == set()
 
 
+@pytest.mark.process
 def test_terminate_leaves_a_process_that_took_a_freed_pid_alone() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -77,6 +83,7 @@ def test_terminate_leaves_a_process_that_took_a_freed_pid_alone() -> None:
         proc.kill()
 
 
+@pytest.mark.process
 def test_a_cluster_server_answers_and_leaves_nothing_behind(tmp_path) -> None:  # noqa: ANN001
     args = {"model": "embedded:tiny", "num_cpus": 0.5, "ingress_num_cpus": 0.1,
             "engine": {"kv_cache_memory_bytes": 16 * 2**20}}

@@ -25,6 +25,8 @@ from replicas.kv_cache import BlockManager
 from replicas.request import Request, RequestStatus, SamplingParams
 from replicas.scheduler import Scheduler
 
+pytestmark = pytest.mark.unit
+
 ONE_SECOND = CostModel(overhead_s=1.0, form="sum", name="1s per pass")
 
 

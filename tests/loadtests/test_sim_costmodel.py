@@ -13,6 +13,8 @@ from loadtests.sim.deploy import replica_spec
 from loadtests.sim.simulator import SimConfig
 from loadtests.sim.traffic import make_trace
 
+pytestmark = pytest.mark.unit
+
 
 def test_profiles_cite_a_source_for_every_entry():
     prof = load_profiles()

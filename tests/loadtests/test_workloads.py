@@ -24,6 +24,7 @@ def smol_tokenizer():
     return load_tokenizer(REAL_MODEL)  # the tokenizer only: no weights, no torch
 
 
+@pytest.mark.unit
 def test_chat_workload_is_deterministic_under_its_seed() -> None:
     a, b = chat_workload(64, VOCAB, seed=7), chat_workload(64, VOCAB, seed=7)
     assert a.requests == b.requests
@@ -32,16 +33,19 @@ def test_chat_workload_is_deterministic_under_its_seed() -> None:
     assert a.requests[0].prompt_token_ids != c.requests[0].prompt_token_ids
 
 
+@pytest.mark.unit
 def test_long_prompt_workload_is_deterministic_under_its_seed() -> None:
     assert long_prompt_workload(VOCAB, seed=3).requests == long_prompt_workload(VOCAB, seed=3).requests
 
 
+@pytest.mark.unit
 def test_long_context_workload_is_deterministic_under_its_seed() -> None:
     a, b = long_context_workload(VOCAB, seed=3), long_context_workload(VOCAB, seed=3)
     assert a.requests == b.requests
     assert a.prompt_lens != long_context_workload(VOCAB, seed=4).prompt_lens
 
 
+@pytest.mark.unit
 def test_chat_lengths_stay_in_bounds_and_ids_in_vocab() -> None:
     w = chat_workload(500, VOCAB, seed=0, avoid_ids=[0, 1, 2])
     assert all(CHAT_PROMPT.lo <= n <= CHAT_PROMPT.hi for n in w.prompt_lens)
@@ -52,6 +56,7 @@ def test_chat_lengths_stay_in_bounds_and_ids_in_vocab() -> None:
     assert len({r.request_id for r in w.requests}) == 500
 
 
+@pytest.mark.unit
 def test_chat_lengths_are_heavy_tailed() -> None:
     """ShareGPT-like: p99 several times the median, mean above the median (right skew)."""
     w = chat_workload(4000, VOCAB, seed=0)
@@ -63,6 +68,7 @@ def test_chat_lengths_are_heavy_tailed() -> None:
     assert abs(percentile(w.output_lens, 50) - CHAT_OUTPUT.median) / CHAT_OUTPUT.median < 0.1
 
 
+@pytest.mark.unit
 def test_pareto_median_and_tail() -> None:
     d = LengthDist("pareto", median=100, lo=1, hi=100_000, alpha=1.5)
     x = list(d.sample(np.random.default_rng(0), 20_000))
@@ -72,6 +78,7 @@ def test_pareto_median_and_tail() -> None:
     assert 11 < percentile(x, 99) / p50 < 16
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", ["lognormal", "pareto", "uniform", "fixed"])
 def test_every_length_dist_is_clipped(kind: str) -> None:
     d = LengthDist(kind, median=50, lo=10, hi=60, sigma=2.0, alpha=0.5)
@@ -79,6 +86,7 @@ def test_every_length_dist_is_clipped(kind: str) -> None:
     assert min(x) >= 10 and max(x) <= 60 and all(isinstance(v, int) for v in x)
 
 
+@pytest.mark.unit
 def test_length_dist_rejects_bad_bounds() -> None:
     with pytest.raises(ValueError, match="lo"):
         LengthDist("lognormal", median=10, lo=20, hi=10)
@@ -86,6 +94,7 @@ def test_length_dist_rejects_bad_bounds() -> None:
         LengthDist("zipf", median=10, lo=1, hi=10)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_random_prompt_avoids_ids_and_covers_the_rest() -> None:
     ids = random_prompt(np.random.default_rng(0), 20_000, vocab_size=10, avoid_ids=[0, 4, 9])
     assert set(ids) == {1, 2, 3, 5, 6, 7, 8}
@@ -93,6 +102,7 @@ def test_random_prompt_avoids_ids_and_covers_the_rest() -> None:
     assert counts.min() > 0.8 * 20_000 / 7  # still uniform over the allowed ids
 
 
+@pytest.mark.unit
 def test_with_poisson_arrivals_keeps_requests_and_retimes_them() -> None:
     w = chat_workload(200, VOCAB, seed=0)
     p = with_poisson_arrivals(w, rate=10.0)
@@ -103,12 +113,14 @@ def test_with_poisson_arrivals_keeps_requests_and_retimes_them() -> None:
     assert p.name == "chat" and with_poisson_arrivals(w, 10.0, name="chat_poisson").name == "chat_poisson"
 
 
+@pytest.mark.unit
 def test_chat_with_rate_arrives_over_time() -> None:
     w = chat_workload(100, VOCAB, seed=0, rate=5.0)
     assert [r.arrival_s for r in w.requests] == sorted(r.arrival_s for r in w.requests)
     assert w.requests[-1].arrival_s > 10.0
 
 
+@pytest.mark.unit
 def test_long_prompt_workload_shape() -> None:
     """Short requests at t=0; long prompts later, one interval apart, while shorts decode."""
     w = long_prompt_workload(VOCAB, seed=0, num_short=16, num_long=4, first_long_s=0.5,
@@ -123,6 +135,7 @@ def test_long_prompt_workload_shape() -> None:
     assert w.max_total_len == max(r.prompt_len for r in longs) + 16
 
 
+@pytest.mark.unit
 def test_long_context_workload_shape() -> None:
     """All at t=0, the long-context requests first: after the prefills every decode pass
     carries the few long contexts beside the many short ones."""
@@ -135,6 +148,7 @@ def test_long_context_workload_shape() -> None:
     assert len({r.request_id for r in w.requests}) == 34
 
 
+@pytest.mark.unit
 def test_workload_round_trips_through_a_dict() -> None:
     w = long_prompt_workload(VOCAB, seed=0, num_short=2, num_long=1)
     assert Workload.from_dict(w.to_dict()) == w
@@ -142,6 +156,7 @@ def test_workload_round_trips_through_a_dict() -> None:
     assert s["num_requests"] == 3 and s["output_tokens"] == sum(w.output_lens)
 
 
+@pytest.mark.unit
 def test_shared_prefix_and_multi_turn_workloads_repeat_exactly_what_they_say():
     from loadtests.workloads import multi_turn_conversations, shared_prefix_workload
 
@@ -158,12 +173,14 @@ def test_shared_prefix_and_multi_turn_workloads_repeat_exactly_what_they_say():
     assert c.prompt(1, answers[:1]) == p2[:len(c.prompt(1, answers[:1]))]  # each turn extends the last
 
 
+@pytest.mark.unit
 def test_real_prompts_are_the_default_only_for_real_models() -> None:
     assert default_prompt_source("embedded:tiny") == default_prompt_source("embedded:mid") == "random"
     assert default_prompt_source(REAL_MODEL) == default_prompt_source("/models/x.gguf") == "real"
     assert default_prompt_source("tiny") == "real"  # a path or hub id, not the test model
 
 
+@pytest.mark.real_model
 def test_chat_prompt_pool_is_chat_templated_short_and_long(smol_tokenizer) -> None:
     pool = ChatPromptPool.from_tokenizer(smol_tokenizer, seed=0)
     assert pool == ChatPromptPool.from_tokenizer(smol_tokenizer, seed=0)
@@ -177,6 +194,7 @@ def test_chat_prompt_pool_is_chat_templated_short_and_long(smol_tokenizer) -> No
     assert lens["short"][1] < 64 < 256 < lens["long"][0] and pool.max_prompt_len == lens["long"][1]
 
 
+@pytest.mark.real_model
 def test_chat_prompt_pool_needs_a_chat_template(smol_tokenizer) -> None:
     class NoTemplate:
         chat_template = None
@@ -185,6 +203,7 @@ def test_chat_prompt_pool_needs_a_chat_template(smol_tokenizer) -> None:
         ChatPromptPool.from_tokenizer(NoTemplate())
 
 
+@pytest.mark.real_model
 def test_with_chat_prompts_replaces_prompts_only(smol_tokenizer) -> None:
     """Ids, arrivals and output lengths stay; a LONG_FRACTION share are passage tasks; the same
     workload and pool give the same prompts."""

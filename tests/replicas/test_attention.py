@@ -14,6 +14,8 @@ from replicas.attention import PassLayout, PrefillSpan, resolve_backend
 from replicas.attention_flex import build_block_mask, logical_blocks, seq_tables
 from replicas.models import load_model
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module", params=["embedded:tiny", "embedded:mid"])
 def model_tok(request):

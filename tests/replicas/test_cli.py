@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from replicas import Engine, EngineConfig, SamplingParams
+
+pytestmark = pytest.mark.process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -14,6 +14,8 @@ from replicas.cuda_graphs import bucket_sizes, choose_bucket, pad_decodes
 from replicas.kv_cache import BlockManager
 from replicas.models import load_model
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def llama():

@@ -10,6 +10,8 @@ import pytest
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.model_files import load_tokenizer
 
+pytestmark = pytest.mark.engine
+
 TEXT = "Hello wörld: 🙂 naïve 日本語 text, and $3.99 — done."
 
 

@@ -13,6 +13,8 @@ import torch
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.protocol import GuidedDecoding
 
+pytestmark = pytest.mark.engine
+
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 PARAMS = [
     SamplingParams(max_tokens=6, temperature=0.8),  # unseeded: only finishing is compared

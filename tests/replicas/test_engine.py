@@ -66,6 +66,7 @@ def engine_for(model_tok, policy: str, **overrides) -> Engine:
     return Engine(*model_tok, EngineConfig(**cfg))
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 def test_greedy_matches_hf_generate_under_every_policy(arch, request):
     model_tok = request.getfixturevalue(arch)
@@ -84,6 +85,7 @@ def test_greedy_matches_hf_generate_under_every_policy(arch, request):
         assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch,compiled", [("llama", False), ("llama", True), ("gpt2", True),
                                            ("qwen2", True)])
 def test_a_long_context_decoding_beside_short_ones_matches_hf(arch, compiled, request):
@@ -120,6 +122,7 @@ def test_a_long_context_decoding_beside_short_ones_matches_hf(arch, compiled, re
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("caching", [False, True])
 def test_preemption_keeps_outputs_correct(llama, caching):
     """A preempted request frees its references; recomputed (finding its own prefix again
@@ -140,6 +143,7 @@ def test_preemption_keeps_outputs_correct(llama, caching):
         eng.blocks.check()
 
 
+@pytest.mark.engine
 def test_sampling_is_reproducible_with_a_seed(llama):
     eng = engine_for(llama, "stall_free")
     p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
@@ -150,6 +154,7 @@ def test_sampling_is_reproducible_with_a_seed(llama):
     assert other[0].token_ids != a[0].token_ids
 
 
+@pytest.mark.engine
 def test_stop_strings_token_ids_and_text(llama):
     eng = engine_for(llama, "stall_free")
     full = eng.generate(["hello there"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
@@ -166,6 +171,7 @@ def test_stop_strings_token_ids_and_text(llama):
     assert forced.finish_reason == "length" and len(forced.token_ids) == 5 and eos not in forced.token_ids
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("bad, field", [
     (dict(prompt=""), "prompt"),
     (dict(prompt=[]), "prompt"),
@@ -183,6 +189,7 @@ def test_bad_input_is_a_value_error_and_nothing_is_admitted(llama, bad, field):
     assert not eng.has_unfinished() and not eng.requests
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=10**7), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
@@ -194,6 +201,7 @@ def test_absurd_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.engine
 def test_dynamic_refuses_prompts_longer_than_mbp(llama):
     eng = engine_for(llama, "dynamic", max_batch_prefill_tokens=32)
     with pytest.raises(ValueError, match="max_batch_prefill_tokens"):
@@ -202,6 +210,7 @@ def test_dynamic_refuses_prompts_longer_than_mbp(llama):
     assert [len(o.token_ids) for o in batch] == [2, 2] and [o.finish_reason for o in batch] == ["length"] * 2
 
 
+@pytest.mark.engine
 async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
     eng = engine_for(llama, "stall_free", max_batch_total_tokens=512)
     ae = AsyncEngine(eng)
@@ -232,6 +241,7 @@ async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
         ae.shutdown()
 
 
+@pytest.mark.engine
 async def test_async_stream_of_n_samples_carries_each_and_aborts_all(llama):
     """One stream for the n samples of a prompt: every delta names its sample (index), deltas of
     different samples are never merged, and a caller that leaves aborts every sample."""
@@ -259,6 +269,7 @@ async def test_async_stream_of_n_samples_carries_each_and_aborts_all(llama):
         ae.shutdown()
 
 
+@pytest.mark.engine
 async def test_a_stream_interval_merges_the_tokens_between_deltas(llama):
     """With stream_interval_s each stream's first delta goes at once and later ones at most once
     an interval, carrying every token since: the same tokens and text, in a handful of deltas."""
@@ -282,6 +293,7 @@ async def test_a_stream_interval_merges_the_tokens_between_deltas(llama):
         assert len(merged) <= 10 and merged[-1].finished and sum(o.finished for o in merged) == 1
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("policy, stalls", [("dynamic", True), ("stall_free", False)])
 def test_generation_stalls_are_counted_only_where_they_happen(llama, policy, stalls):
     """A long prompt arriving while others decode stalls them under dynamic, never under stall_free."""
@@ -301,6 +313,7 @@ def test_generation_stalls_are_counted_only_where_they_happen(llama, policy, sta
     assert all(len(r.output_token_ids) == 10 for r in short)
 
 
+@pytest.mark.engine
 def test_a_request_never_scheduled_within_the_queue_deadline_is_refused_with_queue_timeout():
     """One sequence slot: the second request waits; past queue_timeout_s it leaves, unscheduled,
     holding no KV; the running one is not affected."""
@@ -325,6 +338,7 @@ def test_a_request_never_scheduled_within_the_queue_deadline_is_refused_with_que
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+@pytest.mark.engine
 def test_a_slow_caller_gets_the_queued_deltas_merged_in_order():
     """Deltas that pile up while the caller is busy arrive as one, text and ids in order."""
     eng = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_total_tokens=512))
@@ -349,6 +363,7 @@ def test_a_slow_caller_gets_the_queued_deltas_merged_in_order():
     assert outs[-1].finished and outs[-1].num_output_tokens == 40 and outs[-1].finish_reason == "length"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
 def test_logprobs_are_the_models_own_log_softmax(llama, temperature):
     """Each generated token's logprob and its top-5 alternatives equal log_softmax of HF's own
@@ -377,6 +392,7 @@ def test_logprobs_are_the_models_own_log_softmax(llama, temperature):
                 assert tok == top[0][0]  # greedy picks the most likely token
 
 
+@pytest.mark.engine
 def test_logprobs_stream_with_their_tokens(llama):
     eng = engine_for(llama, "stall_free")
     eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
@@ -390,12 +406,14 @@ def test_logprobs_stream_with_their_tokens(llama):
     assert streamed[0].token == eng.tokenizer.decode([streamed[0].token_id])
 
 
+@pytest.mark.unit
 def test_logprobs_out_of_range_name_the_field():
     with pytest.raises(InvalidRequestError, match="logprobs") as e:
         SamplingParams(logprobs=21)
     assert e.value.param == "logprobs"
 
 
+@pytest.mark.engine
 def test_the_pass_in_progress_is_visible_to_the_replicas_drain_rate(llama):
     """`pass_started` holds when the running pass began (the replica's drain rate judges a backlog
     up to then: a long pass is not a stall) and is cleared once it ended."""

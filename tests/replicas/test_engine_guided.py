@@ -24,6 +24,8 @@ from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 from replicas.protocol import GuidedDecoding
 
+pytestmark = pytest.mark.engine
+
 BOUND = 200  # longest path (tokens) through any schema below: about 6 per string character
 MAX_TOKENS = 320
 SCHEMAS = {

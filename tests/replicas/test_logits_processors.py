@@ -45,6 +45,7 @@ def expected(row: list[float], r: Request) -> list[float]:
     return x
 
 
+@pytest.mark.unit
 def test_each_row_equals_the_hand_computed_transform() -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, V) * 3
@@ -67,6 +68,7 @@ def test_each_row_equals_the_hand_computed_transform() -> None:
     assert out[5, 0] == raw[5, 0] and out[5, 2] == raw[5, 2]
 
 
+@pytest.mark.unit
 def test_nothing_asked_returns_the_same_tensor_and_keeps_no_state() -> None:
     logits = torch.randn(3, V)
     procs = LogitsProcessors(V, EOS)
@@ -76,6 +78,7 @@ def test_nothing_asked_returns_the_same_tensor_and_keeps_no_state() -> None:
     assert procs.counts is None
 
 
+@pytest.mark.unit
 def test_counts_follow_appended_tokens_and_rows_are_reused() -> None:
     procs = LogitsProcessors(V, EOS)
     logits = torch.zeros(2, V)
@@ -96,6 +99,7 @@ def test_counts_follow_appended_tokens_and_rows_are_reused() -> None:
     assert out[1].tolist() == pytest.approx(expected([0.0] * V, c))
 
 
+@pytest.mark.unit
 def test_greedy_rows_are_argmax_of_the_processed_logits() -> None:
     logits = torch.tensor([[0.0, 4.0, 3.9, 1.0, 0.0, 0.0, 0.0, 0.0]] * 3)
     rows = [req([1], [1], temperature=0),  # raw argmax: token 1
@@ -123,6 +127,7 @@ def hf(model, prompt: list[int], n: int, **kwargs) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.engine
 def test_greedy_with_repetition_penalty_and_logit_bias_equals_hf_generate(llama) -> None:
     """HF's RepetitionPenalty (prompt + output) and SequenceBias (single tokens), in that order,
     are ours; the batch mixes penalized, biased and plain requests."""
@@ -146,6 +151,7 @@ def test_greedy_with_repetition_penalty_and_logit_bias_equals_hf_generate(llama)
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+@pytest.mark.engine
 def test_greedy_with_frequency_and_presence_penalties_equals_a_hand_written_decode(llama) -> None:
     """Each step of the reference is HF's forward over prompt + output so far, the penalties
     applied by their formula, argmax."""
@@ -169,6 +175,7 @@ def test_greedy_with_frequency_and_presence_penalties_equals_a_hand_written_deco
     assert changed >= len(PROMPTS)  # the penalties changed the greedy choice (not a no-op)
 
 
+@pytest.mark.engine
 def test_min_tokens_holds_eos_back(llama) -> None:
     """EOS biased to win every step: without min_tokens the first token is EOS; with it, exactly
     min_tokens other tokens come first (HF's min_new_tokens, both EOS ids masked), then EOS."""
@@ -190,6 +197,7 @@ def test_min_tokens_holds_eos_back(llama) -> None:
     assert by_id.finish_reason == "stop"
 
 
+@pytest.mark.engine
 def test_stop_strings_are_not_looked_for_before_min_tokens(llama) -> None:
     eng = engine(llama)
     plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -206,6 +214,7 @@ def test_stop_strings_are_not_looked_for_before_min_tokens(llama) -> None:
     assert held.finish_reason == "length" and held.token_ids == full.token_ids and held.text == full.text
 
 
+@pytest.mark.engine
 def test_logit_bias_ids_are_checked_against_the_vocabulary(llama) -> None:
     eng = engine(llama)
     with pytest.raises(InvalidRequestError, match=r"\[0, 2048\)") as e:
@@ -213,6 +222,7 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary(llama) -> None:
     assert e.value.param == "logit_bias" and not eng.requests
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs, field", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),

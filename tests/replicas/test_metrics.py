@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.metrics import EngineMetrics, PrometheusBackend
+
+pytestmark = pytest.mark.engine
 
 
 def value(reg: CollectorRegistry, name: str, **labels: str) -> float:

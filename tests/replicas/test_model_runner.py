@@ -19,6 +19,8 @@ from replicas.models import load_model
 from replicas.scheduler import ScheduledSeq
 from replicas.transfer import HostPack, Staging
 
+pytestmark = pytest.mark.engine
+
 PROMPT_LENS = [5, 40, 100, 1, 33, 64]
 
 

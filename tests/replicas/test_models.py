@@ -35,10 +35,12 @@ def tiny_path(cache_dir: Path) -> Path:
     return Path(resolve_model_path("embedded:tiny"))
 
 
+@pytest.mark.unit
 def test_default_is_the_real_embedded_model() -> None:
     assert DEFAULT_MODEL == "embedded:smollm2"
 
 
+@pytest.mark.engine
 def test_tiny_builds_into_cache_and_loads_back(cache_dir: Path, tiny_path: Path) -> None:
     assert tiny_path == cache_dir / "models" / "tiny-v2"
     assert (tiny_path / "model.safetensors").is_file()
@@ -55,6 +57,7 @@ def test_tiny_builds_into_cache_and_loads_back(cache_dir: Path, tiny_path: Path)
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.engine
 def test_build_is_deterministic(tiny_path: Path, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STALLFREE_CACHE", str(tmp_path))
@@ -64,6 +67,7 @@ def test_build_is_deterministic(tiny_path: Path, tmp_path: Path,
         assert (other / name).read_bytes() == (tiny_path / name).read_bytes(), name
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("text", [
     "héllo wörld 你好 🙂",
     "  leading and trailing spaces  ",
@@ -79,6 +83,7 @@ def test_tokenizer_round_trips_exactly(tiny_path: Path, text: str) -> None:
     assert tok.decode(ids) == text
 
 
+@pytest.mark.engine
 def test_special_tokens_are_single_ids(tiny_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_path, local_files_only=True)
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
@@ -87,6 +92,7 @@ def test_special_tokens_are_single_ids(tiny_path: Path) -> None:
     assert tok.encode("x") == tok.convert_tokens_to_ids(["x"])
 
 
+@pytest.mark.engine
 def test_chat_template_renders_chatml(tiny_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_path, local_files_only=True)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
@@ -97,6 +103,7 @@ def test_chat_template_renders_chatml(tiny_path: Path) -> None:
     assert no_prompt == rendered.removesuffix("<|im_start|>assistant\n")
 
 
+@pytest.mark.engine
 def test_config_ids_match_tokenizer(tiny_path: Path) -> None:
     model, tok = load_model(str(tiny_path))
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
@@ -106,6 +113,7 @@ def test_config_ids_match_tokenizer(tiny_path: Path) -> None:
     assert model.generation_config.eos_token_id == [eos, tok.convert_tokens_to_ids("<|im_end|>")]
 
 
+@pytest.mark.engine
 def test_second_resolve_reuses_directory(tiny_path: Path) -> None:
     config = tiny_path / "config.json"
     before = config.stat().st_mtime_ns
@@ -113,6 +121,7 @@ def test_second_resolve_reuses_directory(tiny_path: Path) -> None:
     assert config.stat().st_mtime_ns == before
 
 
+@pytest.mark.engine
 def test_concurrent_builds_share_one_directory(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STALLFREE_CACHE", str(tmp_path))
@@ -136,6 +145,7 @@ def test_concurrent_builds_share_one_directory(tmp_path: Path,
     assert entries == [".tiny-v2.lock", "tiny-v2"]  # no leftover temp dirs
 
 
+@pytest.mark.unit
 def test_resolve_passes_other_names_through_and_rejects_unknown_embedded() -> None:
     assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     assert resolve_model_path("/some/local/dir") == "/some/local/dir"
@@ -144,6 +154,7 @@ def test_resolve_passes_other_names_through_and_rejects_unknown_embedded() -> No
         resolve_model_path("embedded:huge")
 
 
+@pytest.mark.engine
 def test_load_model_eval_no_grad_float32(cache_dir: Path) -> None:
     model, tok = load_model("embedded:tiny")
     assert not model.training
@@ -157,6 +168,7 @@ def test_load_model_eval_no_grad_float32(cache_dir: Path) -> None:
         load_model("embedded:tiny", dtype="int8")
 
 
+@pytest.mark.engine
 def test_load_model_sets_pad_to_eos(tiny_path: Path, tmp_path: Path) -> None:
     copy = tmp_path / "nopad"
     shutil.copytree(tiny_path, copy)
@@ -169,6 +181,7 @@ def test_load_model_sets_pad_to_eos(tiny_path: Path, tmp_path: Path) -> None:
     assert tok.pad_token == tok.eos_token == "<|endoftext|>"
 
 
+@pytest.mark.unit
 def test_load_model_refuses_before_reading_weights(tmp_path: Path) -> None:
     # Only a config, no weights: the refusal must come from check_supported, not a missing file.
     Gemma2Config().save_pretrained(tmp_path)
@@ -177,6 +190,7 @@ def test_load_model_refuses_before_reading_weights(tmp_path: Path) -> None:
         load_model(str(tmp_path))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("config", "reason"), [
     (Gemma2Config(), r"'gemma2'.*sliding-window.*attn_logit_softcapping=50.0"),
     (MistralConfig(sliding_window=16), r"'mistral'.*sliding-window"),
@@ -194,6 +208,7 @@ def test_check_supported_refuses(config, reason: str) -> None:
         check_supported(config)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("config", [
     LlamaConfig(),
     GPT2Config(),
@@ -206,6 +221,7 @@ def test_check_supported_accepts(config) -> None:
     check_supported(config)
 
 
+@pytest.mark.unit
 def test_model_max_length() -> None:
     assert model_max_length(LlamaConfig(max_position_embeddings=1234)) == 1234
     assert model_max_length(GPT2Config(n_positions=777)) == 777
@@ -213,6 +229,7 @@ def test_model_max_length() -> None:
         model_max_length(PretrainedConfig())
 
 
+@pytest.mark.engine
 def test_embedded_specs() -> None:
     tiny, mid = models.EMBEDDED_MODELS["tiny"], models.EMBEDDED_MODELS["mid"]
     assert (tiny.hidden_size, tiny.vocab_size, tiny.seed) == (64, 2048, 0)
@@ -234,6 +251,7 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
                                   dropout=dropout, is_causal=False)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("model_type", sorted(models.VERIFIED_MODEL_TYPES))
 def test_verified_types_route_attention_through_interface(model_type: str) -> None:
     """The allow-list's premise: a replaced attention function serves packed sequences exactly."""

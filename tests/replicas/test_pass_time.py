@@ -23,6 +23,7 @@ def linear(base: float, per_token: float):
     return lambda p: base + per_token * p
 
 
+@pytest.mark.unit
 def test_the_chunk_is_exactly_the_largest_that_fits_the_target() -> None:
     # 10 ms of decodes + 1 ms per prefill token, target 50.2 ms: 40 tokens (41 would be 51 ms).
     assert slo_prefill_budget(linear(0.010, 0.001), 0.0502, ceiling=500, floor=8) == 40
@@ -30,6 +31,7 @@ def test_the_chunk_is_exactly_the_largest_that_fits_the_target() -> None:
     assert slo_prefill_budget(linear(0.010, 0.001), 0.0512, ceiling=500, floor=8) == 41
 
 
+@pytest.mark.unit
 def test_never_above_the_ceiling_and_never_below_the_floor() -> None:
     assert slo_prefill_budget(linear(0.0, 1e-6), 1.0, ceiling=256, floor=8) == 256
     # The decodes alone are over the target: the floor still moves prompts along.
@@ -37,6 +39,7 @@ def test_never_above_the_ceiling_and_never_below_the_floor() -> None:
     assert slo_prefill_budget(linear(0.2, 0.001), 0.1, ceiling=5, floor=8) == 5  # floor <= ceiling
 
 
+@pytest.mark.unit
 def test_a_step_shaped_cost_is_searched_exactly() -> None:
     cost = lambda p: 0.01 if p <= 137 else 1.0  # noqa: E731
     assert slo_prefill_budget(cost, 0.05, ceiling=2048, floor=16) == 137
@@ -59,6 +62,7 @@ def synthetic_passes(rng: np.random.Generator, n: int, coef: np.ndarray, decode_
         yield shape, float(np.dot(coef, shape.features()))
 
 
+@pytest.mark.unit
 def test_the_fit_recovers_known_coefficients() -> None:
     model = PassTimeModel()
     for shape, t in synthetic_passes(np.random.default_rng(0), 200, TRUE):
@@ -68,6 +72,7 @@ def test_the_fit_recovers_known_coefficients() -> None:
     assert model.prefill_tokens_per_s == pytest.approx(1 / (TRUE[1] + TRUE[4]))
 
 
+@pytest.mark.unit
 def test_the_fit_follows_a_machine_that_gets_slower() -> None:
     rng = np.random.default_rng(1)
     model = PassTimeModel(window=128)
@@ -84,6 +89,7 @@ def test_the_fit_follows_a_machine_that_gets_slower() -> None:
     assert max(errors[-32:]) < 1e-6
 
 
+@pytest.mark.unit
 def test_seed_passes_keep_prefill_identifiable_when_the_window_holds_only_decodes() -> None:
     rng = np.random.default_rng(2)
     model = PassTimeModel(window=64)
@@ -95,6 +101,7 @@ def test_seed_passes_keep_prefill_identifiable_when_the_window_holds_only_decode
     assert model.coef[1] == pytest.approx(TRUE[1], rel=1e-6)
 
 
+@pytest.mark.unit
 def test_coefficients_are_never_negative() -> None:
     x = np.array([[1.0, p, 0.0] for p in range(10)])
     y = 0.5 - 0.01 * x[:, 1]  # a falling line: its slope cannot be a cost
@@ -102,6 +109,7 @@ def test_coefficients_are_never_negative() -> None:
     assert (coef >= 0).all() and coef[1] == 0.0
 
 
+@pytest.mark.unit
 def test_an_inaccurate_model_is_not_trusted() -> None:
     model = PassTimeModel()
     for shape, t in synthetic_passes(np.random.default_rng(3), 20, TRUE):
@@ -114,6 +122,7 @@ def test_an_inaccurate_model_is_not_trusted() -> None:
 # ---- the KV cap (Little's law) ---------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_kv_cap_leaves_the_target_alone_while_the_kv_is_far_from_full() -> None:
     assert kv_pass_target(0.4, 0.1, kv_used=0, kv_goal=1000) == 0.4  # nothing held
     assert kv_pass_target(0.4, None, kv_used=900, kv_goal=1000) == 0.4  # no pass seen yet
@@ -123,6 +132,7 @@ def test_the_kv_cap_leaves_the_target_alone_while_the_kv_is_far_from_full() -> N
     assert kv_pass_target(0.4, 0.1, kv_used=500, kv_goal=1000) == 0.4
 
 
+@pytest.mark.unit
 def test_the_kv_cap_is_the_pass_time_whose_kv_would_fit() -> None:
     # 625 tokens held under 100 ms passes: 160 ms passes would hold the 1000 of the goal.
     assert kv_pass_target(0.4, 0.1, kv_used=625, kv_goal=1000) == pytest.approx(0.16)
@@ -132,6 +142,7 @@ def test_the_kv_cap_is_the_pass_time_whose_kv_would_fit() -> None:
     assert kv_pass_target(0.4, 0.1, kv_used=500, kv_goal=-10) == 0.0
 
 
+@pytest.mark.unit
 def test_the_kv_cap_asks_the_passes_with_prompt_tokens_alone_to_move_the_mean() -> None:
     # Every pass carries prompt tokens: as before, mean x goal / used.
     assert kv_pass_target(0.4, 0.1, 625, 1000, prefill_mean_s=0.1, prefill_share=1.0) == pytest.approx(0.16)
@@ -144,6 +155,7 @@ def test_the_kv_cap_asks_the_passes_with_prompt_tokens_alone_to_move_the_mean() 
     assert kv_pass_target(0.4, 0.1, 5000, 1000, prefill_mean_s=0.25, prefill_share=0.25) == 0.0
 
 
+@pytest.mark.unit
 def test_mean_pass_time_is_over_the_window() -> None:
     model = PassTimeModel(window=4)
     assert model.mean_pass_s is None
@@ -184,12 +196,14 @@ def kv_budget_case(used_blocks: int, kv: bool = True) -> tuple[int, SloBudget]:
     return budget(decodes, nxt, 2048), budget
 
 
+@pytest.mark.unit
 def test_an_empty_kv_cache_leaves_the_slo_budget_as_it_was() -> None:
     chunk, budget = kv_budget_case(0)
     assert chunk == kv_budget_case(0, kv=False)[0] and budget.last_target_s == 0.2
     assert chunk == kv_budget_case(100)[0]  # 10% used: 50 ms passes would not fill it at 200 ms
 
 
+@pytest.mark.unit
 def test_a_nearly_full_kv_cache_shrinks_the_chunk() -> None:
     free_chunk = kv_budget_case(0)[0]
     half, b_half = kv_budget_case(500)
@@ -216,6 +230,7 @@ def slo_engine(llama, slo_ms: float, **overrides) -> Engine:
     return Engine(*llama, EngineConfig(**cfg))
 
 
+@pytest.mark.engine
 def test_the_engine_profiles_at_start_and_fits_its_own_passes(llama) -> None:
     eng = slo_engine(llama, 50.0)
     model = eng.pass_time
@@ -227,6 +242,7 @@ def test_the_engine_profiles_at_start_and_fits_its_own_passes(llama) -> None:
     assert model.predict(big) > model.predict(small)
 
 
+@pytest.mark.engine
 def test_outputs_stay_hf_identical_while_the_budget_varies_pass_to_pass(llama) -> None:
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in [300, 7, 180, 12, 250, 40]]
@@ -251,6 +267,7 @@ def test_outputs_stay_hf_identical_while_the_budget_varies_pass_to_pass(llama) -
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+@pytest.mark.engine
 def test_the_engine_budget_leaves_room_for_the_overruns_its_passes_showed(llama) -> None:
     eng = slo_engine(llama, 1.0)  # SLO 1 ms, margin 0.8
     eng.pass_time.coef = np.array([2e-4, 2e-5, 0.0, 0.0, 0.0, 0.0])  # 0.2 ms + 0.02 ms a token
@@ -262,6 +279,7 @@ def test_the_engine_budget_leaves_room_for_the_overruns_its_passes_showed(llama)
     assert eng.slo_budget.last_target_s == pytest.approx(0.001 / 1.9)
 
 
+@pytest.mark.engine
 def test_an_untrusted_model_falls_back_to_the_ceiling(llama) -> None:
     eng = slo_engine(llama, 1.0)
     eng.pass_time.errors.extend([0.9] * 32)
@@ -273,6 +291,7 @@ def test_an_untrusted_model_falls_back_to_the_ceiling(llama) -> None:
     assert budget == 255 and eng.slo_budget.fallback and eng.slo_budget.last is None
 
 
+@pytest.mark.engine
 def test_without_an_slo_nothing_changes(llama) -> None:
     eng = Engine(*llama, EngineConfig(policy="stall_free", max_batch_prefill_tokens=64,
                                       max_batch_total_tokens=4096, block_size=8))
@@ -281,6 +300,7 @@ def test_without_an_slo_nothing_changes(llama) -> None:
     assert all(it.prefill_budget is None and it.predicted_s is None for it in eng.iterations)
 
 
+@pytest.mark.unit
 def test_misses_far_below_the_target_do_not_cost_trust() -> None:
     model = PassTimeModel(error_floor_s=0.1)
     for shape, t in synthetic_passes(np.random.default_rng(6), 20, TRUE):
@@ -290,6 +310,7 @@ def test_misses_far_below_the_target_do_not_cost_trust() -> None:
     assert model.recent_error == pytest.approx(0.1) and model.trusted
 
 
+@pytest.mark.engine
 def test_slo_budget_off_keeps_the_fixed_budget_but_still_fits_the_model(llama) -> None:
     eng = slo_engine(llama, 1.0, slo_budget=False)
     assert eng.pass_time is not None and eng.slo_budget is None and eng.scheduler.prefill_budget is None
@@ -298,12 +319,14 @@ def test_slo_budget_off_keeps_the_fixed_budget_but_still_fits_the_model(llama) -
     assert any(it.predicted_s is not None for it in eng.iterations)
 
 
+@pytest.mark.unit
 def test_pairs_count_each_query_against_its_causal_context() -> None:
     assert chunk_pairs(9, 1) == 10  # a decode at position 9 attends 10 tokens: its context
     assert chunk_pairs(0, 4) == 1 + 2 + 3 + 4
     assert chunk_pairs(100, 4) == 101 + 102 + 103 + 104
 
 
+@pytest.mark.unit
 def test_a_chunk_deep_into_a_long_prompt_gets_a_smaller_budget() -> None:
     # 10 ms a pass, 0.1 ms a prefill token, 0.1 us a query-key pair; target 100 ms.
     model = PassTimeModel()
@@ -328,6 +351,7 @@ def test_a_chunk_deep_into_a_long_prompt_gets_a_smaller_budget() -> None:
 # ---- the target calibrated by the model's recent under-estimates --------------------------
 
 
+@pytest.mark.unit
 def test_the_target_drops_only_when_passes_overran_more_than_the_margin_allows() -> None:
     assert calibrated_target(0.8, 1.0, None) == 0.8  # nothing measured yet
     assert calibrated_target(0.8, None, 3.0) == 0.8  # no SLO given: the target as it was
@@ -336,6 +360,7 @@ def test_the_target_drops_only_when_passes_overran_more_than_the_margin_allows()
     assert calibrated_target(0.8, 1.0, 0.5) == 0.8  # passes faster than predicted: never raised
 
 
+@pytest.mark.unit
 def test_underestimate_is_the_tail_of_actual_over_predicted_for_passes_near_the_target() -> None:
     model = PassTimeModel(error_floor_s=0.8)  # passes predicted >= 0.2 s count
     shape = PassShape(0, 4, 4, 400, 400)
@@ -352,6 +377,7 @@ def test_underestimate_is_the_tail_of_actual_over_predicted_for_passes_near_the_
     assert model.underestimate == pytest.approx(1.1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("sigma,lo,hi", [(0.10, 1.28, 1.50), (0.02, 1.0, 1.09)])
 def test_the_tail_reaches_past_what_the_window_saw_by_the_spread_of_its_body(sigma, lo, hi) -> None:
     # Passes near the target whose actual / predicted is log-normal: a noisy CPU (sigma 0.1: p90
@@ -371,6 +397,7 @@ def test_the_tail_reaches_past_what_the_window_saw_by_the_spread_of_its_body(sig
     assert tail_ratio(np.array([1.0] * 20 + [2.0])) == 2.0  # a seen overrun beyond the body's tail
 
 
+@pytest.mark.unit
 def test_the_budget_aims_at_what_the_overruns_leave_of_the_slo() -> None:
     # 10 ms a pass + 1 ms a prefill token, SLO 200 ms, target 160.5 ms (a margin of ~0.8).
     model = PassTimeModel(error_floor_s=0.16, refit_every=10**6)  # the known costs stay

@@ -10,6 +10,8 @@ from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 from replicas.pass_trace import PassTrace
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def llama():

@@ -43,6 +43,7 @@ def prompt_tokens_run(eng: Engine) -> int:
     return sum(it.num_prefill_tokens for it in eng.iterations)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("policy", POLICIES)
 def test_shared_prefixes_of_every_length_match_hf_and_run_only_uncached_tokens(llama, policy):
     base = rand(40, 0)
@@ -67,6 +68,7 @@ def test_shared_prefixes_of_every_length_match_hf_and_run_only_uncached_tokens(l
     eng.blocks.check()
 
 
+@pytest.mark.engine
 def test_caching_off_recomputes_everything(llama):
     base = rand(40, 0)
     eng = engine(llama, "stall_free", enable_prefix_caching=False)
@@ -75,6 +77,7 @@ def test_caching_off_recomputes_everything(llama):
     assert prompt_tokens_run(eng) == 80 and eng.blocks.num_cached == 0
 
 
+@pytest.mark.engine
 def test_evicted_prefix_is_recomputed_and_still_correct(llama):
     base = rand(40, 0)
     eng = engine(llama, "stall_free", max_batch_total_tokens=64)  # 16 blocks
@@ -90,6 +93,7 @@ def test_evicted_prefix_is_recomputed_and_still_correct(llama):
     eng.blocks.check()
 
 
+@pytest.mark.unit
 def test_admission_charges_only_uncached_tokens_against_both_budgets():
     """A 90%-cached prompt costs 10% of its tokens against MBP and only its new blocks of KV."""
     cfg = EngineConfig(policy="stall_free", max_batch_prefill_tokens=16, max_batch_total_tokens=64,
@@ -115,6 +119,7 @@ def test_admission_charges_only_uncached_tokens_against_both_budgets():
     s.blocks.check()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("policy", ["stall_free", "dynamic"])
 def test_n_samples_share_one_prefill(llama, policy):
     """n=4: the first sample prefills the prompt; the others wait for it, then fork from its
@@ -133,6 +138,7 @@ def test_n_samples_share_one_prefill(llama, policy):
     assert prompt_tokens_run(off) == 4 * 40
 
 
+@pytest.mark.engine
 def test_seeded_samples_are_the_single_requests_with_seed_plus_index(llama):
     prompt = rand(30, 12)
     eng = engine(llama, "stall_free")
@@ -143,6 +149,7 @@ def test_seeded_samples_are_the_single_requests_with_seed_plus_index(llama):
     assert len({tuple(o.token_ids) for o in many}) > 1  # different seeds, different samples
 
 
+@pytest.mark.unit
 def test_a_preempted_first_sample_does_not_strand_its_forks():
     """The first sample is preempted mid-prefill and queues behind its own fork (equal urgency):
     the fork must not wait for a parent that is itself waiting. Every request finishes."""
@@ -174,6 +181,7 @@ def test_a_preempted_first_sample_does_not_strand_its_forks():
     assert s.blocks.num_used == 0
 
 
+@pytest.mark.unit
 def test_other_choices_do_not_expire_once_choice_zero_is_scheduled():
     clock = [0.0]
     cfg = EngineConfig(policy="stall_free", max_batch_prefill_tokens=64, max_batch_total_tokens=24,

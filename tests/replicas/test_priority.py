@@ -9,6 +9,8 @@ import pytest
 
 from replicas import priority
 
+pytestmark = pytest.mark.unit
+
 
 def test_every_thread_is_raised_or_the_log_says_why(monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:

@@ -21,6 +21,8 @@ from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 from replicas.protocol import GuidedDecoding
 
+pytestmark = pytest.mark.real_model
+
 MODEL = "embedded:smollm2"
 NUM_PROMPTS = 32
 MAX_TOKENS = 12

@@ -3,11 +3,14 @@ follow the filtered distribution, and a seeded request's tokens do not depend on
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from replicas.protocol import SamplingParams
 from replicas.request import Request
 from replicas.sampler import sample_logits as sample
+
+pytestmark = pytest.mark.unit
 
 
 def req(**params: object) -> Request:

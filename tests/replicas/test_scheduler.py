@@ -51,6 +51,7 @@ def tokens(out: SchedulerOutput) -> dict[str, int]:
     return {seq.request.request_id: seq.num_tokens for seq in out.seqs}
 
 
+@pytest.mark.unit
 def test_stall_free_hybrid_batch_holds_decodes_and_a_cut_chunk():
     s, clock = make("stall_free", mbp=16)
     a, b = req("a", 10, 5, clock), req("b", 30, 5, clock)
@@ -64,6 +65,7 @@ def test_stall_free_hybrid_batch_holds_decodes_and_a_cut_chunk():
     assert tokens(step(s)) == {"a": 1, "b": 1}
 
 
+@pytest.mark.unit
 def test_stall_free_never_skips_a_decoding_request():
     s, clock = make("stall_free", mbp=8, mbt=1024)
     for i in range(4):
@@ -81,6 +83,7 @@ def test_stall_free_never_skips_a_decoding_request():
         assert out.num_decode_tokens >= len(decoding)
 
 
+@pytest.mark.unit
 def test_dynamic_admission_pass_has_no_decode_tokens():
     s, clock = make("dynamic", mbp=64)
     a = req("a", 8, 10, clock)
@@ -94,6 +97,7 @@ def test_dynamic_admission_pass_has_no_decode_tokens():
     assert tokens(step(s)) == {"a": 1, "long": 1}
 
 
+@pytest.mark.unit
 def test_dynamic_packs_whole_prompts_up_to_mbp():
     s, clock = make("dynamic", mbp=20)
     for rid, n in [("a", 8), ("b", 10), ("c", 5)]:
@@ -103,6 +107,7 @@ def test_dynamic_packs_whole_prompts_up_to_mbp():
     assert tokens(step(s)) == {"a": 1, "b": 1, "c": 1}
 
 
+@pytest.mark.unit
 def test_static_admits_only_when_the_batch_is_done():
     s, clock = make("static", mbp=16)
     s.add(req("a", 6, 2, clock))
@@ -115,6 +120,7 @@ def test_static_admits_only_when_the_batch_is_done():
     assert tokens(step(s)) == {"c": 3}
 
 
+@pytest.mark.unit
 def test_static_chunks_prompts_longer_than_mbp_before_decoding():
     s, clock = make("static", mbp=16)
     s.add(req("a", 20, 2, clock))
@@ -124,6 +130,7 @@ def test_static_chunks_prompts_longer_than_mbp_before_decoding():
     assert tokens(step(s)) == {"a": 1, "b": 1}
 
 
+@pytest.mark.unit
 def test_mbt_limits_admission_and_blocks_return_to_free():
     s, clock = make("stall_free", mbp=64, mbt=32, block_size=4)  # 8 blocks
     a, b = req("a", 20, 4, clock), req("b", 20, 4, clock)
@@ -138,6 +145,7 @@ def test_mbt_limits_admission_and_blocks_return_to_free():
     assert s.blocks.num_free == s.blocks.num_blocks
 
 
+@pytest.mark.unit
 def test_a_started_prompt_leaves_the_decodes_the_admission_headroom():
     """A prompt's later chunks take no more KV than admission would: with a request decoding, the
     watermark block stays free for its next tokens (it was taken down to 0, and the decode then
@@ -162,6 +170,7 @@ def test_a_started_prompt_leaves_the_decodes_the_admission_headroom():
     assert s2.blocks.num_free == 0  # nothing decoding: its chunks took the last block too
 
 
+@pytest.mark.unit
 def test_preemption_picks_least_urgent_latest_and_recomputes():
     s, clock = make("stall_free", mbp=64, mbt=24, block_size=4)  # 6 blocks
     a = req("a", 8, 8, clock, priority=0)
@@ -179,6 +188,7 @@ def test_preemption_picks_least_urgent_latest_and_recomputes():
     assert s.blocks.num_free == s.blocks.num_blocks
 
 
+@pytest.mark.unit
 def test_priority_orders_admission_and_aging_prevents_starvation():
     s, clock = make("dynamic", mbp=8, aging=1.0)
     low = req("low", 8, 2, clock, priority=3)
@@ -195,6 +205,7 @@ def test_priority_orders_admission_and_aging_prevents_starvation():
     assert tokens(step(s2)) == {"old": 8}
 
 
+@pytest.mark.unit
 def test_max_num_seqs_caps_running_requests():
     s, clock = make("stall_free", mbp=64, max_num_seqs=2)
     for i in range(4):
@@ -203,6 +214,7 @@ def test_max_num_seqs_caps_running_requests():
     assert len(s.running) == 2 and len(s.waiting) == 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("policy", ["static", "dynamic", "stall_free"])
 def test_abort_frees_blocks_from_any_state(policy):
     s, clock = make(policy, mbp=16)
@@ -218,6 +230,7 @@ def test_abort_frees_blocks_from_any_state(policy):
     assert a.finish_reason == "abort"
 
 
+@pytest.mark.unit
 def test_expire_takes_only_never_scheduled_requests_past_the_deadline():
     cfg = EngineConfig(max_batch_prefill_tokens=16, max_batch_total_tokens=256, block_size=4,
                        queue_timeout_s=2.0)
@@ -236,6 +249,7 @@ def test_expire_takes_only_never_scheduled_requests_past_the_deadline():
     assert s.expire(clock.t) == [fresh]
 
 
+@pytest.mark.unit
 def test_expire_refuses_at_once_who_the_queue_would_start_past_the_deadline():
     """With the drain rate known, a request whose predicted start (tokens waiting ahead of it /
     rate) lies past its deadline leaves now; those behind it no longer wait for its tokens, and a
@@ -270,6 +284,7 @@ def test_expire_refuses_at_once_who_the_queue_would_start_past_the_deadline():
     assert [r.request_id for r in s.waiting] == ["a", "c"]
 
 
+@pytest.mark.unit
 def test_without_a_deadline_nothing_expires():
     s, clock = make("stall_free")
     r = req("a", 4, 4, clock)
@@ -278,6 +293,7 @@ def test_without_a_deadline_nothing_expires():
     assert s.expire(clock.t) == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("policy", ["stall_free", "dynamic", "static"])
 def test_a_prompt_only_request_samples_nothing_and_leaves_after_its_prefill(policy):
     """max_tokens 0 (a prompt only scored): its last chunk completes it without sampling, advance
@@ -297,6 +313,7 @@ def test_a_prompt_only_request_samples_nothing_and_leaves_after_its_prefill(poli
     assert s.blocks.num_free == s.blocks.num_blocks
 
 
+@pytest.mark.process
 def test_the_scheduler_path_imports_no_torch() -> None:
     """The scheduler, its request state, the block manager and the pass-time model are what the
     simulator and the router reuse: they must load without torch."""
@@ -310,6 +327,7 @@ def test_the_scheduler_path_imports_no_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.unit
 def test_a_short_prompt_behind_a_long_one_starts_at_once_and_no_budget_is_lost():
     s, clock = make("stall_free", mbp=16, mbt=512)
     long = req("long", 100, 2, clock)
@@ -327,6 +345,7 @@ def test_a_short_prompt_behind_a_long_one_starts_at_once_and_no_budget_is_lost()
     assert tokens(step(s)) == {"short": 1, "long": 15}
 
 
+@pytest.mark.unit
 def test_only_whole_prompts_jump_ahead_of_one_in_progress():
     s, clock = make("stall_free", mbp=16, mbt=512)
     a, b = req("a", 40, 2, clock), req("b", 40, 2, clock)

@@ -31,6 +31,7 @@ def request(rid: str, n: int = 10, **params: object) -> Request:
     return Request(rid, [5] * n, SamplingParams(max_tokens=20, **params), 0, 0.0)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_admits_exactly_while_the_decodes_fit_the_target() -> None:
     admit = SloAdmission(known_model(), target_s=0.010, floor=16)
     # n running + this one decode: 1 + 2 (n + 1) ms <= 10 ms  <=>  n <= 3.
@@ -42,6 +43,7 @@ def test_admits_exactly_while_the_decodes_fit_the_target() -> None:
     assert SloAdmission(profiling, target_s=0.010, floor=16)(6, 600, request("r"))
 
 
+@pytest.mark.unit
 def test_context_and_the_floor_chunk_count() -> None:
     # 0.01 ms per prefill token and per context token: a longer prompt tips the same count over.
     admit = SloAdmission(known_model(np.array([1e-3, 1e-5, 2e-3, 0.0, 1e-5, 0.0])), target_s=0.010, floor=16)
@@ -50,6 +52,7 @@ def test_context_and_the_floor_chunk_count() -> None:
     assert not admit(2, 100, request("long", 300))
 
 
+@pytest.mark.unit
 def test_an_untrusted_model_admits() -> None:
     model = known_model()
     model.errors.extend([0.9] * 32)
@@ -65,6 +68,7 @@ def scheduler(may_admit) -> Scheduler:  # noqa: ANN001
     return sched
 
 
+@pytest.mark.unit
 def test_the_scheduler_holds_the_queue_in_order_and_lets_started_streams_back() -> None:
     sched = scheduler(lambda n, tokens, req: n < 3)
     for i in range(5):
@@ -84,6 +88,7 @@ def test_the_scheduler_holds_the_queue_in_order_and_lets_started_streams_back() 
     assert [r.request_id for r in sched.waiting] == ["r3", "r4"]
 
 
+@pytest.mark.unit
 def test_the_hook_sees_the_running_count_and_their_tokens() -> None:
     seen = []
     sched = scheduler(lambda n, tokens, req: seen.append((n, tokens, req.request_id)) or True)
@@ -98,6 +103,7 @@ def llama():
     return load_model("embedded:tiny")
 
 
+@pytest.mark.engine
 def test_the_engine_runs_exactly_as_many_as_the_model_allows_outputs_unchanged(llama) -> None:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in [12, 30, 7, 25, 18, 9]]

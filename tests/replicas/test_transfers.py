@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 import torch
 
 import replicas
@@ -169,6 +170,7 @@ def count_passes(engine: Engine, prompts: list[str], params: list[SamplingParams
     return copies
 
 
+@pytest.mark.engine
 def test_each_pass_copies_in_once_and_out_once(monkeypatch) -> None:
     from replicas import sampler
 
@@ -187,6 +189,7 @@ def test_each_pass_copies_in_once_and_out_once(monkeypatch) -> None:
         assert len(d2h) == 1, f"pass {i}: device-to-host copies at {d2h}"
 
 
+@pytest.mark.unit
 def test_the_counter_sees_the_copies_it_should() -> None:
     """The harness itself: a tensor made from host data on a device, `.to(device)`, list
     indexing and each kind of read-back count; host-made tensors and copies back do not."""
@@ -257,6 +260,7 @@ if __name__ == "__main__":
     main()
 
 
+@pytest.mark.unit
 def test_download_takes_empty_parts_whatever_their_strides() -> None:
     from replicas.transfer import download
 
