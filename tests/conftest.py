@@ -7,6 +7,20 @@ replicas. Both live for the whole session; nothing is started for tests that nee
 Tests never sleep against a limit or time themselves: they wait for a condition with the
 `wait_until` / `await_until` fixtures (up to WAIT_S, then the test fails naming the condition),
 or inject a clock where the code takes one. `ray_serve.scrape()` reads Ray's metrics export.
+
+Tiers: every test carries exactly one tier marker, the most it needs, in this order (registered,
+with their descriptions, in pyproject.toml; docs/testing.md has their counts and times):
+
+    unit        pure logic: no Ray, no model files, no process of its own  (`make test-fast`)
+    engine      an embedded test model (embedded:tiny / :mid) or its tokenizer, in this process
+    serve       the session's Ray + Serve (`ray_serve`, `serve_app`, `extra_app`, `client` ...)
+    process     starts processes of its own: a server on its own Ray, the CLI, an interpreter
+    real_model  SmolLM2 (embedded:smollm2): its weights or even only its tokenizer (a cold cache
+                converts the whole model first)
+
+A new test file sets `pytestmark = pytest.mark.<tier>` below its imports; a file whose tests
+need different things marks each test instead (`@pytest.mark.<tier>`), never both. Collection
+stops with an error naming any test without exactly one tier.
 """
 
 from __future__ import annotations
@@ -50,6 +64,31 @@ RAY_NUM_CPUS = 4
 WAIT_S = 60.0
 
 T = TypeVar("T")
+
+
+def tiers(config: pytest.Config) -> list[str]:
+    """The tier markers: those pyproject.toml registers with a description starting "tier:"."""
+    lines = (line.split(":", 2) for line in config.getini("markers"))
+    return [parts[0].strip() for parts in lines if len(parts) == 3 and parts[1].strip() == "tier"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse to run a collection in which a test has no tier marker, or more than one."""
+    names = tiers(config)
+    wrong: dict[tuple[str, str], list[str]] = {}  # (file, tiers found) -> tests
+    for item in items:
+        found = sorted({m.name for m in item.iter_markers() if m.name in names})
+        if len(found) != 1:
+            file, _, test = item.nodeid.partition("::")
+            wrong.setdefault((file, " + ".join(found) or "no tier"), []).append(test)
+    if wrong:
+        lines = [f"  {file}: {what} on {len(tests)} test(s), e.g. {tests[0]}"
+                 for (file, what), tests in sorted(wrong.items())]
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker ({', '.join(names)}):\n" + "\n".join(lines)
+            + "\nset `pytestmark = pytest.mark.<tier>` in the file, or mark each test of a mixed file;"
+              " tests/conftest.py's docstring says which tier is which")
 
 
 def poll(cond: Callable[[], T], timeout_s: float = WAIT_S, interval_s: float = 0.05,
