@@ -38,6 +38,9 @@ def test_health_and_models(client: httpx.Client, serve_app) -> None:  # noqa: AN
     # This session's Serve runs no proxy door (the live door test starts one of its own).
     assert health["status"] == "ok" and health["proxy_door"] is None
     assert isinstance(health["niceness"], int)
+    # which forward path the replica runs, and nothing compiled (the CPU path compiles nothing)
+    assert health["runner"] == {"path": "sdpa", "compiles_since_start": 0, "compiles_after_warmup": 0,
+                                "fallback_error": None}
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     [card] = models["data"]

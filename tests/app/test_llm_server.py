@@ -151,7 +151,7 @@ async def test_one_failing_request_leaves_the_others_running(server: LLMServer,
     assert isinstance(invalid, InvalidRequestError) and invalid.param == "max_tokens"
     items = await first
     assert items[-1].finished and items[-1].num_output_tokens == 300
-    server.check_health()
+    assert server.check_health()["path"] == "sdpa"
 
 
 def test_reports(server: LLMServer) -> None:

@@ -36,9 +36,28 @@ def rehearsal(image, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+def test_the_probe_rehearsal_starts_compiles_only_at_start_and_agrees_with_hf(image, tmp_path) -> None:
+    """`python -m loadtests.gpu_check --device cpu --small --probe` as the bare image runs it: the
+    flex path with decode graphs starts (no fallback), nothing compiles after warm-up over a
+    schedule with preemption, no graph breaks, HF's greedy tokens."""
+    site = tmp_path / "site"
+    site.mkdir()
+    out = tmp_path / "probe.json"
+    done = subprocess.run([sys.executable, "-S", "-m", "loadtests.gpu_check", "--device", "cpu", "--small",
+                           "--probe", "--out", str(out)], cwd=gpu_wheels.REPO,
+                          env=gpu_wheels.image_env(image[1], site), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(out.read_text())["probe"]
+    assert probe["compiles_after_warmup"] == 0 and probe["graph_breaks"] == 0 and probe["fallback"] is False
+    assert probe["parity_passed"] and list(probe["layouts"]) == ["4:1"] and probe["seconds"] > 0
+    layout = probe["layouts"]["4:1"]
+    assert layout["path"] == "flex+graphs" and layout["preemptions"] > 0 and layout["compiles_at_warmup"] >= 4 + 4
+
+
 def test_the_wheels_are_what_the_image_lacks(image) -> None:
     needed, allowed = image
     assert {"pydantic", "pydantic-core"} <= set(needed)  # replicas/config.py's records
+    assert "typing-extensions" in needed  # pydantic 2.14 needs 4.16's Sentinel; the image's may be older
     # llguidance is imported on the first constrained request (replicas/guided.py), so it does not travel
     assert "llguidance" not in gpu_wheels.repo_imports("replicas.guided") and "llguidance" not in needed
     assert not {"ray", "torch", "transformers", "numpy"} & set(needed)

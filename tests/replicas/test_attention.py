@@ -11,8 +11,10 @@ import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.attention import PassLayout, PrefillSpan, resolve_backend
-from replicas.attention_flex import build_block_mask, logical_blocks, seq_tables
+from replicas.attention_flex import (PageMap, decode_block_mask, decode_lists, prefill_block_mask, prefill_lists,
+                                     sparse_reference, tile_visits)
 from replicas.models import load_model
+from replicas.transfer import HostPack, Staging
 
 pytestmark = pytest.mark.engine
 
@@ -73,27 +75,92 @@ def test_auto_is_flex_on_cuda_and_sdpa_elsewhere():
         resolve_backend("flash", torch.device("cpu"))
 
 
-def test_block_tables_become_the_mask_a_row_attends_with():
-    """Two decodes and a chunk with context, tables with stale tails: each row sees exactly
-    its own sequence's slots up to its position, whatever else the cache holds."""
-    bs, num_blocks = 4, 64
-    table = np.full((5, 8), 63)  # stale entries everywhere
-    table[0, :2] = [7, 3]  # decode at position 5: blocks 7, 3
-    table[2, :1] = [7]  # decode at position 2 sharing block 7 (a cached prefix)
-    table[4, :3] = [10, 11, 40]  # chunk of 3 tokens at positions 8..10
-    layout = PassLayout(table, bs, [2, 0], [3, 6], [PrefillSpan(2, 3, 8, 4)], 5, [])
-    seq, tables = seq_tables(layout, num_blocks)
-    assert seq.tolist() == [0, 1, 2, 2, 2]
-    assert tables.tolist() == [[7, 64, 64], [7, 3, 64], [10, 11, 40]]
-    logical = logical_blocks(torch.from_numpy(tables), num_blocks)
-    assert logical[1, 7] == 0 and logical[1, 3] == 1 and logical[0, 3] == -1 and logical[2, 40] == 2
-    pos = torch.tensor([2, 5, 8, 9, 10])
-    mask = build_block_mask(torch.from_numpy(seq), pos, logical, bs, num_blocks * bs)
-    dense = mask.to_dense()  # tiles: everything here is in the first tile of rows
-    assert dense.shape[-2:] == (1, -(-num_blocks * bs // 128)) and dense.sum() >= 1
-    seen = mask.mask_mod(0, 0, torch.arange(5)[:, None], torch.arange(num_blocks * bs)[None, :])
+def _slots(table_row: np.ndarray, n: int, bs: int) -> list[int]:
+    return [int(table_row[p // bs]) * bs + p % bs for p in range(n)]
+
+
+def _page_map(table: np.ndarray, counts: dict[int, int], num_pages: int) -> PageMap:
+    pm = PageMap(table.shape[0] + 1, num_pages, torch.device("cpu"))
+    for row, n in counts.items():
+        pm.write(row, 0, table[row, :n])
+    pm.apply(pm.plan(pack := HostPack()), _sent(pack))
+    return pm
+
+
+def _sent(pack: HostPack) -> HostPack:
+    pack.send(torch.device("cpu"), Staging(torch.device("cpu")))
+    return pack
+
+
+@pytest.mark.parametrize("full_blocks", [False, True])
+def test_decode_lists_read_each_sequence_own_pages_only(full_blocks):
+    """Three decodes with stale table tails and a shared prefix page: each entry lists its own
+    pages, the mask shows exactly its slots up to its position, and attention through the
+    lists as the fused kernel reads them equals attention over the gathered context."""
+    bs, num_pages = 4, 32
+    table = np.full((4, 8), 31)  # stale entries everywhere
+    table[0, :2] = [7, 3]  # 6 tokens: page 7 then 3 (partial)
+    table[2, :1] = [7]  # 3 tokens, sharing page 7 (a cached prefix)
+    table[3, :3] = [10, 11, 20]  # 12 tokens: three full pages
+    rows, lens = [0, 2, 3], [6, 3, 12]
+    lists = decode_lists(table, rows, lens, bs, full_blocks=full_blocks)
+    pm = _page_map(table, {0: 2, 2: 1, 3: 3}, num_pages)
+    pos = torch.tensor(lens) - 1
+    mask = decode_block_mask({k: torch.from_numpy(v) for k, v in lists.items()}, pm.table,
+                             torch.tensor(rows), pos, bs, num_pages * bs)
+    listed = tile_visits(mask)[:, 0].tolist()
+    assert listed == [2, 1, 3]  # its own pages, nothing of the others'
+    seen = mask.mask_mod(torch.arange(3)[:, None], 0, 0, torch.arange(num_pages * bs)[None, :])
     visible = [torch.nonzero(r).flatten().tolist() for r in seen]
-    assert visible[0] == [28, 29, 30]  # block 7 slots 28..30: positions 0..2
-    assert visible[1] == [12, 13, 28, 29, 30, 31]  # block 7 (0..3) then block 3 (4..5)
-    assert visible[2] == [40, 41, 42, 43, 44, 45, 46, 47, 160]  # positions 0..8
-    assert visible[4] == visible[2] + [161, 162]
+    for i, (row, n) in enumerate(zip(rows, lens)):
+        assert visible[i] == sorted(_slots(table[row], n, bs))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 8, generator=g)
+    k, v = torch.randn(1, 2, num_pages * bs, 8, generator=g), torch.randn(1, 2, num_pages * bs, 8, generator=g)
+    got = sparse_reference(q, k, v, mask)
+    for i, (row, n) in enumerate(zip(rows, lens)):
+        idx = torch.tensor(_slots(table[row], n, bs))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[i:i + 1], k[:, :, idx], v[:, :, idx], enable_gqa=True)
+        assert torch.allclose(got[i], want[0], atol=1e-5)
+
+
+def test_prefill_lists_skip_pages_past_each_tile_and_take_earlier_ones_whole():
+    """A 300-row chunk at positions 40..339 in 128-row tiles, pages of 16: tile i lists whole the
+    pages before its first row, partial the pages up to its last row's, nothing after; through
+    the lists (mask_mod on partial pages only) it equals causal attention over the context."""
+    bs, start, n = 16, 40, 300
+    pages = np.arange(100, 100 + 22)[::-1].copy()  # 22 pages (340 tokens), in no order
+    lists = prefill_lists(pages, start, n, bs)
+    assert lists["full_num"].tolist() == [2, 10, 18] and lists["kv_num"].tolist() == [9, 9, 4]
+    assert lists["kv_idx"][0, :9].tolist() == pages[2:11].tolist()
+    assert lists["full_idx"][2, :18].tolist() == pages[:18].tolist()
+    num_pages = 128
+    table = np.zeros((1, 22), dtype=np.int64)
+    table[0] = pages
+    pm = _page_map(table, {0: 22}, num_pages)
+    q_pos = torch.arange(start, start + n)
+    mask = prefill_block_mask({k: torch.from_numpy(v) for k, v in lists.items()}, pm.table[0], q_pos, bs,
+                              num_pages * bs)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, n, 8, generator=g)
+    k, v = torch.randn(1, 1, num_pages * bs, 8, generator=g), torch.randn(1, 1, num_pages * bs, 8, generator=g)
+    got = sparse_reference(q, k, v, mask)
+    idx = torch.tensor(_slots(pages, start + n, bs))
+    causal = torch.arange(start + n)[None, :] <= q_pos[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, idx], v[:, :, idx], attn_mask=causal,
+                                                            enable_gqa=True)
+    assert torch.allclose(got, want, atol=1e-5)
+    # 128-row tiles x 16-slot pages: tile 0 reads 11 of the 22 pages, tile 2 all 22
+    assert tile_visits(mask)[0].tolist() == [11, 19, 22]
+
+
+def test_page_map_follows_writes_and_clears_in_order():
+    pm = PageMap(3, 10, torch.device("cpu"))
+    pm.write(0, 0, [4, 5])
+    pm.clear(0, [4])
+    pm.write(0, 2, [4])  # the last change to (row 0, page 4) wins
+    pm.write(1, 0, [9])
+    pm.apply(pm.plan(pack := HostPack()), _sent(pack))
+    assert pm.table[0, [4, 5]].tolist() == [2, 1] and pm.table[1, 9] == 0 and pm.table[2].eq(-1).all()
+    assert pm.plan(HostPack()) is None  # nothing pending

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.cuda_graphs import bucket_sizes, choose_bucket, pad_decodes
+from replicas.cuda_graphs import bucket_sizes, choose_bucket
 from replicas.kv_cache import BlockManager
 from replicas.models import load_model
+from replicas.transfer import HostPack
 
 pytestmark = pytest.mark.engine
 
@@ -28,10 +29,10 @@ def engine(llama, **runner) -> Engine:
 
 
 def test_buckets_cover_every_batch_size() -> None:
-    assert bucket_sizes(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert bucket_sizes(128) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert bucket_sizes(12) == [1, 2, 4, 8, 12]
     assert bucket_sizes(1) == [1]
-    assert bucket_sizes(50) == [1, 2, 4, 8, 16, 32, 48, 50]
+    assert bucket_sizes(50) == [1, 2, 4, 8, 16, 32, 50]
     buckets = bucket_sizes(128)
     for n in range(1, 129):
         b = choose_bucket(n, buckets)
@@ -39,15 +40,25 @@ def test_buckets_cover_every_batch_size() -> None:
     assert choose_bucket(129, buckets) is None
 
 
-def test_padding_rows_write_and_read_the_scratch_block_only() -> None:
-    bs, scratch, dummy = 4, 9, 10
-    tokens = np.array([[11, 12], [5, 2], [4 * 3 + 1, 4 * 7 + 2]])  # ids, positions, slots
-    tables = np.array([[0, 3], [7, dummy]])
-    padded, padded_tables = pad_decodes(tokens, tables, 4, 6, scratch, bs, dummy)
-    assert padded.tolist() == [[11, 12, 0, 0], [5, 2, 0, 0], [13, 30, 36, 36]]
-    assert padded_tables.tolist() == [[0, 3, dummy, dummy, dummy, dummy], [7, dummy, dummy, dummy, dummy, dummy],
-                                      [scratch] + [dummy] * 5, [scratch] + [dummy] * 5]
-    assert all(s // bs == scratch for s in padded[2, 2:])
+def test_padding_rows_write_and_read_the_scratch_block_only(llama) -> None:
+    """A pass of 3 decodes in bucket 4: the padding row writes the scratch block's first slot,
+    reads that page alone through the page map's padding row; the lists are only as wide as
+    the longest live context needs, never max_model_len."""
+    eng = engine(llama, attention_backend="flex", cuda_graphs=True)
+    graphs, pm = eng.runner.graphs, eng.runner.page_map
+    scratch = graphs.scratch_block
+    assert pm.table[pm.pad_row, scratch] == 0  # written at start (applied with the first pass)
+    tokens = np.array([[11, 12, 13], [5, 2, 9], [4 * 3 + 1, 4 * 7 + 2, 4 * 5 + 1]])  # ids, positions, slots
+    eng.runner._table[[0, 1, 2], :3] = [[3, 4, 0], [7, 0, 0], [5, 6, 8]]
+    pack = HostPack()
+    parts = graphs.plan(tokens, [0, 1, 2], [6, 3, 10], 4, pack)
+    host = [a for _, a in pack._arrays]
+    padded, kv_num, kv_idx = host
+    assert padded.tolist() == [[11, 12, 13, 0], [5, 2, 9, 0], [13, 30, 21, scratch * 4], [0, 1, 2, pm.pad_row]]
+    assert kv_num.tolist() == [2, 1, 3, 1]
+    assert kv_idx.shape == (4, 4) and graphs.max_width >= 128 // 4  # bucketed to the live contexts
+    assert kv_idx[:, :3].tolist() == [[3, 4, 0], [7, 0, 0], [5, 6, 8], [scratch] * 3]
+    assert len(parts) == 3
 
 
 def test_the_scratch_block_is_reserved_and_accounting_stays_exact() -> None:
@@ -78,9 +89,9 @@ def test_padded_decode_passes_equal_the_eager_ones(llama) -> None:
     replays: list[tuple[int, int]] = []  # (real rows, bucket)
     plan = graphed.runner.graphs.plan
 
-    def counted(tokens, tables, bucket, pack):
+    def counted(tokens, rows, lens, bucket, pack):
         replays.append((tokens.shape[1], bucket))
-        return plan(tokens, tables, bucket, pack)
+        return plan(tokens, rows, lens, bucket, pack)
 
     graphed.runner.graphs.plan = counted
     outs = graphed.generate(ps, params)
