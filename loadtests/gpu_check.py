@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--attention-backend", default=None, help="the runner's attention_backend, when it has one")
     p.add_argument("--cuda-graphs", default=None, action=argparse.BooleanOptionalAction,
                    help="the runner's cuda_graphs, when it has one")
+    p.add_argument("--compile-backend", default=None,
+                   help="the runner's compile_backend (CPU rehearsal of the compiled path: eager)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads; default: 1 on CPU, torch's choice on a GPU")
     p.add_argument("--budget-scale", type=float, default=1.0,
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_float32_matmul_precision("highest")  # fp32 parity means fp32 matmuls, not TF32
     transformers.logging.set_verbosity_error()
     runner = RunnerOptions.resolve({"attention_backend": args.attention_backend,
-                                    "cuda_graphs": args.cuda_graphs})
+                                    "cuda_graphs": args.cuda_graphs, "compile_backend": args.compile_backend})
     peak = (args.peak_tbs or PEAK_TBS[device.type]) * 1e12
     meta = _meta(device, plan, args.small, peak, runner)
     scale = args.budget_scale

@@ -18,6 +18,8 @@ from replicas.engine import Engine
 class RunnerOptions:
     asked: dict[str, Any]
     reported: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # every built engine's compile counter (small; the engines themselves are released)
+    counters: list[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
     def resolve(cls, requested: Mapping[str, Any]) -> RunnerOptions:
@@ -32,13 +34,22 @@ class RunnerOptions:
     def build(self, model: Any, tokenizer: Any, **config: Any) -> Engine:
         """An engine over `model` with `config` and these options."""
         engine = Engine(model, tokenizer, EngineConfig(**config, **self.asked))
-        self.reported = {k: _plain(getattr(engine.runner, k)) for k in ("attention_backend", "cuda_graphs")
+        self.reported = {k: _plain(getattr(engine.runner, k))
+                         for k in ("attention_backend", "cuda_graphs", "path", "compiles", "fallback_error")
                          if hasattr(engine.runner, k)}
+        if getattr(engine.runner, "compiler", None) is not None:
+            self.counters.append(engine.runner.compiler)
         return engine
 
     def record(self) -> dict[str, Any]:
-        return {"asked": self.asked, "runner_reports": self.reported}
+        """What was asked, what the last runner reported, and over every engine built so far the
+        graphs compiled at start and after it (serving should compile none)."""
+        return {"asked": self.asked, "runner_reports": self.reported, "engines_compiled": len(self.counters),
+                "compiles_at_warmup": sum(c.compiles - c.after_warmup for c in self.counters),
+                "compiles_after_warmup": sum(c.after_warmup for c in self.counters)}
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
     return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
