@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, StaticCache
 
 from loadtests.bench_decode import fill
 from replicas.engine import Engine, weight_bytes
-from replicas.model_runner import kv_shape
+from replicas.model_support import kv_shape
 from replicas.protocol import SamplingParams
 from replicas.request import Request
 

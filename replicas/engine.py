@@ -21,8 +21,9 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.guided import Grammars
 from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
-from replicas.model_runner import ModelRunner, PassLogits, kv_shape, text_config
-from replicas.models import load_model, model_max_length
+from replicas.model_runner import ModelRunner, PassLogits
+from replicas.model_support import kv_shape, model_max_length, text_config
+from replicas.models import load_model
 from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
 from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
                                TokenLogprob, check_priority, sample_id)

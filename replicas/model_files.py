@@ -1,8 +1,9 @@
 """Where a model's files are: embedded models and GGUF files (built or converted once, cached),
-and plain paths or hub ids.
+and plain paths or hub ids. It names and caches; it imports nothing of the project.
 
-Light on purpose (no torch): the ingress resolves the tokenizer's directory with it. Building an
-embedded model (random weights) needs torch and happens in `replicas.models.build_embedded`.
+Light on purpose (no torch): the ingress resolves the tokenizer's directory with it. Building a
+model directory needs torch and is `replicas.prepare`'s (in a process of its own when asked from
+here).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import importlib.metadata
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,43 +97,49 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "stallfree-serve"
 
 
-def ensure_embedded(name: str) -> Path:
-    """Return the directory of embedded model ``name``, building it once if needed."""
-    if name in EMBEDDED_GGUF_MODELS:
-        wheel = EMBEDDED_GGUF_MODELS[name]
-        return ensure_gguf(wheel.locate(), f"{name}-{wheel.version()}")
-    if name not in EMBEDDED_MODELS:
-        known = ", ".join(EMBEDDED_PREFIX + k for k in (*EMBEDDED_GGUF_MODELS, *EMBEDDED_MODELS))
-        raise ValueError(f"unknown embedded model {name!r}; known: {known}")
+@dataclass(frozen=True)
+class Build:
+    """A model directory the cache holds once built (`replicas.prepare` builds it)."""
 
-    def build(out: Path) -> None:
-        from replicas.models import build_embedded  # torch: only when building
-        build_embedded(EMBEDDED_MODELS[name], out)
-
-    return _build_once(cache_root() / "models" / f"{name}-v{_RECIPE_VERSION}", build)
+    dir: Path
+    kind: str  # "embedded" (random weights, trained tokenizer) or "gguf" (a dequantized file)
+    source: str  # the embedded model's name, or the GGUF file's path
 
 
-def ensure_gguf(gguf_file: str | os.PathLike[str], name: str | None = None) -> Path:
-    """Return the HF model directory converted from ``gguf_file``, converting it once.
+def planned_build(model: str) -> Build | None:
+    """Where `model` is built in the cache, from what; None for a path or hub id (nothing to
+    build). ValueError for an unknown embedded name, a missing GGUF file or a missing wheel."""
+    if model.startswith(EMBEDDED_PREFIX):
+        name = model[len(EMBEDDED_PREFIX):]
+        if name in EMBEDDED_GGUF_MODELS:
+            wheel = EMBEDDED_GGUF_MODELS[name]
+            return _gguf_build(wheel.locate(), f"{name}-{wheel.version()}")
+        if name not in EMBEDDED_MODELS:
+            known = ", ".join(EMBEDDED_PREFIX + k for k in (*EMBEDDED_GGUF_MODELS, *EMBEDDED_MODELS))
+            raise ValueError(f"unknown embedded model {name!r}; known: {known}")
+        return Build(cache_root() / "models" / f"{name}-v{_RECIPE_VERSION}", "embedded", name)
+    if model.lower().endswith(".gguf") and not os.path.isdir(model):
+        return _gguf_build(Path(model))
+    return None
 
-    The cache entry is keyed by the file's resolved path, size and modification time, so an
-    edited or replaced file converts again.
-    """
+
+def _gguf_build(gguf_file: Path, name: str | None = None) -> Build:
+    """The entry of a GGUF file, keyed by its resolved path, size and modification time (an
+    edited or replaced file converts again)."""
     src = Path(gguf_file).resolve()
     if not src.is_file():
         raise ValueError(f"GGUF file {gguf_file} does not exist")
     st = src.stat()
     key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     name = name or f"{src.stem}-{key}"
-
-    def build(out: Path) -> None:
-        from replicas.gguf import convert_gguf  # torch and transformers: only when converting
-        convert_gguf(src, out)
-
-    return _build_once(cache_root() / "models" / f"gguf-{name}-v{_GGUF_RECIPE_VERSION}", build)
+    return Build(cache_root() / "models" / f"gguf-{name}-v{_GGUF_RECIPE_VERSION}", "gguf", str(src))
 
 
-def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
+def is_built(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
     """``final`` once it holds a model (config.json), built by ``build(tmp_dir)`` if needed.
 
     Several replica processes may start at once: a file lock serialises the build and the
@@ -160,13 +169,31 @@ def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
 
 
 def resolve_model_path(model: str) -> str:
-    """Map ``embedded:<name>`` and ``*.gguf`` files to their built directory; return anything
-    else unchanged."""
-    if model.startswith(EMBEDDED_PREFIX):
-        return str(ensure_embedded(model[len(EMBEDDED_PREFIX):]))
-    if model.lower().endswith(".gguf") and not os.path.isdir(model):
-        return str(ensure_gguf(model))
-    return model
+    """The loadable path of `model`: `embedded:<name>` and `*.gguf` files map to their cache
+    directory, anything else is returned unchanged. One not built yet on this machine is built
+    by `python -m replicas.prepare` in a process of its own, so torch never loads here (the
+    ingress and the tools need the tokenizer alone); a replica builds in process
+    (`replicas.prepare.prepare`)."""
+    build = planned_build(model)
+    if build is None:
+        return model
+    if not is_built(build.dir):
+        _prepare_elsewhere(model)
+    return str(build.dir)
+
+
+def _prepare_elsewhere(model: str) -> None:
+    """`python -m replicas.prepare MODEL` with this process's path; its ValueError (a model that
+    cannot be served) comes back as one."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-m", "replicas.prepare", model], env=env, capture_output=True,
+                          text=True)
+    if done.returncode == 0:
+        return
+    refusal = next((line for line in reversed(done.stderr.splitlines()) if line.startswith("ValueError: ")), None)
+    if refusal is not None:
+        raise ValueError(refusal.removeprefix("ValueError: "))
+    raise RuntimeError(f"preparing {model} failed:\n{done.stderr[-3000:]}")
 
 
 # Tokenizer classes that are the generic `tokenizers` backend: loading them needs no model code,

@@ -29,6 +29,7 @@ from replicas.attention_flex import Q_TILE, FlexBackend, PageMap, flex_call
 from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
 from replicas.cuda_graphs import CompileCounter, DecodeGraphs, bucket_sizes, own_copy
 from replicas.kv_cache import BlockManager
+from replicas.model_support import kv_shape, text_config
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
 from replicas.transfer import HostPack, Staging
@@ -36,8 +37,7 @@ from replicas.transfer import HostPack, Staging
 log = logging.getLogger(__name__)
 WARM_UP_ROUNDS = 3
 
-__all__ = ["ATTN_IMPL", "PAD_MIN", "PAD_SLACK", "ModelRunner", "PassLogits", "kv_shape", "paged_attention",
-           "text_config"]
+__all__ = ["ATTN_IMPL", "PAD_MIN", "PAD_SLACK", "ModelRunner", "PassLogits", "paged_attention"]
 
 @dataclass
 class PassLogits:
@@ -56,20 +56,6 @@ class PassLogits:
 
 # Plans the pass's sampling on the host (the prompt spans, the pass's upload) before it is sent.
 SamplingPlanner = Callable[[list[tuple[Request, int]], HostPack], object]
-
-
-def text_config(config):
-    """The decoder's own config (a multimodal config holds it inside)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def kv_shape(config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a decoder config."""
-    text = text_config(config)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, kv_heads, head_dim
 
 
 class ModelRunner:

@@ -16,6 +16,7 @@ import pytest
 from replicas import gguf as gguf_source
 from replicas import model_files
 from replicas.model_files import EMBEDDED_GGUF_MODELS, WheelGguf, resolve_model_path
+from replicas.prepare import prepare
 
 
 def write_gguf(path: Path, arch: str, tensor: np.ndarray) -> Path:
@@ -69,11 +70,11 @@ def test_a_gguf_path_converts_once_per_file_version(cache: Path, tmp_path: Path,
 
     monkeypatch.setattr(gguf_source, "convert_gguf", fake_convert)
     src = write_gguf(tmp_path / "m.gguf", "llama", np.zeros((4, 8), np.float32))
-    first = resolve_model_path(str(src))
+    first = prepare(str(src))
     assert Path(first).parent == cache / "models" and Path(first).name.startswith("gguf-m-")
-    assert resolve_model_path(str(src)) == first and calls == [src.resolve()]
+    assert prepare(str(src)) == first and calls == [src.resolve()]
     os.utime(src, ns=(1, 1))  # the file changed: a new entry, converted again
-    second = resolve_model_path(str(src))
+    second = prepare(str(src))
     assert second != first and len(calls) == 2
 
 
@@ -97,9 +98,9 @@ def test_a_file_that_is_not_gguf_is_refused(cache: Path, tmp_path: Path) -> None
     bad = tmp_path / "notes.gguf"
     bad.write_text("not a model")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
-        resolve_model_path(str(bad))
+        prepare(str(bad))
     with pytest.raises(ValueError, match="does not exist"):
-        resolve_model_path(str(tmp_path / "missing.gguf"))
+        prepare(str(tmp_path / "missing.gguf"))
 
 
 @pytest.mark.unit
