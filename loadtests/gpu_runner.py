@@ -32,8 +32,11 @@ class RunnerOptions:
         return cls(given)
 
     def build(self, model: Any, tokenizer: Any, **config: Any) -> Engine:
-        """An engine over `model` with `config` and these options."""
-        engine = Engine(model, tokenizer, EngineConfig(**config, **self.asked))
+        """An engine over `model` with `config` and these options. Unless asked otherwise, its
+        decode graphs are one bucket, max_num_seqs: every stage decodes its full batch, and each
+        bucket is a whole-model compile at start (seconds on the device, for each engine)."""
+        options = {"cuda_graph_sizes": (config.get("max_num_seqs", 128),)} | self.asked
+        engine = Engine(model, tokenizer, EngineConfig(**config, **options))
         self.reported = {k: _plain(getattr(engine.runner, k))
                          for k in ("attention_backend", "cuda_graphs", "path", "compiles", "fallback_error")
                          if hasattr(engine.runner, k)}

@@ -99,6 +99,11 @@ class EngineConfig:
         "decode-only passes run the whole forward compiled per batch-size bucket (powers of two "
         "up to max_num_seqs) and, on CUDA, captured in a graph; mixed passes run eagerly. Needs "
         "the flex backend; null: on with flex on CUDA")
+    cuda_graph_sizes: tuple[int, ...] | None = Field(None, description=
+        "batch sizes of the decode step compiled (and captured on CUDA) with cuda_graphs: a "
+        "decode-only pass runs in the smallest one that holds it, padded; past the largest it "
+        "runs eagerly. Each is one compile at start (seconds on a GPU). null: powers of two up to "
+        "max_num_seqs, and max_num_seqs")
     compile_backend: str | None = Field(None, description=
         "torch.compile backend of the flex path (its attention calls and the decode step), all "
         "compiled at start; null: inductor on CUDA, nothing compiled elsewhere ('eager' or "
@@ -122,6 +127,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes or not all(0 < b <= self.max_num_seqs for b in self.cuda_graph_sizes):
+                raise ValueError(f"cuda_graph_sizes must be batch sizes in 1..max_num_seqs "
+                                 f"({self.max_num_seqs}), got {self.cuda_graph_sizes!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.priority_aging_s <= 0:

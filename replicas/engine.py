@@ -122,7 +122,7 @@ class Engine:
                                    may_admit=self.slo_admission)
         self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention,
                                   config.attention_backend, config.cuda_graphs, config.max_num_seqs,
-                                  config.compile_backend)
+                                  config.compile_backend, config.cuda_graph_sizes)
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)

@@ -64,10 +64,11 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int,
                  compile_decode_attention: bool = False, attention_backend: str = "auto",
                  cuda_graphs: bool | None = None, max_num_seqs: int = 128,
-                 compile_backend: str | None = None) -> None:
+                 compile_backend: str | None = None, graph_sizes: tuple[int, ...] | None = None) -> None:
         """`attention_backend`: "auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex".
         `cuda_graphs`: decode-only passes replay a graph captured at start per batch-size bucket
-        up to `max_num_seqs` (None: on CUDA with the flex backend; needs flex).
+        up to `max_num_seqs` (None: on CUDA with the flex backend; needs flex); `graph_sizes`:
+        those buckets instead (EngineConfig.cuda_graph_sizes).
         `compile_backend`: the torch.compile backend of the flex path (its attention calls and
         the decode step); None: inductor on CUDA, nothing compiled elsewhere (tests pass "eager").
 
@@ -112,7 +113,8 @@ class ModelRunner:
         self.fallback_error: str | None = None
         if self.attention_backend == "flex":
             try:
-                self._start_flex(max_num_seqs, compile_backend)
+                self._start_flex(sorted(set(graph_sizes)) if graph_sizes else bucket_sizes(max_num_seqs),
+                                 compile_backend)
             except Exception as exc:  # noqa: BLE001 - whatever failed, the replica serves
                 self.fallback_error = f"{type(exc).__name__}: {exc}"
                 log.warning("the flex attention path failed to start (%s); running the eager SDPA path",
@@ -139,7 +141,7 @@ class ModelRunner:
         c = self.compiler
         return (c.compiles, c.after_warmup) if c is not None else (0, 0)
 
-    def _start_flex(self, max_num_seqs: int, compile_backend: str | None) -> None:
+    def _start_flex(self, buckets: list[int], compile_backend: str | None) -> None:
         """The flex backend, its compiled callables (this runner's own) and the decode graphs,
         every shape a pass can bring compiled now (`warm_up`)."""
         bs = self.blocks.block_size
@@ -152,7 +154,7 @@ class ModelRunner:
             attend_fn = torch.compile(own_copy(flex_call), backend=self.compiler, dynamic=True)
         self.backend = FlexBackend(bs, self.num_pages, self.page_map, self.device, attend_fn)
         if self.cuda_graphs:
-            self.graphs = DecodeGraphs(self, bucket_sizes(max_num_seqs), self.blocks.reserve(), self.compiler,
+            self.graphs = DecodeGraphs(self, buckets, self.blocks.reserve(), self.compiler,
                                        capture=self.device.type == "cuda")
         self.warm_up()
 

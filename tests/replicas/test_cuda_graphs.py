@@ -131,3 +131,17 @@ def test_flex_and_padded_passes_make_no_tensor_off_the_device(llama) -> None:
         got = eng.generate(ps, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in want]
+
+
+def test_chosen_graph_sizes_are_the_only_buckets(llama) -> None:
+    """cuda_graph_sizes (4,): every decode-only pass of 1-4 rows runs padded in bucket 4, past it
+    eagerly; the tokens are the unpadded path's. Sizes outside 1..max_num_seqs are refused."""
+    eng = engine(llama, attention_backend="flex", cuda_graphs=True, cuda_graph_sizes=(4,))
+    assert eng.runner.graphs.buckets == [4]
+    assert eng.runner.graphs.bucket(3) == 4 and eng.runner.graphs.bucket(5) is None
+    ps = [[5, 6, 7], list(range(40, 75)), [9] * 12, [3] * 5, [8] * 7, [2, 2]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = engine(llama).generate(ps, params)
+    assert [o.token_ids for o in eng.generate(ps, params)] == [o.token_ids for o in want]
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineConfig(max_num_seqs=8, cuda_graph_sizes=(16,))
