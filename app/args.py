@@ -149,7 +149,7 @@ class AppArgs(BaseModel):
         if self.engine.tbt_slo_ms is None:
             raise ValueError("autoscale_by: tbt_slo needs engine.tbt_slo_ms")
         return ScalingConfig(
-            tbt_slo_s=self.engine.tbt_slo_ms / 1000, window_s=self.scaling_window_s,
+            tbt_slo_s=self.engine.tbt_slo_s, window_s=self.scaling_window_s,
             min_replicas=self.min_replicas if self.min_replicas is not None else 1,
             max_replicas=self.max_replicas or 1, downscale_margin=self.downscale_margin,
             upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,

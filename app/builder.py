@@ -26,6 +26,10 @@ LLM_DEPLOYMENT = "LLMServer"
 UNSET_TBT_SLO_MS = 100.0
 UNSET_MAX_MODEL_LEN = 4096
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+# Serve's health probe of an engine replica (LLMServer.check_health): how often, and how long one
+# may take before Serve counts the replica unhealthy and replaces it.
+HEALTH_CHECK_PERIOD_S = 5
+HEALTH_CHECK_TIMEOUT_S = 30
 # The ingress's handlers run on the replica's own event loop, not on a second one in a thread:
 # one loop relays every token, so its lag (what the in-flight limit, app/stream_limit.py, reads)
 # is the lag of all the ingress's work, and no item crosses threads.
@@ -42,8 +46,8 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         # (BackPressureError -> 429 in app.errors).
         "max_queued_requests": args.max_queued_requests,
         "ray_actor_options": {"num_cpus": args.resolved_num_cpus, "num_gpus": args.num_gpus},
-        "health_check_period_s": 5,
-        "health_check_timeout_s": 30,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
     }
     scaling = None
     if args.max_replicas is not None and args.autoscale_by == "tbt_slo":

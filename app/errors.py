@@ -30,6 +30,8 @@ _TYPE_BY_STATUS = {400: "invalid_request_error", 404: "not_found_error", 405: "i
                    408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 MAX_MESSAGE_CHARS = 1024  # an error message never echoes more of the client's input than this
 ENGINE_RETRY_AFTER_S = 1  # a dead engine replica is replaced (or another takes over) about this fast
+RETRY_AFTER_OVERLOAD_S = 1  # a 429 with no measured drain rate behind it (Serve's queue, the ingress's wait)
+RETRY_AFTER_NO_REPLICA_S = 5  # no replica at all: one is starting
 # The engine's refusals, by kind (the most specific first): HTTP status and OpenAI error type.
 _STATUS_BY_REFUSAL: tuple[tuple[type[RequestRejected], int, str], ...] = (
     (InvalidRequestError, 400, "invalid_request_error"),
@@ -79,10 +81,10 @@ def from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(status, rejected.message, rejected.param, rejected.code, error_type, headers)
     if isinstance(exc, BackPressureError):  # Serve's own bounded handle queue is full
         return OpenAIError(429, "the server is overloaded; retry later", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
+                           headers={"Retry-After": str(RETRY_AFTER_OVERLOAD_S)})
     if isinstance(exc, DeploymentUnavailableError):
         return OpenAIError(503, "no model replica is available; retry later",
-                           code="engine_unavailable", headers={"Retry-After": "5"})
+                           code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_NO_REPLICA_S)})
     if replica_gone(exc):
         return engine_unavailable()
     if isinstance(exc, (RequestCancelledError, ClientDisconnected)):

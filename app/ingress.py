@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from app import prometheus, proxy_door
 from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
-from app.errors import OpenAIError, from_exception, install_handlers, replica_gone
+from app.errors import RETRY_AFTER_OVERLOAD_S, OpenAIError, from_exception, install_handlers, replica_gone
 from app.proxy_door import CALLBACK_ENV, IMPORT_PATH, PASSED_HEADER
 from app.middleware import BodyLimitMiddleware, StatusCountMiddleware, StreamLimitMiddleware, arrival_time
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -303,7 +303,7 @@ class OpenAIIngress:
         except (asyncio.TimeoutError, TimeoutError):
             raise OpenAIError(429, f"the request waited {timeout} s (engine.queue_timeout_s) without reaching "
                               "a model replica: the server is overloaded; retry later",
-                              code="queue_timeout", headers={"Retry-After": "1"}) from None
+                              code="queue_timeout", headers={"Retry-After": str(RETRY_AFTER_OVERLOAD_S)}) from None
         if isinstance(ack, RequestRejected):
             raise ack
         self.gate.acknowledged(ticket, ack.replica_id, ack.at)

@@ -151,9 +151,14 @@ class EngineConfig:
         _positive("tbt_sample_window", self.tbt_sample_window)
 
     @property
+    def tbt_slo_s(self) -> float | None:
+        """tbt_slo_ms in seconds, the unit every consumer works in (None without an SLO)."""
+        return None if self.tbt_slo_ms is None else self.tbt_slo_ms / 1000
+
+    @property
     def slo_pass_target_s(self) -> float | None:
         """The pass time the SLO budget aims at: tbt_slo_ms x budget_margin (None without an SLO)."""
-        return None if self.tbt_slo_ms is None else self.tbt_slo_ms / 1000 * self.budget_margin
+        return None if self.tbt_slo_s is None else self.tbt_slo_s * self.budget_margin
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

@@ -99,8 +99,7 @@ class LLMServer:
         in_serve = _in_serve_replica()
         backend = metrics_backend or (RayBackend() if in_serve else None)
         if backend is not None:
-            slo = config.engine.tbt_slo_ms / 1000 if config.engine.tbt_slo_ms else None
-            engine.observers.append(EngineMetrics(backend, config.model, slo))
+            engine.observers.append(EngineMetrics(backend, config.model, config.engine.tbt_slo_s))
         if config.options.pass_trace_dir is not None:
             engine.observers.append(PassTrace(config.options.pass_trace_dir))
         self.engine = AsyncEngine(engine, wedge_timeout_s=config.options.wedge_timeout_s,

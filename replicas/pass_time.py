@@ -407,7 +407,7 @@ def slo_hooks(config: Any, model: PassTimeModel, kv: Any, kv_reserve_blocks: int
     the engine and the simulator build them from an `EngineConfig` with `tbt_slo_ms`: the target
     tbt_slo_ms x budget_margin, calibrated against the SLO itself, the KV cap over `kv` (the
     scheduler's BlockManager) less the blocks admission keeps free."""
-    slo_s, target = config.tbt_slo_ms / 1000, config.slo_pass_target_s
+    slo_s, target = config.tbt_slo_s, config.slo_pass_target_s
     budget = SloBudget(model, target, config.slo_budget_floor, log, kv=kv,
                        kv_reserve_blocks=kv_reserve_blocks, slo_s=slo_s)
     admission = SloAdmission(model, target, config.slo_budget_floor, slo_s) if config.slo_admission else None
