@@ -51,7 +51,7 @@ DECODE_FULL_BLOCKS = False
 
 
 def flex_call(q, k, v, block_mask, scale, enable_gqa, kernel_options):  # noqa: ANN001, ANN201
-    """flex_attention, for a runner to compile as its own (see cuda_graphs.own_copy)."""
+    """flex_attention, for a runner to compile as its own (see compiling.own_copy)."""
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                           kernel_options=kernel_options)
 
@@ -201,37 +201,6 @@ def tile_visits(mask: BlockMask) -> torch.Tensor:
     if mask.full_kv_num_blocks is not None:
         visits = visits + mask.full_kv_num_blocks.sum(1)
     return visits  # (B, nq)
-
-
-def sparse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
-                     scale: float | None = None) -> torch.Tensor:
-    """Attention as the fused kernels compute it: a query tile reads only the pages its lists
-    name, mask_mod applied on partial pages only (full ones are taken whole). For tests: the
-    lists are what a GPU run trusts, and torch's unfused path ignores them.
-    q (B, H, L, D), k/v (1, Hkv, S, D) -> (B, H, L, D)."""
-    b, h, length, d = q.shape
-    s = k.shape[2]
-    qt, kt = mask.BLOCK_SIZE
-    allowed = torch.zeros((b, length, s), dtype=torch.bool, device=q.device)
-    rows = torch.arange(length, device=q.device)
-    for bi in range(b):
-        for ti in range(-(-length // qt)):
-            r = rows[ti * qt:(ti + 1) * qt]
-            lists = [(mask.kv_num_blocks, mask.kv_indices, True)]
-            if mask.full_kv_num_blocks is not None:
-                lists.append((mask.full_kv_num_blocks, mask.full_kv_indices, False))
-            for num, idx, partial in lists:
-                for page in idx[bi, 0, ti, :int(num[bi, 0, ti])].tolist():
-                    cols = torch.arange(page * kt, (page + 1) * kt, device=q.device)
-                    ok = (mask.mask_mod(torch.tensor(bi), torch.tensor(0), r[:, None], cols[None, :])
-                          if partial else torch.ones((len(r), kt), dtype=torch.bool, device=q.device))
-                    allowed[bi, r[0]:r[-1] + 1, page * kt:(page + 1) * kt] |= ok
-    group = h // k.shape[1]
-    kk = k[0].repeat_interleave(group, 0).float()  # (H, S, D)
-    vv = v[0].repeat_interleave(group, 0).float()
-    scores = (q.float() @ kk.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return (scores.softmax(-1).nan_to_num(0.0) @ vv).to(q.dtype)
 
 
 @dataclass

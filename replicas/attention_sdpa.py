@@ -6,7 +6,6 @@ decode groups run a torch.compile'd kernel that reads the paged cache in place."
 from __future__ import annotations
 
 import itertools
-import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from torch.fx.experimental import _config as shape_config  # torch.compile's symbolic shapes
 
 from replicas.attention import PassLayout
+from replicas.compiling import own_copy
 from replicas.transfer import HostPack, Part
 
 # Decodes share one attention call while padding them to the group's longest context costs at
@@ -173,14 +173,6 @@ def decode_in_place(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blocks:
     return (p[..., None] * vb[blocks][:, :, :, :, None, :]).sum((1, 2))
 
 
-def _own_copy(fn):
-    """`fn` with a code object of its own: torch.compile keeps its graphs per code object (at most
-    `recompile_limit`, then it silently runs the function eagerly), and each runner's graphs are
-    specialised to its model and cache, so runners in one process must not share them."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
-
-
 def _static_dims(kernel):
     """The compiled decode kernel with only its varying sizes symbolic: the number of decodes
     and of context blocks. Heads, head size, block size and the cache's block count are fixed in
@@ -204,7 +196,7 @@ def compiled_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: in
     context, first in the pass or not, are each tried once; after these, new sizes reuse the
     dynamic graphs. Without duck shaping: sizes that happen to be equal here (3 decodes, 3 heads)
     must not become one symbol, or a pass where they differ recompiles."""
-    kernel = _static_dims(torch.compile(_own_copy(decode_in_place), dynamic=True))
+    kernel = _static_dims(torch.compile(own_copy(decode_in_place), dynamic=True))
     kv_heads, head_dim = k_cache.shape[2:]  # (layers, slots, Hkv, D)
     kb = k_cache[0].view(-1, block_size, kv_heads, head_dim)
     vb = v_cache[0].view(-1, block_size, kv_heads, head_dim)

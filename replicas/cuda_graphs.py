@@ -18,8 +18,6 @@ forward) runs directly, which is what the tests exercise.
 
 from __future__ import annotations
 
-import logging
-import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,10 +26,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from replicas.attention import PassMeta
 from replicas.attention_flex import FlexMeta, bucket_width, decode_block_mask, decode_lists
+from replicas.compiling import CompileCounter, own_copy
 from replicas.transfer import HostPack, Part
-
-log = logging.getLogger(__name__)
-
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes captured: powers of two below max_num_seqs, then max_num_seqs itself (so
@@ -46,35 +42,6 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 def choose_bucket(n: int, buckets: list[int]) -> int | None:
     """The smallest bucket holding n rows; None when n is beyond the largest (run eagerly)."""
     return next((b for b in buckets if b >= n), None)
-
-
-class CompileCounter:
-    """A torch.compile backend that counts the graphs it compiles (each call is one), and those
-    after warm-up, then hands the graph to `backend` (inductor, or eager/aot_eager in tests)."""
-
-    def __init__(self, backend: str | object = "inductor") -> None:
-        self.backend = backend
-        self.compiles = 0
-        self.after_warmup = 0
-        self.warm = False
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.compiles += 1
-        if self.warm:
-            self.after_warmup += 1
-            log.warning("a graph compiled after warm-up (%d so far): a pass shape that warm-up missed",
-                        self.after_warmup)
-        backend = self.backend
-        if isinstance(backend, str):
-            backend = torch._dynamo.lookup_backend(backend)
-        return backend(gm, example_inputs)
-
-
-def own_copy(fn):
-    """`fn` with a code object of its own: torch.compile keeps its graphs (and its recompile
-    limit) per code object, so each runner's compiled callables are its own."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
 
 
 def _decode_forward(runner, ids, pos, slots, rows, kv_num, kv_idx):

@@ -14,6 +14,7 @@ not rebuilt from lists every pass.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -27,7 +28,8 @@ from transformers import PreTrainedModel
 from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, paged_attention, resolve_backend
 from replicas.attention_flex import Q_TILE, FlexBackend, PageMap, flex_call
 from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
-from replicas.cuda_graphs import CompileCounter, DecodeGraphs, bucket_sizes, own_copy
+from replicas.compiling import CompileCounter, own_copy
+from replicas.cuda_graphs import DecodeGraphs, bucket_sizes
 from replicas.kv_cache import BlockManager
 from replicas.model_support import kv_shape, text_config
 from replicas.request import Request
@@ -330,7 +332,9 @@ class ModelRunner:
         tokens_d = pack.get(tokens_part)
         meta = PassMeta(self.k_layers, self.v_layers, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
         kwargs = {"logits_to_keep": keep_d} if self._keep_logits else {}
-        with shape_config.patch(use_duck_shape=False):  # the compiled attention's sizes stay apart
+        # Compiled attention calls: sizes that happen to be equal must not share a symbol.
+        apart = shape_config.patch(use_duck_shape=False) if self.compiler is not None else contextlib.nullcontext()
+        with apart:
             logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,
                                 attn_meta=meta, **kwargs).logits[0]
         logits = logits if self._keep_logits else logits[keep_d]  # (N + M, V)
