@@ -168,13 +168,8 @@ class EngineMetrics:
 
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
         tags = self.tags
-        compiles = engine.runner.compiles
-        if compiles != self._compiles_seen:
-            if self._compiles_seen is None:
-                self.path.record(1, {**tags, "path": engine.runner.path})
-            self.compiles.record(compiles[0] - compiles[1], {**tags, "phase": "warm_up"})
-            self.compiles.record(compiles[1], {**tags, "phase": "serving"})
-            self._compiles_seen = compiles
+        if engine.runner.compiles != self._compiles_seen:
+            self.record_runner(engine.runner)
         self.iter_time.record(stats.duration, tags)
         if stats.num_prefill_tokens:
             self.iter_tokens.record(stats.num_prefill_tokens, {**tags, "phase": "prefill"})
@@ -236,8 +231,18 @@ class EngineMetrics:
         self.finished.record(1, {**self.tags, "finished_reason": request.finish_reason or "abort"})
 
     def on_idle(self, engine: Engine) -> None:
-        """The loop has nothing to run: gauges read the (empty) load instead of the last pass's."""
+        """The loop has nothing to run: gauges read the (empty) load instead of the last pass's,
+        and the runner's are set again (Ray stops exporting a gauge not set for a while)."""
         self.record_load(engine.last_load)
+        self.record_runner(engine.runner)
+
+    def record_runner(self, runner: Any) -> None:
+        """Which forward path runs, and the graphs compiled at warm-up and while serving."""
+        tags = self.tags
+        total, after = self._compiles_seen = runner.compiles
+        self.path.record(1, {**tags, "path": runner.path})
+        self.compiles.record(total - after, {**tags, "phase": "warm_up"})
+        self.compiles.record(after, {**tags, "phase": "serving"})
 
     def record_load(self, load: Any) -> None:
         tags = self.tags

@@ -101,3 +101,21 @@ def test_a_prompt_only_scored_request_counts_as_finished_with_no_token_latency()
     assert value(reg, p + "e2e_request_latency_seconds_count") == 1
     assert value(reg, p + "generation_tokens_total") == 2
     assert value(reg, p + "prompt_tokens_total") == 43
+
+
+def test_the_runner_path_and_compiles_are_set_again_while_idle():
+    """Ray stops exporting a gauge nobody sets: the runner's path and compile counts are set at
+    the first pass and again on every idle tick, like the load gauges."""
+    reg = CollectorRegistry()
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig())
+    metrics = EngineMetrics(PrometheusBackend(reg), "m")
+    eng.observers.append(metrics)
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert value(reg, "stallfree_runner_path", path="sdpa") == 1
+    assert reg.get_sample_value("stallfree_compiles", {"model_name": "m", "phase": "serving"}) == 0
+    sets = []
+    metrics.path.record = lambda v, t: sets.append((v, t["path"]))
+    metrics.on_idle(eng)
+    metrics.on_idle(eng)
+    assert sets == [(1, "sdpa"), (1, "sdpa")]
+    assert reg.get_sample_value("stallfree_compiles", {"model_name": "m", "phase": "warm_up"}) == 0
