@@ -26,7 +26,8 @@ from replicas.model_files import load_tokenizer
 
 SERVER_ARGS = {"model": "embedded:tiny", "num_cpus": 1, "ingress_num_cpus": 0.1,
                "engine": {"policy": "stall_free", "max_batch_prefill_tokens": 256,
-                          "max_batch_total_tokens": 8192, "max_num_seqs": 32}}
+                          "max_batch_total_tokens": 8192, "max_num_seqs": 32},
+               "replica": {"stream_interval_ms": 0}}  # a chunk per pass: the TBT entries are gaps
 SMOKE_MIX = ["--prompt-median", "24", "--output-median", "12", "--long-share", "0.2",
              "--long-min", "200", "--long-max", "300", "--seed", "3"]
 
@@ -129,7 +130,8 @@ def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: 
     sent = int(stats["POST"]["Request Count"])
     assert sent > 0
     assert int(stats["TTFT"]["Request Count"]) == int(stats["E2E"]["Request Count"]) == sent
-    assert int(stats["TBT"]["Request Count"]) > sent  # outputs are >= 4 tokens each
+    num_tbt = int(stats["TBT"]["Request Count"])
+    assert num_tbt > 0
 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["requests"] == summary["finished"] == sent
@@ -140,6 +142,7 @@ def test_short_locust_run_has_no_failures_and_reports_ttft_tbt_e2e(live_server: 
     samples = [json.loads(line) for line in (tmp_path / "loadtest_samples.jsonl").read_text().splitlines()]
     assert samples[0]["type"] == "meta" and samples[0]["mix"]["long_min"] == 200
     assert all(r["completion_tokens"] == r["max_tokens"] for r in samples[1:])  # ignore_eos: exact
+    assert num_tbt == sum(len(r["gaps_s"]) for r in samples[1:])  # one Locust TBT entry per gap
     assert (tmp_path / "loadtest.html").stat().st_size > 0
 
 
