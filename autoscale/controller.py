@@ -1,9 +1,15 @@
 """The controller: the cluster's view of load, as one named Ray actor.
 
-Replicas push their `ReplicaLoad` (`report`, fire-and-forget, ~every 50-100 ms); the router and
-the autoscaling policy read `snapshot()`. The actor only gathers: per replica the latest load
-and a sliding window of TBT samples; replicas silent for `stale_after_s` are dropped. Every
-decision is made elsewhere, by the pure functions in `routing` and `scaling`.
+Replicas push their `ReplicaLoad` (`report`, fire-and-forget, ~every 100 ms; a node's replicas
+may come in one `report_many`); the router and the autoscaling policy read `snapshot()`. The
+actor only gathers: per replica the latest load, per deployment a `TbtWindow` of TBT histograms in
+1 s slices; replicas silent for `stale_after_s` are dropped. Every decision is made elsewhere, by
+the pure functions in `routing` and `scaling`.
+
+Sized for a fleet: a report adds its histogram's few dozen bins to one slice (no list of gaps
+grows), a snapshot costs O(replicas) for the loads plus one merge of the window's slices, and
+the reply to a report is the report period the fleet can afford (`max_reports_per_s` over the
+live replicas), which the reporters follow.
 
 The bookkeeping is the plain class `LoadBook` (a clock is injected, so it is tested without
 Ray); `LoadController` is the same class as an actor. The actor is detached and named in its own
@@ -26,10 +32,13 @@ from typing import Any
 
 import ray
 
-from autoscale.load import ClusterSnapshot, ReplicaLoad, SlidingWindow
+from autoscale.load import ClusterSnapshot, LogHistogram, ReplicaLoad, TbtWindow, fleet_interval
 
 DEFAULT_CONTROLLER_NAME = "stallfree_controller"
 DEFAULT_NAMESPACE = "stallfree"
+# Reports a second the actor is asked to absorb at most: half of what it was measured to take
+# (loadtests/bench_fleet.py), so a fleet beyond 1,000 replicas reports less often, not later.
+DEFAULT_MAX_REPORTS_PER_S = 5_000.0
 
 
 def replica_key(replica_id: Any) -> str:
@@ -44,44 +53,76 @@ def current_replica_key() -> str:
     return replica_key(serve.get_replica_context().replica_id)
 
 
-class LoadBook:
-    """Latest load and a TBT window per replica; aggregates on demand."""
+def deployment_key(replica_id: str) -> str:
+    """The deployment a replica key belongs to (Serve's key less its last `#` part); a key
+    without one is its own."""
+    return replica_id.rpartition("#")[0] or replica_id
 
-    def __init__(self, window_s: float = 120.0, stale_after_s: float = 2.0,
-                 max_samples_per_replica: int = 32_768, clock: Callable[[], float] = time.time) -> None:
-        """`window_s` is the retention (snapshots may ask for less); beyond
-        `max_samples_per_replica` the oldest samples go (at ~1k TBT samples/s per replica the
-        window is then the last ~30 s whatever `window_s` says)."""
+
+class LoadBook:
+    """Latest load per replica and TBT histograms per deployment; aggregates on demand."""
+
+    def __init__(self, window_s: float = 120.0, stale_after_s: float = 2.0, slice_s: float = 1.0,
+                 max_reports_per_s: float = DEFAULT_MAX_REPORTS_PER_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`window_s` is the retention (snapshots may ask for less), in slices of `slice_s`."""
         if stale_after_s <= 0:
             raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
+        if max_reports_per_s <= 0:
+            raise ValueError(f"max_reports_per_s must be > 0, got {max_reports_per_s}")
         self.window_s = window_s  # retention; a snapshot may ask for a shorter window
         self.stale_after_s = stale_after_s
-        self._max_samples = max_samples_per_replica
+        self.slice_s = slice_s
+        self.max_reports_per_s = max_reports_per_s
         self._clock = clock
-        self._loads: dict[str, ReplicaLoad] = {}
+        self._loads: dict[str, ReplicaLoad] = {}  # as reported, less the TBT histogram
+        self._plain: dict[str, ReplicaLoad] = {}  # the same less the prefix sketch
         self._last_seen: dict[str, float] = {}  # controller clock: skew-free staleness
-        self._tbt: dict[str, SlidingWindow] = {}
+        self._deployment: dict[str, str] = {}  # replica -> deployment_key
+        self._tbt: dict[str, TbtWindow] = {}  # per deployment
 
-    def report(self, replica_id: str, load: ReplicaLoad) -> None:
-        """Record one replica's load; its new TBT samples join the window at receive time."""
+    def report(self, replica_id: str, load: ReplicaLoad) -> float:
+        """Record one replica's load; its TBT histogram joins its deployment's window at receive
+        time. Returns the report period the fleet asks of each replica now (seconds)."""
+        self._record(replica_id, load, self._clock())
+        return fleet_interval(len(self._loads), self.max_reports_per_s)
+
+    def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]]) -> float:
+        """`report` for several replicas in one call (a node's); the same reply."""
         now = self._clock()
-        window = self._tbt.get(replica_id)
-        if window is None:
-            window = self._tbt[replica_id] = SlidingWindow(self.window_s, self._max_samples)
-        window.extend(load.tbt_samples, now)
-        self._loads[replica_id] = dataclasses.replace(load, replica_id=replica_id, tbt_samples=())
+        for replica_id, load in reports:
+            self._record(replica_id, load, now)
+        return fleet_interval(len(self._loads), self.max_reports_per_s)
+
+    def _record(self, replica_id: str, load: ReplicaLoad, now: float) -> None:
+        hist = load.tbt_histogram
+        if hist:
+            deployment = self._deployment.get(replica_id)
+            if deployment is None:
+                deployment = self._deployment[replica_id] = deployment_key(replica_id)
+            window = self._tbt.get(deployment)
+            if window is None:
+                window = self._tbt[deployment] = TbtWindow(self.window_s, self.slice_s)
+            window.add(hist, now)
+        if hist is not None or load.replica_id != replica_id:
+            load = dataclasses.replace(load, replica_id=replica_id, tbt_histogram=None)
+        self._loads[replica_id] = load
+        self._plain[replica_id] = load if load.prefix_sketch is None else \
+            dataclasses.replace(load, prefix_sketch=None)
         self._last_seen[replica_id] = now
 
     def remove(self, replica_id: str) -> None:
-        """Forget a replica now (it is shutting down)."""
+        """Forget a replica now (it is shutting down). Its gaps stay in its deployment's window
+        until they age out: they were served."""
         self._loads.pop(replica_id, None)
+        self._plain.pop(replica_id, None)
         self._last_seen.pop(replica_id, None)
-        self._tbt.pop(replica_id, None)
+        self._deployment.pop(replica_id, None)
 
     def drop_stale(self) -> list[str]:
         """Forget replicas that stopped reporting; returns their ids."""
-        now = self._clock()
-        stale = [r for r, t in self._last_seen.items() if now - t > self.stale_after_s]
+        horizon = self._clock() - self.stale_after_s
+        stale = [r for r, t in self._last_seen.items() if t < horizon]
         for r in stale:
             self.remove(r)
         return stale
@@ -95,33 +136,40 @@ class LoadBook:
                  with_tbt: bool = True, with_sketches: bool = False) -> ClusterSnapshot:
         """A `ClusterSnapshot` over `replica_ids` (default: all live replicas).
 
-        TBT aggregates cover the last `window_s` (default: the retention window) and samples no
-        older than `since`; `with_tbt=False` skips them (the router only needs loads). The loads'
-        prefix-cache sketches (`ReplicaLoad.prefix_sketch`, up to 16 bits a KV block each) go only
-        with `with_sketches` (the prefix router); everyone else gets the loads without them.
+        TBT aggregates cover the deployments those replicas belong to (every gap their replicas
+        reported, including replicas gone since), over the last `window_s` (default: the
+        retention window) and no older than `since`, both widened to whole slices; `with_tbt=False`
+        skips them (the router only needs loads). The loads' prefix-cache sketches
+        (`ReplicaLoad.prefix_sketch`, up to 16 bits a KV block each) go only with `with_sketches`
+        (the prefix router); everyone else gets the loads without them.
         """
         self.drop_stale()
         now = self._clock()
-        ids = sorted(self._loads) if replica_ids is None else [r for r in replica_ids if r in self._loads]
-        loads = {r: self._loads[r] for r in ids}
-        if not with_sketches:
-            loads = {r: _without_sketch(load) for r, load in loads.items()}
-        samples: list[float] = []
-        if with_tbt:
-            start = now - min(window_s or self.window_s, self.window_s)
-            since = start if since is None else max(since, start)
-            for r in ids:
-                samples.extend(self._tbt[r].values(now, since))
-        return ClusterSnapshot.build(loads, samples, tbt_slo_s, now)
-
-
-def _without_sketch(load: ReplicaLoad) -> ReplicaLoad:
-    return load if load.prefix_sketch is None else dataclasses.replace(load, prefix_sketch=None)
+        source = self._loads if with_sketches else self._plain
+        if replica_ids is None:
+            loads = {r: source[r] for r in sorted(source)}
+        else:
+            loads = {r: source[r] for r in replica_ids if r in source}
+        if not with_tbt:
+            return ClusterSnapshot.build(loads, None, tbt_slo_s, now)
+        start = now - min(window_s or self.window_s, self.window_s)
+        since = start if since is None else max(since, start)
+        tbt = LogHistogram()
+        deployments = self._tbt if replica_ids is None else {self._deployment[r] for r in loads
+                                                             if r in self._deployment}
+        for deployment in list(deployments):
+            window = self._tbt.get(deployment)
+            if window is not None:
+                window.merge_into(tbt, now, since)
+                if not window:  # every slice aged out: the deployment's window goes
+                    del self._tbt[deployment]
+        return ClusterSnapshot.build(loads, tbt, tbt_slo_s, now)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class LoadController(LoadBook):
-    """`LoadBook` as a named, detached Ray actor: `report`, `remove`, `snapshot`, `replica_ids`."""
+    """`LoadBook` as a named, detached Ray actor: `report`, `report_many`, `remove`, `snapshot`,
+    `replica_ids`."""
 
 
 def get_or_create_controller(name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,

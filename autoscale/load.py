@@ -1,44 +1,60 @@
-"""The cluster's view of load: the aggregate of replica loads and a time-windowed TBT window.
+"""The cluster's view of load: the aggregate of replica loads and time-sliced TBT histograms.
 
 A replica pushes its `replicas.protocol.ReplicaLoad` (the one load record, built by its
-scheduler) to the controller at iteration granularity; a `ClusterSnapshot` is what the router,
+scheduler) to the controller at iteration granularity, with a histogram of the TBT gaps new since
+its previous report (`replicas.histogram.LogHistogram`); a `ClusterSnapshot` is what the router,
 the door's admission and the scaling decision read back. Both are plain frozen dataclasses,
 pickled as they are across Ray, and nothing here imports Ray: the simulator builds the same
 snapshots from its own replicas.
+
+TBT over a window is a merge of per-slice histograms (`TbtWindow`): its cost is the number of
+slices times the bins in use, whatever the traffic, and its percentiles are within
+`replicas.histogram.RELATIVE_ERROR` (0.99%) of the exact nearest-rank ones.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from replicas.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
-__all__ = ["MAX_PENDING_SAMPLES", "ClusterSnapshot", "ReplicaLoad", "ReportThrottle", "SlidingWindow",
+__all__ = ["ClusterSnapshot", "LogHistogram", "ReplicaLoad", "ReportThrottle", "TbtWindow", "fleet_interval",
            "percentile"]
-
-MAX_PENDING_SAMPLES = 2048  # TBT samples a replica keeps between two load reports, at most
 
 
 @dataclass(frozen=True)
 class ReportThrottle:
-    """When a replica sends its next load report: every `interval_s`, sooner (but not within
+    """When a replica sends its next load report: every `interval_s` (or the longer period the
+    controller asks of a large fleet, `fleet_interval_s`), sooner (but not within
     `min_interval_s`) when its token load moved by `change_tokens` or `change_fraction` of the
-    last reported load. The reporter's rule, and the simulator's."""
+    last reported load; a load that has not `changed` (an idle replica) only every
+    `heartbeat_s`, which must stay under the controller's `stale_after_s` (2 s). The reporter's
+    rule, and the simulator's."""
 
     interval_s: float = 0.1
     min_interval_s: float = 0.02
     change_tokens: int = 256
     change_fraction: float = 0.25
+    heartbeat_s: float = 1.0
 
-    def due(self, elapsed_s: float, token_change: int, last_tokens: int) -> bool:
+    def due(self, elapsed_s: float, token_change: int, last_tokens: int, changed: bool = True,
+            fleet_interval_s: float = 0.0) -> bool:
         elapsed = elapsed_s + 1e-9  # float clocks: 0.3 - 0.2 < 0.1
-        if elapsed >= self.interval_s:
+        if not changed:
+            return elapsed >= self.heartbeat_s
+        if elapsed >= max(self.interval_s, fleet_interval_s):
             return True
         jump = abs(token_change) >= max(self.change_tokens, self.change_fraction * last_tokens)
         return jump and elapsed >= self.min_interval_s
+
+
+def fleet_interval(num_replicas: int, max_reports_per_s: float) -> float:
+    """The report period that keeps `num_replicas` within the controller's report budget."""
+    return num_replicas / max_reports_per_s
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -56,38 +72,52 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
-class SlidingWindow:
-    """Timestamped samples kept for `window_s` seconds (at most `max_samples`, oldest dropped)."""
+class TbtWindow:
+    """TBT histograms per `slice_s` time slice, kept for `window_s` seconds.
 
-    def __init__(self, window_s: float, max_samples: int = 4096) -> None:
+    A window of any length up to `window_s` is the merge of the slices that overlap it: it reaches
+    back to the start of the slice its start falls in (at most `slice_s` more than asked).
+    """
+
+    def __init__(self, window_s: float, slice_s: float = 1.0) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
-        if max_samples <= 0:
-            raise ValueError(f"max_samples must be > 0, got {max_samples}")
-        self.window_s = window_s
-        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (t, value)
+        if slice_s <= 0:
+            raise ValueError(f"slice_s must be > 0, got {slice_s}")
+        self.window_s, self.slice_s = window_s, slice_s
+        self._slices: deque[tuple[float, LogHistogram]] = deque()  # (slice start, its gaps), oldest first
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._slices)
 
-    def extend(self, values: Iterable[float], t: float) -> None:
-        """Add samples observed at time `t` (timestamps must not go backwards much)."""
-        self._samples.extend((t, float(v)) for v in values)
+    def add(self, hist: LogHistogram, t: float) -> None:
+        """Count `hist`'s gaps in the slice of time `t` (copied; a clock that steps back a little
+        adds to the newest slice)."""
+        start = math.floor(t / self.slice_s) * self.slice_s
+        if self._slices and self._slices[-1][0] >= start:
+            self._slices[-1][1].merge(hist)
+        else:
+            self._slices.append((start, hist.copy()))
 
     def prune(self, now: float) -> None:
-        """Drop samples older than the window."""
-        horizon = now - self.window_s
-        while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
+        """Drop slices that ended before the window."""
+        horizon = now - self.window_s - self.slice_s
+        while self._slices and self._slices[0][0] <= horizon:
+            self._slices.popleft()
 
-    def values(self, now: float, since: float | None = None) -> list[float]:
-        """Samples inside the window ending at `now` (and not older than `since`)."""
+    def merge_into(self, out: LogHistogram, now: float, since: float | None = None) -> LogHistogram:
+        """Add to `out` the gaps of the window ending at `now` (and of slices not ending before
+        `since`); returns `out`."""
         self.prune(now)
         start = now - self.window_s if since is None else max(since, now - self.window_s)
-        return [v for t, v in self._samples if t >= start]
+        for slice_start, hist in reversed(self._slices):
+            if slice_start + self.slice_s <= start:
+                break
+            out.merge(hist)
+        return out
 
-    def percentile(self, q: float, now: float, since: float | None = None) -> float | None:
-        return percentile(self.values(now, since), q)
+    def histogram(self, now: float, since: float | None = None) -> LogHistogram:
+        return self.merge_into(LogHistogram(), now, since)
 
 
 @dataclass(frozen=True)
@@ -98,7 +128,7 @@ class ClusterSnapshot:
     tbt_p50_s: float | None = None
     tbt_p99_s: float | None = None
     num_tbt_samples: int = 0
-    tbt_slo_token_share: float | None = None  # fraction of windowed TBT samples (gaps) <= the SLO
+    tbt_slo_token_share: float | None = None  # fraction of windowed TBT gaps <= the SLO (see build)
     timestamp: float = 0.0
 
     @property
@@ -114,11 +144,15 @@ class ClusterSnapshot:
         return self.running_tokens + self.waiting_tokens
 
     @classmethod
-    def build(cls, loads: Mapping[str, ReplicaLoad], tbt_samples: Sequence[float],
-              tbt_slo_s: float | None, timestamp: float) -> ClusterSnapshot:
-        """Aggregate per-replica loads and the window's TBT samples (pure; the simulator uses it)."""
-        attainment = None
-        if tbt_slo_s is not None and tbt_samples:
-            attainment = sum(1 for x in tbt_samples if x <= tbt_slo_s) / len(tbt_samples)
-        return cls(dict(loads), percentile(tbt_samples, 50), percentile(tbt_samples, 99),
-                   len(tbt_samples), attainment, timestamp)
+    def build(cls, loads: Mapping[str, ReplicaLoad], tbt: LogHistogram | None, tbt_slo_s: float | None,
+              timestamp: float) -> ClusterSnapshot:
+        """Aggregate per-replica loads and the window's TBT histogram (pure; the simulator uses it).
+
+        p50/p99 are within `RELATIVE_ERROR` of the exact nearest-rank values; the SLO share counts
+        the gaps in bins wholly within the SLO (short by at most the gaps within 2% under it).
+        """
+        if tbt is None or not tbt:
+            return cls(dict(loads), timestamp=timestamp)
+        p50, p99 = tbt.quantiles((50, 99))
+        attainment = None if tbt_slo_s is None else tbt.count_le(tbt_slo_s) / tbt.count
+        return cls(dict(loads), p50, p99, tbt.count, attainment, timestamp)

@@ -2,11 +2,14 @@
 
 A `LoadReporter` lives inside a replica (it is not an actor). Feed it the replica's latest
 `ReplicaLoad` as often as you like, e.g. after every iteration or from a 20 ms poll; it sends at
-most every `interval_s` (~100 ms), sooner (but not within `min_interval_s`) when the token load
-jumps. Between sends it collects the TBT samples that are new since the last call (from the
-engine's (count, latest samples) pair), so the controller's window sees (nearly) every sample.
-Sending never raises and never blocks on the controller: a dead or missing controller is looked
-up again later, and routing falls back to its local view meanwhile.
+most every `interval_s` (~100 ms) or the longer period the controller's last reply asked for (a
+large fleet), sooner (but not within `min_interval_s`) when the token load jumps, and an
+unchanged load (an idle replica: no pass, no new TBT gap, the same tokens and requests) only
+every `heartbeat_s`. Between sends it bins the TBT gaps that are new since the last call (from the
+engine's (count, latest gaps) pair) into one `LogHistogram`, so the controller's window sees
+(nearly) every gap whatever the period, in a report of fixed size. Sending never raises and never
+blocks on the controller: a dead or missing controller is looked up again later, and routing
+falls back to its local view meanwhile.
 
 The app builder hands the replica a factory for it (`replicas.deployment.LoadSink`); the replica
 calls `start(load, iterations, tbt)`, `autoscaling_stats()` and `stop()`.
@@ -19,7 +22,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +29,8 @@ import ray
 
 from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, current_replica_key,
                                   get_or_create_controller)
-from autoscale.load import MAX_PENDING_SAMPLES, ReportThrottle, SlidingWindow, percentile
+from autoscale.load import ReportThrottle, TbtWindow
+from replicas.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
 logger = logging.getLogger(__name__)
@@ -51,18 +54,22 @@ class LoadReporter:
     def __init__(self, replica_id: str | None = None, *, controller: Any = None,
                  controller_name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,
                  interval_s: float = 0.1, min_interval_s: float = 0.02, change_tokens: int = 256,
-                 change_fraction: float = 0.25, tbt_window_s: float = 30.0,
+                 change_fraction: float = 0.25, heartbeat_s: float = 1.0, tbt_window_s: float = 30.0,
                  clock: Callable[[], float] = time.time,
-                 send: Callable[[str, ReplicaLoad], None] | None = None) -> None:
+                 send: Callable[[str, ReplicaLoad], float | None] | None = None) -> None:
+        """`send(replica_id, load)` replaces the controller (tests, a relay); like the
+        controller's `report` it may return the report period the fleet asks for."""
         self._replica_id = replica_id
         self._controller = controller
         self.controller_name, self.namespace = controller_name, namespace
-        self.throttle = ReportThrottle(interval_s, min_interval_s, change_tokens, change_fraction)
+        self.throttle = ReportThrottle(interval_s, min_interval_s, change_tokens, change_fraction, heartbeat_s)
         self._clock = clock
         self._send_fn = send
-        self._window = SlidingWindow(tbt_window_s)  # local TBT window for record_autoscaling_stats
+        self._window = TbtWindow(tbt_window_s)  # local TBT window for record_autoscaling_stats
         self._seen_tbt = 0  # engine TBT samples already taken in
-        self._pending_tbt: deque[float] = deque(maxlen=MAX_PENDING_SAMPLES)
+        self._pending_tbt = LogHistogram()  # gaps since the last report
+        self.fleet_interval_s = 0.0  # the report period the controller last asked for
+        self._last_shape: tuple[int, ...] = ()
         self._last_iter_start = float("-inf")
         self._iter_durations: list[float] = []
         self._last_sent = float("-inf")
@@ -108,22 +115,28 @@ class LoadReporter:
         total, tail = tbt
         fresh = new_tbt_samples(self._seen_tbt, total, tail)
         self._seen_tbt = total
-        self._pending_tbt.extend(fresh)
-        self._window.extend(fresh, now)
+        if fresh:
+            gaps = LogHistogram.of(fresh)
+            self._pending_tbt.merge(gaps)
+            self._window.add(gaps, now)
         if iterations is not None:
             self._collect_iterations(iterations)
 
         tokens = load.token_load
-        if not self.throttle.due(now - self._last_sent, tokens - self._last_tokens, self._last_tokens):
+        shape = (load.running_tokens, load.waiting_tokens, load.num_running, load.num_waiting, load.free_blocks)
+        changed = bool(self._pending_tbt) or bool(self._iter_durations) or shape != self._last_shape
+        self._read_reply()
+        if not self.throttle.due(now - self._last_sent, tokens - self._last_tokens, self._last_tokens,
+                                 changed, self.fleet_interval_s):
             return False
 
         durations, self._iter_durations = self._iter_durations, []
         entry = dataclasses.replace(
-            load, replica_id=replica_id, tbt_samples=tuple(self._pending_tbt),
+            load, replica_id=replica_id, tbt_histogram=self._pending_tbt or None,
             iterations=len(durations), iteration_mean_s=sum(durations) / len(durations) if durations else 0.0,
             iteration_max_s=max(durations, default=0.0), timestamp=now)
-        self._pending_tbt.clear()
-        self._last_sent, self._last_tokens, self._last_load = now, tokens, entry
+        self._pending_tbt = LogHistogram()
+        self._last_sent, self._last_tokens, self._last_load, self._last_shape = now, tokens, entry, shape
         self._send(replica_id, entry)
         return True
 
@@ -151,7 +164,7 @@ class LoadReporter:
     def _send(self, replica_id: str, payload: ReplicaLoad) -> None:
         try:
             if self._send_fn is not None:
-                self._send_fn(replica_id, payload)
+                self._take_interval(self._send_fn(replica_id, payload))
             else:
                 handle = self._handle()
                 if handle is None:
@@ -163,6 +176,16 @@ class LoadReporter:
             self._controller = None
             self._lookup_after = self._clock() + LOOKUP_RETRY_S
             logger.debug("load report failed: %r", exc)
+
+    def _read_reply(self) -> None:
+        """The report period from the controller's reply to the last report, once it is in."""
+        last = self._last_future
+        if last is not None and last.done() and last.exception() is None:
+            self._take_interval(last.result())
+
+    def _take_interval(self, reply: Any) -> None:
+        if isinstance(reply, (int, float)) and reply >= 0:
+            self.fleet_interval_s = float(reply)
 
     def _handle(self) -> Any:
         """The controller handle; re-looked-up after the previous report failed."""
@@ -186,12 +209,13 @@ class LoadReporter:
     def autoscaling_stats(self, now: float | None = None) -> dict[str, float]:
         """Metrics for Serve's `record_autoscaling_stats` (the policy's fallback input)."""
         now = self._clock() if now is None else now
-        samples = self._window.values(now)
+        gaps = self._window.histogram(now)
+        p50, p99 = gaps.quantiles((50, 99))
         load = self._last_load
         return {
-            "tbt_p50_s": percentile(samples, 50) or 0.0,
-            "tbt_p99_s": percentile(samples, 99) or 0.0,
-            "num_tbt_samples": float(len(samples)),
+            "tbt_p50_s": p50 or 0.0,
+            "tbt_p99_s": p99 or 0.0,
+            "num_tbt_samples": float(gaps.count),
             "running_tokens": float(load.running_tokens if load else 0),
             "waiting_tokens": float(load.waiting_tokens if load else 0),
         }

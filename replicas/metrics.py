@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from replicas.histogram import edge_subset
+
 if TYPE_CHECKING:  # light at run time: the Serve controller (autoscale.policy) imports this
     from replicas.engine import Engine, IterationStats
     from replicas.scheduler import SchedulerOutput
@@ -19,6 +21,11 @@ PREFIX = "stallfree_"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# The TBT histogram's buckets are bin edges of the controller's TBT histogram
+# (`replicas.histogram`, bins of ratio 1.02): every 24th edge from 1 ms to 80 s, 24 buckets of
+# ratio 1.02^24 (1.61). A bucket `le` one of them counts exactly what `LogHistogram.count_le` of
+# that edge counts, so /metrics and the controller's window bin a gap the same way.
+TBT_BUCKETS = edge_subset(1e-3, 80.0, every=24)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0, 2.0)
 
@@ -121,7 +128,7 @@ class EngineMetrics:
         p = PREFIX
         h = backend.histogram
         self.ttft = h(p + "time_to_first_token_seconds", "Time to first token (arrival to first token).", LATENCY_BUCKETS, t)
-        self.itl = h(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request (TBT).", LATENCY_BUCKETS, t)
+        self.itl = h(p + "inter_token_latency_seconds", "Time between consecutive tokens of a request (TBT).", TBT_BUCKETS, t)
         self.e2e = h(p + "e2e_request_latency_seconds", "Arrival to last token of finished requests.", LATENCY_BUCKETS, t)
         self.queue = h(p + "request_queue_time_seconds", "Arrival to first scheduled forward pass.", LATENCY_BUCKETS, t)
         self.iter_time = h(p + "iteration_duration_seconds", "Wall time of one forward pass + sampling.", LATENCY_BUCKETS, t)

@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from replicas.histogram import LogHistogram
 from replicas.prefix_hash import PrefixSketch
 
 MAX_TOKENS_LIMIT = 1_000_000
@@ -377,7 +378,7 @@ class Acknowledged:
 @dataclass(frozen=True)
 class ReplicaLoad:
     """One replica's load: built by its scheduler after every pass, completed by the replica
-    (intake queue, queue bound, drain rate) and by its reporter (TBT samples, pass times,
+    (intake queue, queue bound, drain rate) and by its reporter (TBT histogram, pass times,
     replica id, wall-clock `timestamp`), then read as-is by the controller, the router, the
     door's admission and the simulator.
 
@@ -399,7 +400,9 @@ class ReplicaLoad:
     queue_bound_tokens: int | None = None
     drain_tps: float = 0.0  # waiting prompt tokens it prefills per second lately
     prefill_tps: float = 0.0  # prompt tokens per second its pass-time model predicts; 0: no model
-    tbt_samples: tuple[float, ...] = ()  # TBT samples new since this replica's previous report
+    # The TBT gaps new since this replica's previous report, binned (None: none; the controller
+    # keeps them in its windows and hands the load on without them).
+    tbt_histogram: LogHistogram | None = None
     iterations: int = 0  # forward passes since the previous report
     iteration_mean_s: float = 0.0
     iteration_max_s: float = 0.0

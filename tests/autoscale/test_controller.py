@@ -1,6 +1,8 @@
-"""The controller holds each live replica's latest load and a TBT window, aggregates p50/p99 and
-SLO attainment over it, and forgets replicas that stop reporting; as a Ray actor it is found by
-name from anywhere and fed by `LoadReporter` fire-and-forget."""
+"""The controller holds each live replica's latest load and, per deployment, a window of TBT
+histograms; it aggregates p50/p99 (within the histogram's 0.99%) and SLO attainment over it,
+forgets replicas that stop reporting, and answers each report with the period the fleet can
+afford; as a Ray actor it is found by name from anywhere and fed by `LoadReporter`
+fire-and-forget."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import uuid
 
 import pytest
 
-from autoscale.controller import LoadBook, get_or_create_controller, kill_controller, replica_key
+from autoscale.controller import LoadBook, deployment_key, get_or_create_controller, kill_controller, replica_key
 from autoscale.load import ClusterSnapshot
+from replicas.histogram import RELATIVE_ERROR, LogHistogram
 from replicas.protocol import ReplicaLoad
 
 
@@ -24,7 +27,11 @@ class Clock:
 
 def report(running: int, waiting: int, samples: list[float], ts: float = 0.0) -> ReplicaLoad:
     return ReplicaLoad(running_tokens=running, waiting_tokens=waiting, free_blocks=10, total_blocks=20,
-                       block_size=16, tbt_samples=tuple(samples), timestamp=ts)
+                       block_size=16, tbt_histogram=LogHistogram.of(samples) or None, timestamp=ts)
+
+
+def close(got: float | None, exact: float) -> bool:
+    return got is not None and abs(got - exact) <= RELATIVE_ERROR * exact
 
 
 @pytest.mark.unit
@@ -35,9 +42,9 @@ def test_aggregates_over_two_replicas():
     book.report("b", report(300, 0, [0.02] * 49 + [0.5]))
     snap = book.snapshot(tbt_slo_s=0.1)
     assert sorted(snap.replicas) == ["a", "b"]
-    assert snap.replicas["a"].token_load == 120 and snap.replicas["a"].tbt_samples == ()
+    assert snap.replicas["a"].token_load == 120 and snap.replicas["a"].tbt_histogram is None
     assert (snap.running_tokens, snap.waiting_tokens, snap.num_tbt_samples) == (400, 20, 100)
-    assert snap.tbt_p50_s == 0.01 and snap.tbt_p99_s == 0.02 and snap.tbt_slo_token_share == 0.99
+    assert close(snap.tbt_p50_s, 0.01) and close(snap.tbt_p99_s, 0.02) and snap.tbt_slo_token_share == 0.99
     only_b = book.snapshot(["b", "unknown"], with_tbt=False)
     assert list(only_b.replicas) == ["b"] and only_b.num_tbt_samples == 0
 
@@ -50,10 +57,43 @@ def test_window_and_since_limit_the_samples():
     clock.t += 6.0
     book.report("a", report(0, 0, [0.1] * 10))
     assert book.snapshot().num_tbt_samples == 20
-    assert book.snapshot(window_s=5.0).tbt_p99_s == 0.1
+    assert close(book.snapshot(window_s=5.0).tbt_p99_s, 0.1)
     assert book.snapshot(since=clock.t - 1).num_tbt_samples == 10
     clock.t += 5.0  # the first batch is now 11 s old
     assert book.snapshot().num_tbt_samples == 10
+
+
+@pytest.mark.unit
+def test_tbt_is_kept_per_deployment():
+    """A snapshot's TBT covers the deployments of the replicas asked for: another app's gaps stay
+    out, and a replica's gaps stay in after it leaves, until they age out."""
+    clock = Clock()
+    book = LoadBook(window_s=10.0, stale_after_s=2.0, clock=clock)
+    a1, a2, b1 = ("SERVE_REPLICA::a#LLMServer#1", "SERVE_REPLICA::a#LLMServer#2", "SERVE_REPLICA::b#LLMServer#1")
+    assert deployment_key(a1) == "SERVE_REPLICA::a#LLMServer" and deployment_key("plain") == "plain"
+    book.report(a1, report(0, 0, [0.01] * 10))
+    book.report(a2, report(0, 0, [0.02] * 10))
+    book.report(b1, report(0, 0, [0.5] * 10))
+    snap_a = book.snapshot([a1, a2])
+    assert snap_a.num_tbt_samples == 20 and close(snap_a.tbt_p99_s, 0.02)
+    assert book.snapshot([b1]).num_tbt_samples == 10 and book.snapshot().num_tbt_samples == 30
+    book.remove(a2)
+    assert list(book.snapshot([a1, a2]).replicas) == [a1] and book.snapshot([a1]).num_tbt_samples == 20
+    clock.t += 1.0
+    book.report(a1, report(0, 0, []))  # a report without gaps keeps the load fresh only
+    clock.t += 10.0
+    assert book.snapshot([a1], tbt_slo_s=0.1).num_tbt_samples == 0
+
+
+@pytest.mark.unit
+def test_report_replies_the_period_the_fleet_affords():
+    book = LoadBook(max_reports_per_s=1000.0, clock=Clock())
+    assert book.report("a", report(1, 0, [])) == pytest.approx(0.001)
+    replies = book.report_many([(f"r{i}", report(1, 0, [0.01])) for i in range(199)])
+    assert replies == pytest.approx(0.2)  # 200 replicas at 1,000 reports/s: every 0.2 s
+    assert book.snapshot(["r5"]).replicas["r5"].replica_id == "r5" and book.snapshot().num_tbt_samples == 199
+    with pytest.raises(ValueError):
+        LoadBook(max_reports_per_s=0.0)
 
 
 @pytest.mark.unit
@@ -111,7 +151,7 @@ def test_actor_snapshot_from_reporters(controller, wait_until):
 
     snap = wait_until(both, what="both reports received")
     assert snap.replicas["fake-a"].token_load == 600 and snap.replicas["fake-b"].token_load == 110
-    assert snap.num_tbt_samples == 4 and snap.tbt_p99_s == 0.2 and snap.tbt_slo_token_share == 0.75
+    assert snap.num_tbt_samples == 4 and close(snap.tbt_p99_s, 0.2) and snap.tbt_slo_token_share == 0.75
     # A reporter that is told to stop deregisters at once; the other stays.
     a.stop()
     wait_until(lambda: ray.get(handle.replica_ids.remote()) == ["fake-b"], what="fake-a removed")
@@ -131,8 +171,8 @@ def test_actor_drops_replicas_that_stop_reporting(ray_serve, wait_until):
         ray.get(handle.report.remote("fake-s", report(1, 0, [0.01] * 5)))  # only staleness removes it
         # Not asserted present first: on a busy machine 0.5 s may pass before the test looks.
         wait_until(lambda: ray.get(handle.replica_ids.remote()) == [], what="fake-s dropped as stale")
-        snap = ray.get(handle.snapshot.remote())  # its load and its TBT samples went with it
-        assert snap.replicas == {} and snap.num_tbt_samples == 0 and snap.token_load == 0
+        snap = ray.get(handle.snapshot.remote())  # its load went with it; its gaps were served
+        assert snap.replicas == {} and snap.num_tbt_samples == 5 and snap.token_load == 0
     finally:
         kill_controller(name, namespace)
 

@@ -1,5 +1,7 @@
-"""A replica reports at most every interval (sooner on a big token-load jump), carries every TBT
-sample that is new since its last report exactly once, and never raises when sending fails."""
+"""A replica reports at most every interval (sooner on a big token-load jump; an unchanged load
+only every heartbeat; a large fleet's longer period when the controller asks for it), carries
+every TBT gap that is new since its last report exactly once, binned, and never raises when
+sending fails."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from autoscale.controller import LoadBook
 from autoscale.reporter import LoadReporter, new_tbt_samples
+from replicas.histogram import RELATIVE_ERROR, LogHistogram
 from replicas.protocol import ReplicaLoad
 
 pytestmark = pytest.mark.unit
@@ -24,6 +28,13 @@ class Sink:
 
     def __call__(self, replica_id: str, payload: ReplicaLoad) -> None:
         self.sent.append((replica_id, payload))
+
+    def gaps(self) -> LogHistogram:
+        total = LogHistogram()
+        for _, p in self.sent:
+            if p.tbt_histogram is not None:
+                total.merge(p.tbt_histogram)
+        return total
 
 
 def reporter(sink: Sink, **kw: Any) -> LoadReporter:
@@ -43,9 +54,25 @@ def test_new_tbt_samples_finds_the_overlap():
 def test_throttles_to_the_interval():
     sink = Sink()
     rep = reporter(sink)
-    sent = [rep.maybe_report(FakeLoad(running_tokens=100), now=t / 1000) for t in range(0, 1000, 10)]
+    sent = [rep.maybe_report(FakeLoad(running_tokens=100 + t), now=t / 1000) for t in range(0, 1000, 10)]
     assert sum(sent) == 10  # every 100 ms over one second of 10 ms polls
     assert [round(p.timestamp, 2) for _, p in sink.sent[:3]] == [0.0, 0.1, 0.2]
+
+
+def test_an_unchanged_load_is_sent_only_every_heartbeat():
+    sink = Sink()
+    rep = reporter(sink, heartbeat_s=1.0)
+    sent = [rep.maybe_report(FakeLoad(running_tokens=100), now=t / 100) for t in range(250)]
+    assert sum(sent) == 3  # at 0, 1 and 2 s: the controller (stale after 2 s) keeps it
+    assert rep.maybe_report(FakeLoad(running_tokens=100), now=2.1, tbt=(1, [0.02]))  # a new gap is news
+
+
+def test_the_fleet_period_from_the_controllers_reply_is_followed():
+    book = LoadBook(max_reports_per_s=1000.0, clock=lambda: 0.0)
+    book.report_many([(f"other{i}", FakeLoad()) for i in range(499)])  # 500 replicas with r1: every 0.5 s
+    rep = LoadReporter("r1", send=book.report, interval_s=0.1, clock=lambda: 0.0)
+    sent = [rep.maybe_report(FakeLoad(running_tokens=100 + t), now=t / 100) for t in range(200)]
+    assert rep.fleet_interval_s == 0.5 and sum(sent) == 4  # at 0, 0.5, 1 and 1.5 s
 
 
 def test_big_change_reports_early_but_not_within_min_interval():
@@ -69,9 +96,9 @@ def test_every_new_tbt_sample_is_sent_once():
         produced += new
         tail = (tail + new)[-8:]
         rep.maybe_report(FakeLoad(running_tokens=10), now=step / 100, tbt=(len(produced), list(tail)))
-    sent = [x for _, p in sink.sent for x in p.tbt_samples]
     last_sent_at = round(sink.sent[-1][1].timestamp * 100)
-    assert sent == produced[: 3 * (last_sent_at + 1)]
+    assert sink.gaps() == LogHistogram.of(produced[: 3 * (last_sent_at + 1)])
+    assert all(p.tbt_histogram.count == 30 for _, p in sink.sent[1:])  # 10 polls of 3 a report
 
 
 def test_iteration_stats_are_summarised_per_report():
@@ -100,7 +127,7 @@ def test_autoscaling_stats_from_the_local_window():
     rep.maybe_report(FakeLoad(running_tokens=40, waiting_tokens=7), now=1.0,
                      tbt=(100, [0.01 * i for i in range(1, 101)]))
     stats = rep.autoscaling_stats(now=2.0)
-    assert stats["num_tbt_samples"] == 100 and abs(stats["tbt_p99_s"] - 0.99) < 1e-9
+    assert stats["num_tbt_samples"] == 100 and abs(stats["tbt_p99_s"] - 0.99) <= RELATIVE_ERROR * 0.99
     assert (stats["running_tokens"], stats["waiting_tokens"]) == (40.0, 7.0)
     assert rep.autoscaling_stats(now=20.0)["num_tbt_samples"] == 0
 

@@ -1,0 +1,278 @@
+"""The control plane at fleet size: what the controller, its snapshots and a routing decision cost
+at N replicas, each reporting at 10 Hz with ~100 TBT gaps a report.
+
+    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench_fleet            # N = 100 and 1,000
+    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench_fleet --quick    # no Ray actor part
+
+In one process, without Ray (the actor's own work; a fake clock steps 0.1 s a round):
+`LoadBook.report()` per report, the router's snapshot (`with_tbt=False`), the autoscaler's
+(a 10 s TBT window and an SLO share over the deployment's replicas), `routing.choose_replica` per
+request over the router's view, and the reporter's binning of one report's gaps. The book is
+first filled with 10 s of reports, so the window is full when the snapshots are timed.
+
+Then the real `LoadController` actor in a local Ray, fed by sender actors with the same synthetic
+reports: reports absorbed per second when flooded (one report a call, and a node's replicas in
+one `report_many` call), and, while 1,000 replicas report at 10 Hz, the snapshots' round trips.
+The actor runs one task at a time (one thread); the senders share the machine's cores with it.
+
+Prints one table (with a `--before` JSON of an older run beside it) and writes `--json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from autoscale.controller import LoadBook
+from autoscale.routing import choose_replica
+from replicas.histogram import LogHistogram
+from loadtests.harness.report import OMIT, bench_parser, report
+from replicas.protocol import ReplicaLoad
+
+REPORT_HZ = 10
+GAPS_PER_REPORT = 100
+WINDOW_S = 10.0  # the autoscaler's TBT window here
+TBT_SLO_S = 0.05
+KEY = "SERVE_REPLICA::llm#LLMServer#{:05d}"  # Serve's replica key shape
+VARIANTS = 16  # distinct pre-built reports per replica (built once, not timed)
+
+
+def tbt_payload(gaps: list[float]) -> dict[str, Any]:
+    """The TBT part of a report, as the reporter sends it."""
+    return {"tbt_histogram": LogHistogram.of(gaps)}
+
+
+def synthetic_gaps(rng: random.Random, n: int) -> list[float]:
+    """Heavy-tailed decode gaps: a lognormal body around 25 ms and 1% Pareto stalls from 100 ms."""
+    return [0.1 * rng.paretovariate(1.5) if rng.random() < 0.01 else rng.lognormvariate(math.log(0.025), 0.3)
+            for _ in range(n)]
+
+
+def synthetic_reports(n: int, seed: int) -> tuple[list[str], list[list[ReplicaLoad]]]:
+    """Replica keys and, per replica, VARIANTS reports (loads and gaps vary)."""
+    rng = random.Random(seed)
+    keys = [KEY.format(i) for i in range(n)]
+    reports = [[ReplicaLoad(replica_id=k, running_tokens=rng.randrange(20_000), waiting_tokens=rng.randrange(4_000),
+                            free_blocks=rng.randrange(2_000), total_blocks=2_000, block_size=16,
+                            num_running=rng.randrange(64), num_waiting=rng.randrange(8),
+                            **tbt_payload(synthetic_gaps(rng, GAPS_PER_REPORT)))
+                for _ in range(VARIANTS)] for k in keys]
+    return keys, reports
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_book(n: int, seed: int, repeats: int) -> dict[str, float]:
+    """The in-process figures at `n` replicas (seconds)."""
+    keys, reports = synthetic_reports(n, seed)
+    clock = Clock()
+    book = LoadBook(window_s=30.0, stale_after_s=2.0, clock=clock)
+    rounds = int(WINDOW_S * REPORT_HZ)
+    per_round = []
+    for r in range(rounds):  # 10 s of reports: the window is full
+        clock.t += 1.0 / REPORT_HZ
+        t0 = time.perf_counter()
+        for k, variants in zip(keys, reports):
+            book.report(k, variants[r % VARIANTS])
+        per_round.append((time.perf_counter() - t0) / n)
+    router = median_s(lambda: book.snapshot(with_tbt=False), repeats)
+    autoscaler = median_s(lambda: book.snapshot(keys, window_s=WINDOW_S, since=clock.t - WINDOW_S,
+                                                 tbt_slo_s=TBT_SLO_S), max(1, repeats // 4 if n >= 1000 else repeats))
+    loads = book.snapshot(with_tbt=False).replicas
+    rng = random.Random(seed)
+    in_flight = {k: rng.randrange(512) for k in rng.sample(keys, min(n, 32))}
+    route = median_s(lambda: choose_replica(300, 600, loads, in_flight, rng=rng), repeats * 4)
+    gaps = synthetic_gaps(rng, GAPS_PER_REPORT)
+    binning = median_s(lambda: tbt_payload(gaps), repeats * 4)
+    return {"report_s": statistics.median(per_round), "router_snapshot_s": router,
+            "autoscaler_snapshot_s": autoscaler, "choose_replica_s": route, "bin_one_report_s": binning}
+
+
+# ---- the Ray actor -----------------------------------------------------------------------------
+
+
+def bench_actor(n: int, seed: int, flood_reports: int, paced_s: float, senders: int) -> dict[str, Any]:
+    """The real `LoadController` fed by `senders` sender actors (see the module doc)."""
+    import ray
+
+    from autoscale.controller import get_or_create_controller, kill_controller
+
+    ray.init(num_cpus=senders + 1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    name, namespace = f"bench_fleet_{os.getpid()}", "bench_fleet"
+    try:
+        ctl = get_or_create_controller(name, namespace, window_s=30.0, stale_after_s=30.0)
+        keys, reports = synthetic_reports(n, seed)
+        shares = [(keys[s::senders], reports[s::senders]) for s in range(senders)]
+        pool = [Sender.remote(name, namespace, k, r) for k, r in shares]
+        ray.get([p.ready.remote() for p in pool])
+        out: dict[str, Any] = {"senders": senders}
+        for batch in (1, 50):  # one report a call; a node's 50 replicas a call
+            per = flood_reports // senders
+            t0 = time.perf_counter()
+            ray.get([p.flood.remote(per, batch) for p in pool])
+            out[f"flood_batch{batch}_reports_per_s"] = per * senders / (time.perf_counter() - t0)
+        # 10 Hz from every replica while the autoscaler's and the router's snapshots are asked.
+        runs = [p.paced.remote(REPORT_HZ, paced_s) for p in pool]
+        lat: dict[str, list[float]] = {"router": [], "autoscaler": []}
+        end = time.perf_counter() + paced_s
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            ray.get(ctl.snapshot.remote(with_tbt=False))
+            lat["router"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ray.get(ctl.snapshot.remote(keys, WINDOW_S, None, TBT_SLO_S))
+            lat["autoscaler"].append(time.perf_counter() - t0)
+            time.sleep(0.05)
+        sent, lag = zip(*ray.get(runs))
+        out["paced_reports_per_s"] = sum(sent) / paced_s
+        out["paced_max_lag_s"] = max(lag)
+        for kind, xs in lat.items():
+            xs.sort()
+            out[f"paced_{kind}_snapshot_p50_s"] = xs[len(xs) // 2]
+            out[f"paced_{kind}_snapshot_max_s"] = xs[-1]
+        return out
+    finally:
+        kill_controller(name, namespace)
+        ray.shutdown()
+
+
+def _sender_class() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Sender:
+        """Reports for its share of the fleet, fire-and-forget as `LoadReporter` sends them."""
+
+        def __init__(self, name: str, namespace: str, keys: list[str], reports: list[list[ReplicaLoad]]) -> None:
+            self.ctl = ray.get_actor(name, namespace=namespace)
+            self.keys, self.reports = keys, reports
+
+        def ready(self) -> bool:
+            return True
+
+        def _send(self, r: int, batch: int) -> Any:
+            keys, reports = self.keys, self.reports
+            ref = None
+            for k in range(0, len(keys), batch):
+                if batch == 1:
+                    ref = self.ctl.report.remote(keys[k], reports[k][r % VARIANTS])
+                else:
+                    ref = self.ctl.report_many.remote(
+                        [(keys[j], reports[j][r % VARIANTS]) for j in range(k, min(k + batch, len(keys)))])
+            return ref
+
+        def flood(self, total: int, batch: int) -> int:
+            """`total` reports as fast as they can be sent; returns once all are absorbed."""
+            ref, sent, r = None, 0, 0
+            while sent < total:
+                ref = self._send(r, batch)
+                sent += len(self.keys)
+                r += 1
+            ray.get(ref)  # one caller's calls run in order: the last done, all done
+            return sent
+
+        def paced(self, hz: int, seconds: float) -> tuple[int, float]:
+            """Every replica of the share reports `hz` times a second for `seconds`; returns the
+            reports sent and how far the last one finished behind its schedule."""
+            start, sent = time.perf_counter(), 0
+            rounds = int(hz * seconds)
+            ref = None
+            for r in range(rounds):
+                due = start + r / hz
+                time.sleep(max(0.0, due - time.perf_counter()))
+                ref = self._send(r, 1)
+                sent += len(self.keys)
+            ray.get(ref)
+            return sent, time.perf_counter() - (start + rounds / hz)
+
+    return Sender
+
+
+Sender: Any = None
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+
+ROWS = (("report_s", "LoadBook.report() per report", 1e6, "us"),
+        ("router_snapshot_s", "router snapshot (with_tbt=False)", 1e3, "ms"),
+        ("autoscaler_snapshot_s", "autoscaler snapshot, 10 s TBT window", 1e3, "ms"),
+        ("choose_replica_s", "routing.choose_replica per request", 1e6, "us"),
+        ("bin_one_report_s", "reporter: bin one report's 100 gaps", 1e6, "us"))
+
+
+def table(result: dict[str, Any], before: dict[str, Any] | None) -> str:
+    sizes = [str(n) for n in result["book"]]
+    head = ["| at N replicas, 10 Hz x ~100 gaps |"] + [f" N = {n} |" for n in sizes]
+    if before:
+        head += [f" before N = {n} |" for n in sizes if n in before["book"]]
+    lines = ["".join(head), "|---|" + "---:|" * (len(head) - 1)]
+    for key, label, scale, unit in ROWS:
+        cells = [f" {result['book'][n][key] * scale:,.2f} {unit} |" for n in sizes]
+        if before:
+            cells += [f" {before['book'][n][key] * scale:,.2f} {unit} |" if key in before["book"][n] else " - |"
+                      for n in sizes if n in before["book"]]
+        lines.append(f"| {label} |" + "".join(cells))
+    actor = result.get("actor")
+    if actor:
+        lines.append("")
+        lines.append(f"LoadController actor, {actor['n']} replicas, {actor['senders']} sender actors:")
+        for key, value in actor.items():
+            if key not in ("n", "senders"):
+                lines.append(f"  {key}: {value:,.0f}" if key.endswith("_per_s") or not key.endswith("_s")
+                             else f"  {key}: {value * 1e3:.2f} ms")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = bench_parser("loadtests.bench_fleet", __doc__, model=OMIT, json_path="loadtests/out/bench_fleet.json",
+                     quick="skip the Ray actor part", repeats=20,
+                     repeats_help="timed repetitions of each snapshot (a quarter of it at N >= 1,000); medians")
+    p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--actor-replicas", type=int, default=1000)
+    p.add_argument("--flood-reports", type=int, default=60_000, help="reports per flood run")
+    p.add_argument("--paced-s", type=float, default=5.0)
+    p.add_argument("--senders", type=int, default=2)
+    p.add_argument("--before", type=Path, default=None, help="an older run's JSON, printed beside")
+    args = p.parse_args()
+    result: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                       text=True).stdout.strip(),
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "book": {}}
+    for n in args.sizes:
+        result["book"][str(n)] = bench_book(n, args.seed, args.repeats)
+    if not args.quick:
+        global Sender
+        Sender = _sender_class()
+        result["actor"] = {"n": args.actor_replicas, **bench_actor(
+            args.actor_replicas, args.seed, args.flood_reports, args.paced_s, args.senders)}
+    before = json.loads(args.before.read_text()) if args.before else None
+    report(table(result, before), result, args.json)
+
+
+if __name__ == "__main__":
+    main()
