@@ -49,7 +49,7 @@ serve: $(STAMP)
 
 # Against a running server (`make serve` in another shell); extra flags: LOADTEST_ARGS="--rps 4".
 loadtest: $(STAMP)
-	$(BIN)/python -m loadtests.loadtest --host http://127.0.0.1:8000 --duration 60s --rps 2 --out loadtests/out/ $(LOADTEST_ARGS)
+	$(BIN)/python -m loadtests.load.loadtest --host http://127.0.0.1:8000 --duration 60s --rps 2 --out loadtests/out/ $(LOADTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m loadtests.bench_engine --quick

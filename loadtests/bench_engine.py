@@ -61,9 +61,9 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from loadtests.report import bench_parser, report
-from loadtests.stats import percentile
-from loadtests.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthDist, Workload, WorkloadRequest,
+from loadtests.harness.report import bench_parser, report
+from loadtests.harness.stats import percentile
+from loadtests.harness.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthDist, Workload, WorkloadRequest,
                                  chat_workload, default_prompt_source, long_context_workload,
                                  long_prompt_workload, with_chat_prompts, with_poisson_arrivals)
 from replicas import Engine, EngineConfig, SamplingParams

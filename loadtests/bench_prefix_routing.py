@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
-from loadtests import serve_local
-from loadtests.report import bench_parser, report
-from loadtests.stats import percentile
+from loadtests.harness import serve_local
+from loadtests.harness.report import bench_parser, report
+from loadtests.harness.stats import percentile
 
 ROUTERS = ("prefix", "token_load", "power_of_two")
 WORDS = ("system", "model", "token", "replica", "cache", "stream", "batch", "prompt", "answer",

@@ -29,11 +29,11 @@ from typing import Any
 import httpx
 
 from autoscale.serve_options import ROUTERS as SERVE_ROUTERS
-from loadtests import metrics_text, serve_local
-from loadtests.loadtest import load_samples, run_locust, summarize
-from loadtests.mix import MixSpec
-from loadtests.report import bench_parser
-from loadtests.sweep import warm_up
+from loadtests.harness import metrics_text, serve_local
+from loadtests.load.loadtest import load_samples, run_locust, summarize
+from loadtests.harness.mix import MixSpec
+from loadtests.harness.report import bench_parser
+from loadtests.load.sweep import warm_up
 
 ROUTERS = ("token_load", "power_of_two")  # the default pair; `--routers` takes any of SERVE_ROUTERS
 METRIC = "ray_stallfree_request_success_total"

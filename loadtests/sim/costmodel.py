@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from loadtests.stats import percentile
+from loadtests.harness.stats import percentile
 from replicas.pass_time import chunk_pairs, fit_nonnegative
 
 PROFILES_PATH = Path(__file__).with_name("profiles.json")

@@ -21,8 +21,8 @@ import numpy as np
 
 from loadtests.sim.costmodel import batch_features, features, load_profiles
 from loadtests.sim.traffic import Trace, length_dist
-from loadtests.stats import percentile
-from loadtests.workloads import chat_workload
+from loadtests.harness.stats import percentile
+from loadtests.harness.workloads import chat_workload
 
 # The fit runs span light load, overload and a burst; the held-out runs are other seeds at a
 # rate in between, and another burst.

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtests.stats import percentile
+from loadtests.harness.stats import percentile
 
 NAN = float("nan")
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from loadtests.arrivals import bursty, diurnal, poisson, step
+from loadtests.harness.arrivals import bursty, diurnal, poisson, step
 from loadtests.sim.costmodel import load_profiles
-from loadtests.stats import percentile
-from loadtests.workloads import LengthDist, multi_turn_conversations
+from loadtests.harness.stats import percentile
+from loadtests.harness.workloads import LengthDist, multi_turn_conversations
 
 Z90 = 1.2815515655446004  # standard normal quantile at 0.9
 

@@ -2,8 +2,9 @@
 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): over its in-flight limit the proxy itself answers
 429 in OpenAI's shape with Retry-After, and serves again once the request in flight ends.
 
-The server runs in a subprocess on its own Ray instance (`loadtests/serve_local.py`, which sets
-the callback), with the proxy's limit pinned to one generation request.
+The server runs in a subprocess as a user starts it: `serve run` on serve_config.yaml, whose
+controller_options set the callback (tests/support/server.py), on a Ray instance of its own, with
+the proxy's limit pinned to one generation request.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtests import serve_local
+from tests.support.server import serve_run
 
 pytestmark = pytest.mark.process
 
@@ -26,7 +27,7 @@ SERVER_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batc
 @pytest.fixture(scope="module")
 def door_server(tmp_path_factory: pytest.TempPathFactory, wait_until) -> Iterator[str]:  # noqa: ANN001
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with serve_local.served(SERVER_ARGS, str(log)) as url:
+    with serve_run(SERVER_ARGS, log) as url:
         # The app publishes its door settings; the proxy's door reads them within REFRESH_S, and
         # /health shows the settings in force.
         wait_until(lambda: (httpx.get(f"{url}/health", timeout=30).json()["proxy_door"] or {}).get(

@@ -16,9 +16,9 @@ import jsonschema
 import pytest
 import torch
 
-from loadtests.mc_eval import encode_pairs, score_hf, score_http
-from loadtests.real_text import MULTIPLE_CHOICE, PASSAGES, mc_accuracy, mc_picks
 from replicas.models import load_model
+from tests.support.multiple_choice import MULTIPLE_CHOICE, encode_pairs, mc_accuracy, mc_picks, score_hf, score_http
+from tests.support.real_text import PASSAGES
 
 pytestmark = pytest.mark.real_model
 

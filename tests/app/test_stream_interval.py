@@ -1,16 +1,13 @@
 """stream_interval_ms over real HTTP: a stream's tokens arrive merged into a few SSE events, the
-same text and usage as token by token; and the stream-interval benchmark's client against it."""
+same text and usage as token by token."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 
 import httpx
 import pytest
-
-from loadtests.bench_stream_interval import _mix
 
 pytestmark = pytest.mark.serve
 
@@ -44,8 +41,3 @@ def test_tokens_arrive_merged_with_the_same_text(interval_url: str, client: http
     assert text_events[-1]["choices"][0]["finish_reason"] == "length"
     assert got[-1]["usage"]["completion_tokens"] == 40
 
-
-def test_the_benchmark_client_counts_chunks_and_probes(interval_url: str) -> None:
-    row = asyncio.run(_mix(interval_url, rate=2, duration_s=1.0, max_tokens=8, probe_rate=2))
-    assert row["status"] == {200: 2} and row["chunks"] >= 2
-    assert row["ttft_p50_s"] > 0 and row["probe_p50_s"] > 0

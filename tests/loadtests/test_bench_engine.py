@@ -13,7 +13,7 @@ import pytest
 
 from loadtests.bench_engine import (POISSON_RATE, WORKLOADS, Trace, build_workloads, check_targets,
                                     kv_capacity, main, summarize)
-from loadtests.workloads import ChatPromptPool, long_prompt_workload
+from loadtests.harness.workloads import ChatPromptPool, long_prompt_workload
 from replicas.model_files import load_tokenizer
 
 ENGINE = ["engine_static", "engine_dynamic", "engine_stall_free"]

@@ -212,7 +212,7 @@ def test_prefix_router_keeps_each_conversation_where_its_history_is_cached():
     conversation goes to the replica that served its first turn (loads stay within the bound)
     and finds its history cached; round robin scatters them and recomputes."""
     from loadtests.sim.traffic import SIM_TOKEN, multi_turn_trace
-    from loadtests.workloads import LengthDist
+    from loadtests.harness.workloads import LengthDist
 
     trace = multi_turn_trace(8, 0.5, turns=3, think_s=5.0, system_tokens=64,
                              user=LengthDist("uniform", 20, 10, 30), output=16, seed=1)

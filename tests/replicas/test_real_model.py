@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 import torch
 
-from loadtests.real_text import chat_prompts
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import load_model
 from replicas.protocol import GuidedDecoding
+from tests.support.real_text import chat_prompts
 
 pytestmark = pytest.mark.real_model
 

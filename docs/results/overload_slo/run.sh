@@ -2,7 +2,7 @@
 # Issue 35: 10x overload, 96-token outputs (short-output workload), make start, with and without a TBT SLO.
 cd /work/main
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-OV=".venv/bin/python -m loadtests.overload --start make --workload short-output --step-s 5 --max-steps 5 --baseline-s 20 --duration-s 30 --recovery-s 10 --rss-after-s 10"
+OV=".venv/bin/python -m loadtests.load.overload --start make --workload short-output --step-s 5 --max-steps 5 --baseline-s 20 --duration-s 30 --recovery-s 10 --rss-after-s 10"
 for name in "$@"; do
   case $name in
     none) sets="" ;;

@@ -2,7 +2,7 @@
 # Three start modes x two workloads, overload against each (the server started as a user would).
 cd /work/main
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-OV=".venv/bin/python -m loadtests.overload --step-s 5 --max-steps 5 --baseline-s 20 --duration-s 30 --recovery-s 10 --rss-after-s 10"
+OV=".venv/bin/python -m loadtests.load.overload --step-s 5 --max-steps 5 --baseline-s 20 --duration-s 30 --recovery-s 10 --rss-after-s 10"
 wait_up() { for i in $(seq 1 120); do curl -s -m 3 localhost:8000/health | grep -q '"status":"ok"' && return 0; sleep 2; done; return 1; }
 stop_all() { pkill -TERM -f "serve run" ; sleep 5; .venv/bin/ray stop --force >/dev/null 2>&1; pkill -9 -f "ray::" ; sleep 3; }
 for mode in make serve-run cluster; do

@@ -4,7 +4,7 @@
 cd /work/main
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/ovfinal}
-OV=".venv/bin/python -m loadtests.overload --step-s 10 --max-steps 4 --baseline-s 20 --duration-s 30 --recovery-s 10 --rss-after-s 10"
+OV=".venv/bin/python -m loadtests.load.overload --step-s 10 --max-steps 4 --baseline-s 20 --duration-s 30 --recovery-s 10 --rss-after-s 10"
 for mode in make serve-run cluster; do
   for w in 96 256; do
     if [ $w = 96 ]; then wl="--workload short-output"; else wl="--workload uniform --max-tokens 256 --prompt-tokens 64"; fi

@@ -1,0 +1,121 @@
+"""Engine overhead per iteration outside the forward pass, at N running decodes.
+
+    python -m loadtests.bench.overhead [--decodes 256] [--steps 60] [--json PATH]
+
+Fills the engine with N requests (short prompts, ignore_eos, long max_tokens), runs until every
+one of them is decoding, then times `steps` iterations of what the replica's loop thread does
+per pass (`Engine.step()`, metrics observer attached, and the load snapshot the loop publishes).
+The model's forward call is timed on its own (attention included: it runs inside the model), so
+
+    overhead = iteration - forward = schedule + metadata + sampling + postprocess + metrics + load
+
+Three cases: all greedy; half the rows sampling with temperature/top-p/top-k (the per-row cost
+of sampling shows there); all greedy with one decode whose context is `--long-prompt` tokens
+(the cost of padding every decode to the longest context shows there, in the forward pass).
+Medians over the timed steps; noisy machine, read ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from loadtests.harness.report import OMIT, bench_parser, write_json
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.metrics import EngineMetrics, PrometheusBackend
+
+
+class _Timed:
+    """Wraps a callable and records the wall time of each call under `name`."""
+
+    def __init__(self, fn: Any, name: str, times: dict[str, list[float]]) -> None:
+        self.fn, self.name, self.times = fn, name, times
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.times[self.name].append(time.perf_counter() - t)
+            self.times[self.name + "_cpu"].append(time.thread_time() - c)
+
+    def __getattr__(self, item: str) -> Any:  # the runner reads e.g. model.config
+        return getattr(self.fn, item)
+
+
+def _publish(engine: Engine) -> None:
+    """What the async loop thread adds per pass to publish the load (AsyncEngine._publish)."""
+    if hasattr(engine, "last_load"):
+        _ = engine.last_load, tuple(engine.recent_tbt)
+    else:  # before the one-load-record change the loop built engine.load() twice per pass
+        engine.load()
+        engine.load()
+
+
+def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
+            long_prompt: int = 0) -> dict[str, float]:
+    config = EngineConfig(max_num_seqs=decodes, max_batch_prefill_tokens=max(512, decodes * 2),
+                          max_batch_total_tokens=decodes * 512, num_threads=threads)
+    engine = Engine.from_pretrained(model, config)
+    engine.observers.append(EngineMetrics(PrometheusBackend(), model, tbt_slo_s=0.1))
+    vocab = engine.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for i in range(decodes):
+        prompt = torch.randint(10, vocab, (long_prompt if i == 0 and long_prompt else 32,), generator=g).tolist()
+        if sampled and i % 2:
+            params = SamplingParams(max_tokens=400, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        engine.add_request(prompt, params)
+    while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):  # warm-up decodes
+        engine.step()
+    times: dict[str, list[float]] = defaultdict(list)
+    runner = engine.runner
+    runner.model = _Timed(runner.model, "forward", times)
+    for _ in range(steps):
+        t, c = time.perf_counter(), time.thread_time()
+        engine.step()
+        _publish(engine)
+        times["iteration"].append(time.perf_counter() - t)
+        times["iteration_cpu"].append(time.thread_time() - c)
+    assert len(engine.scheduler.running) == decodes, "every request must still be decoding"
+    runner.model = runner.model.fn
+    it, fw = times["iteration"], times["forward"]
+    overhead = [a - b for a, b in zip(it, fw)]
+    # The same on this thread's CPU clock: time the thread was scheduled out (a busy machine)
+    # does not count, so it is steadier than the wall clock (with 1 torch thread the forward runs
+    # on this thread too).
+    overhead_cpu = [a - b for a, b in zip(times["iteration_cpu"], times["forward_cpu"])]
+    return {"iteration_ms": 1e3 * statistics.median(it), "forward_ms": 1e3 * statistics.median(fw),
+            "overhead_ms": 1e3 * statistics.median(overhead), "overhead_cpu_ms": 1e3 * statistics.median(overhead_cpu)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser("loadtests.bench.overhead", __doc__, model="embedded:tiny", seed=OMIT, threads=2)
+    p.add_argument("--decodes", type=int, default=256)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--long-prompt", type=int, default=1536,
+                   help="greedy+long: one of the decodes has this long a context")
+    args = p.parse_args(argv)
+    rows = {}
+    print(f"{args.model}, {args.decodes} running decodes, {args.steps} timed passes, medians")
+    print(f"{'case':<12} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12} {'overhead cpu ms':>16}")
+    for name, sampled, long_prompt in (("greedy", False, 0), ("mixed", True, 0),
+                                       ("greedy+long", False, args.long_prompt)):
+        row = measure(args.model, args.decodes, args.steps, sampled, args.threads, long_prompt)
+        rows[name] = row
+        print(f"{name:<12} {row['iteration_ms']:>13.2f} {row['forward_ms']:>11.2f} {row['overhead_ms']:>12.2f}"
+              f" {row['overhead_cpu_ms']:>16.2f}")
+    if args.json:
+        write_json(args.json, {"model": args.model, "decodes": args.decodes, "steps": args.steps,
+                               "threads": args.threads, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
