@@ -1,6 +1,6 @@
 """Locust load test: open-loop Poisson arrivals of streamed completions, TTFT/TBT/E2E in the stats.
 
-    locust -f loadtests/load/locustfile.py --headless -u 1 -r 1 --run-time 60s \
+    python -m locust -f loadtests/load/locustfile.py --headless -u 1 -r 1 --run-time 60s \
         --host http://127.0.0.1:8000 --rps 2 --long-share 0.1 --samples-out samples.jsonl
 
 Open loop: each user is an arrival process that starts every request of `loadtests.harness.mix` in
