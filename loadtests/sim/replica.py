@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoscale.load import MAX_PENDING_SAMPLES, ReplicaLoad, SlidingWindow
+from autoscale.load import LogHistogram, ReplicaLoad, TbtWindow
 from loadtests.sim.costmodel import CostModel, batch_features
+from loadtests.sim.decode_run import DecodeRun
 from loadtests.sim.metrics import Recorder
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
@@ -27,6 +28,8 @@ from replicas.request import Request, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerOutput
 
 FINISHED = RequestStatus.FINISHED_LENGTH
+# `SimReplica.batch` while a pass of a `DecodeRun` is in flight (its batch is the run's requests).
+DECODE_RUN_PASS = SchedulerOutput()
 
 
 class SimClock:
@@ -88,7 +91,7 @@ class SimReplica:
 
     def __init__(self, replica_id: str, spec: ReplicaSpec, clock: SimClock, recorder: Recorder,
                  on_finish: Callable[[SimReplica, Request, float], None], tbt_window_s: float | None = None,
-                 log_iterations: bool = False) -> None:
+                 log_iterations: bool = False, decode_runs: bool = True) -> None:
         self.replica_id = replica_id
         self.spec = spec
         self.blocks = BlockManager(spec.num_blocks, spec.engine.block_size, spec.engine.enable_prefix_caching)
@@ -113,16 +116,21 @@ class SimReplica:
         self.rec = recorder
         self.on_finish = on_finish
         self.batch: SchedulerOutput | None = None  # the pass in flight
+        # Decode-only passes in closed form (`DecodeRun`); off: every pass through schedule().
+        # Not with prefix caching: a decode that fills a block registers it in the cache.
+        self.decode_runs = decode_runs and not spec.engine.enable_prefix_caching
+        self.run: DecodeRun | None = None
         self.num_requests = 0  # routed here and not finished (Serve's ongoing requests)
         self.num_iterations = 0
+        self.num_run_passes = 0  # of them, passes of a decode run
         self.busy_s = 0.0
         self.last_report: ReplicaLoad | None = None
         self.last_report_t = float("-inf")
         self.last_report_tokens = 0
         # TBT samples for the scaling decision: pending until the next report, then windowed
-        # as the controller does (autoscale.load.SlidingWindow, 4096 samples per replica).
-        self.window = SlidingWindow(tbt_window_s, 4096) if tbt_window_s else None
-        self.pending_tbt: list[float] | None = [] if tbt_window_s else None
+        # as the controller does (autoscale.load.TbtWindow: histograms in 1 s slices).
+        self.window = TbtWindow(tbt_window_s) if tbt_window_s else None
+        self.pending_tbt: LogHistogram | None = LogHistogram() if tbt_window_s else None
         self.log: list[tuple[float, float, int, int, int, int]] | None = [] if log_iterations else None
         self.draining = False
         self.start_t = 0.0
@@ -143,10 +151,16 @@ class SimReplica:
         """Schedule the next pass at `now`; returns when it ends (None: nothing to run)."""
         if self.slo_budget is not None:
             self.slo_budget.reset()
-        batch = self.scheduler.schedule()
-        if not batch.decodes and not batch.prefills:
-            return None
-        f = batch_features(batch)
+        f = self._decode_run_pass() if self.decode_runs else None
+        if f is not None:
+            batch = DECODE_RUN_PASS
+            self.num_run_passes += 1
+        else:
+            self.sync()
+            batch = self.scheduler.schedule()
+            if not batch.decodes and not batch.prefills:
+                return None
+            f = batch_features(batch)
         dur = self.cost.iteration_time(*f)
         if self.pass_time is not None:
             shape = PassShape(f[0], f[1], f[3], f[2], f[4])
@@ -158,10 +172,32 @@ class SimReplica:
         self.busy_s += dur
         return now + dur
 
+    def _decode_run_pass(self) -> tuple[int, int, int, int, int, int] | None:
+        """Start the next pass as a decode run's (its features), or None: schedule() decides."""
+        sch = self.scheduler
+        if sch.waiting:
+            return None
+        if self.run is None:
+            running = sch.running
+            if not running or any(r.is_prefilling for r in running):
+                return None
+            self.run = DecodeRun(running, self.blocks)
+        return self.run.start_pass()
+
+    def sync(self) -> None:
+        """End the decode run, if any: its passes are applied to the requests."""
+        if self.run is not None:
+            self.run.apply()
+            self.run = None
+
     def finish_iteration(self, now: float) -> None:
         """The engine's postprocess at the pass's end time `now`."""
         batch, self.batch = self.batch, None
         rec, pending = self.rec, self.pending_tbt
+        if batch is DECODE_RUN_PASS:  # every request decoded one token, no one finished
+            self.run.end_pass(now, pending)
+            self.scheduler.num_running_tokens += self.run.num_seqs
+            return
         sampled = [0] * sum(1 for s in batch.seqs if s.samples)  # no token values in a simulation
         for req in self.scheduler.advance(batch, sampled, now):
             times = req.token_times
@@ -172,7 +208,7 @@ class SimReplica:
                 if delay > rec.late_start_s:
                     rec.num_late_start += 1
             elif pending is not None:  # the scaler's TBT window wants gaps as they happen
-                pending.append(now - times[-2])
+                pending.add(now - times[-2])
             if len(req.output_token_ids) >= req.params.max_tokens:
                 self.scheduler.finish(req, FINISHED)
                 self._finished(req, now)
@@ -201,14 +237,13 @@ class SimReplica:
 
     def report(self, now: float) -> ReplicaLoad:
         """The load report a replica pushes: its scheduler's load (as in the engine), with the
-        TBT samples new since the last report (at most what the reporter keeps between sends)."""
-        samples: tuple[float, ...] = ()
+        histogram of the TBT gaps new since the last report."""
+        tbt: LogHistogram | None = None
         if self.pending_tbt is not None:
-            samples = tuple(self.pending_tbt[-MAX_PENDING_SAMPLES:])
-            self.pending_tbt.clear()
-            self.window.extend(samples, now)
+            tbt, self.pending_tbt = self.pending_tbt, LogHistogram()
+            self.window.add(tbt, now)
         load = dataclasses.replace(self.scheduler.load(), replica_id=self.replica_id,
-                                   tbt_samples=samples, timestamp=now, prefill_tps=self.prefill_tps)
+                                   tbt_histogram=tbt or None, timestamp=now, prefill_tps=self.prefill_tps)
         self.last_report, self.last_report_t = load, now
         self.last_report_tokens = load.token_load
         return load

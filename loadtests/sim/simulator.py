@@ -47,6 +47,9 @@ class SimConfig:
     startup_s: float = 60.0
     seed: int = 0
     log_iterations: bool = False
+    # Decode-only passes in closed form (`decode_run.DecodeRun`); False: every pass through
+    # schedule() and advance(), the reference the closed form must equal exactly.
+    decode_runs: bool = True
 
     def describe(self) -> dict[str, Any]:
         e = self.spec.engine
@@ -83,7 +86,7 @@ class Simulator:
         self.clock = SimClock()
         self.rec = Recorder(len(trace), cfg.tbt_slo_s, cfg.ttft_slo_s)
         self.router = router or make_router(cfg.router, cfg.seed)
-        self.scaler = (Autoscaler(cfg.scaling, cfg.scaling_interval_s, cfg.startup_s)
+        self.scaler = (Autoscaler(cfg.scaling, cfg.tbt_slo_s, cfg.scaling_interval_s, cfg.startup_s)
                        if cfg.scaling is not None else None)
         self.replicas: list[SimReplica] = []  # provisioned: starting, ready or draining
         self.retired: list[SimReplica] = []
@@ -102,7 +105,7 @@ class Simulator:
     def _provision(self, now: float, ready: bool) -> SimReplica:
         window = self.cfg.scaling.window_s if self.cfg.scaling is not None else None
         r = SimReplica(f"r{self._ids}", self.cfg.spec, self.clock, self.rec, self._on_finish, window,
-                       self.cfg.log_iterations)
+                       self.cfg.log_iterations, self.cfg.decode_runs)
         self._ids += 1
         r.start_t = now
         self.replicas.append(r)
@@ -269,12 +272,14 @@ class Simulator:
         """Close every replica's lifetime at the last event and summarise the run."""
         end_t = self.clock.t
         for r in self.replicas:
+            r.sync()
             if r.stop_t is None:
                 r.stop_t = max(end_t, r.start_t)
         everyone = self.retired + self.replicas
         replica_s = sum(r.stop_t - r.start_t for r in everyone)
         summary = self.rec.summary(replica_seconds=replica_s)
         summary["iterations"] = sum(r.num_iterations for r in everyone)
+        summary["decode_run_passes"] = sum(r.num_run_passes for r in everyone)
         summary["max_replicas"] = max((p[2] for p in self.scaler.trace.points), default=self.cfg.num_replicas) \
             if self.scaler else self.cfg.num_replicas
         per_replica = [{"id": r.replica_id, "iterations": r.num_iterations, "busy_s": r.busy_s,
