@@ -46,7 +46,7 @@ PREFILL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}  # never the decoding kerne
 # torch 2.11's decoding kernel, given full blocks, splits each sequence's pages across its
 # programs by the whole cache's length (`TILE_KV_OG = cdiv(KV_LEN, SPLIT_KV)` in
 # flex_decode.py.jinja) rather than by the sequence's own, so a short batch gets no split-KV
-# parallelism. Off by default; `loadtests.gpu_check --probe` times both.
+# parallelism. Off by default; `loadtests.device.check --probe` times both.
 DECODE_FULL_BLOCKS = False
 
 
