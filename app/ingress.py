@@ -38,7 +38,7 @@ from app.stream_limit import StreamLimit, limit_observer
 from app.streaming import (DONE, Gathered, StreamMeta, chat_events, chat_response, collect,
                            completion_events, completion_response, sse)
 from replicas.model_files import load_tokenizer
-from replicas.protocol import ReplicaUnhealthyError, RequestRejected, prompt_batch
+from replicas.protocol import ReplicaUnhealthyError, RequestRejected
 from replicas.priority import serve_at_full_priority
 from replicas.serve_logs import use_serve_log
 
@@ -171,9 +171,7 @@ class OpenAIIngress:
         ids = [await self._tokenizing(self.tokenizer.encode, p, add_special_tokens=False)
                if isinstance(p, str) else list(p) for p in prompts]
         meta = self._meta("cmpl", body)
-        # A batch goes to one replica in one call (vLLM's engine takes it whole too).
-        batch = ids[0] if len(ids) == 1 else ids
-        gen, outputs = await self._start(meta.request_id, batch, body, body.max_tokens, arrived_at)
+        gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens, arrived_at)
         echoes = None  # each prompt's text, in front of its completions
         if body.echo:  # token ids are decoded once the replica has accepted them (in its vocabulary)
             echoes = [p if isinstance(p, str) else await self._tokenizing(
@@ -191,7 +189,7 @@ class OpenAIIngress:
         plan = body.tool_plan(self.args.tool_call_parser)  # InvalidRequestError -> 400
         ids = await self._tokenizing(self._render_chat, body)
         meta = self._meta("chatcmpl", body)
-        gen, outputs = await self._start(meta.request_id, ids, body, body.requested_max_tokens, arrived_at)
+        gen, outputs = await self._start(meta.request_id, [ids], body, body.requested_max_tokens, arrived_at)
         if body.stream:
             return self._sse(gen, chat_events(meta, outputs, plan))
         return chat_response(meta, await self._collect(gen, outputs, meta.n), plan)
@@ -236,10 +234,11 @@ class OpenAIIngress:
                               param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _start(self, request_id: str, ids: list[int] | list[list[int]], body: GenerationRequest,
+    async def _start(self, request_id: str, prompts: list[list[int]], body: GenerationRequest,
                      max_tokens: int | None, arrived_at: float) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
         """Admit at the door, send to a replica, and wait for its first output (or refusal).
-        `ids`: one prompt's token ids, or a batch of prompts (`protocol.prompt_batch`).
+        `prompts`: each prompt's token ids; a batch goes to one replica in one call (vLLM's
+        engine takes it whole too), one prompt as its ids alone (`protocol.prompt_batch`).
 
         Nothing is committed to the client (no 200, no SSE headers) until the request has its
         first token, so a refusal found late (the queue deadline) is still a plain 429, and a
@@ -247,7 +246,8 @@ class OpenAIIngress:
         """
         # max_tokens None (chat's default): the replica fills in what its context and KV leave.
         params = body.sampling_params(max_tokens)  # InvalidRequestError -> 400 naming the field
-        num_prompt_tokens = sum(len(p) for p in prompt_batch(ids))
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        ids = prompts[0] if len(prompts) == 1 else prompts
         await self._admit(num_prompt_tokens)
         ticket = self.gate.admit(num_prompt_tokens)
         left_at = None  # when the first output left the replica's queue (its clock)

@@ -21,8 +21,9 @@ from typing import Any
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
 from replicas.engine import Engine
 from replicas.prefix_hash import PrefixSketch
-from replicas.protocol import ReplicaLoad, RequestOutput, SamplingParams, prompt_batch
+from replicas.protocol import RequestOutput, SamplingParams
 from replicas.request import Request
+from replicas.scheduler import QueueCounts
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ class AsyncEngine:
         self._busy_since: float | None = None  # set while a step runs (wedge detection)
         self.error: BaseException | None = None
         # Published by the loop thread after every change, read by any thread: the scheduler's
-        # load and the TBT samples (count ever taken, latest ones), never half-updated.
-        self.load_snapshot: ReplicaLoad = engine.last_load
+        # counts and the TBT samples (count ever taken, latest ones), never half-updated.
+        self.load_snapshot: QueueCounts = engine.last_load
         self.sketch_snapshot: PrefixSketch | None = engine.blocks.sketch()
         self._sketch_at = time.monotonic()
         self.tbt_snapshot: tuple[int, tuple[float, ...]] = (0, ())
@@ -99,26 +100,26 @@ class AsyncEngine:
 
     # ---- caller side (any thread / event loop) ---------------------------------------
 
-    async def add_request(self, prompt_token_ids: Sequence[int] | Sequence[Sequence[int]],
-                          params: SamplingParams, request_id: str, priority: int = 0,
-                          arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def add_request(self, prompts: Sequence[Sequence[int]], params: SamplingParams, request_id: str,
+                          priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Check the request here (InvalidRequestError before anything is queued), queue it on
-        the loop without checking again, then stream its deltas: one prompt or a batch of them
-        (`protocol.prompt_batch`), `params.n` samples each, every delta carrying its choice
-        `index` (sample j of prompt p is choice p * n + j).
+        the loop without checking again, then stream its deltas: one or more prompts (each its
+        token ids), `params.n` samples each, every delta carrying its choice `index` (sample j
+        of prompt p is choice p * n + j).
 
         Token ids only: the tokenizer belongs to the loop thread (detokenization). The
         `arrival_time` (perf_counter clock; default now) is when the request arrived, which may
         be before it reached this replica: TTFT and the queue deadline count from it.
         """
-        batch = prompt_batch(prompt_token_ids)
-        if any(isinstance(p, str) for p in batch):
+        if isinstance(prompts, str) or any(isinstance(p, str) for p in prompts):
             raise TypeError("AsyncEngine.add_request takes prompt token ids, not text")
+        if not prompts:
+            raise ValueError("AsyncEngine.add_request takes one prompt at least")
         now = time.perf_counter()
         arrival = now if arrival_time is None else min(arrival_time, now)
-        n = params.n if isinstance(params, SamplingParams) else 1
-        reqs = [r for p, ids in enumerate(batch)
-                for r in self.engine.make_requests(ids, params, request_id, priority, arrival, first_index=p * n)]
+        reqs: list[Request] = []
+        for ids in prompts:  # each prompt's n samples follow the previous prompt's
+            reqs += self.engine.make_requests(ids, params, request_id, priority, arrival, first_index=len(reqs))
         for req in reqs[1:]:
             req.first_choice = reqs[0]
         if not self.is_alive():

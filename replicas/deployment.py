@@ -15,10 +15,8 @@ Handle protocol (what the ingress calls):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,8 +39,6 @@ from replicas.serve_logs import use_serve_log
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Engine]
-RECENT_PASSES = 512  # passes read for the drain rate, newest first
-DRAIN_REFRESH_S = 0.1  # the drain rate is recomputed at most this often
 MAX_TRANSIT_CREDIT_S = 60.0  # time before this replica counted toward TTFT, at most (no deadline)
 
 
@@ -117,11 +113,6 @@ class LLMServer:
         self._live: set[str] = set()
         timeout = config.engine.queue_timeout_s
         self._max_transit_credit_s = timeout / 2 if timeout is not None else MAX_TRANSIT_CREDIT_S
-        self._drain_tps: float | None = None
-        self._drain_at = float("-inf")
-        self._backlog_since: float | None = None  # when the waiting queue last became non-empty
-        self._drain_lock = threading.Lock()  # the event loop and the engine's loop thread both ask
-        engine.drain_rate = self.drain_tps  # the engine refuses at once who would wait past the deadline
         logger.info("replica ready: %s", self.model_info())
 
     # ---- generation ------------------------------------------------------------------
@@ -144,11 +135,10 @@ class LLMServer:
             credit = min(max(0.0, time.time() - arrived_at), self._max_transit_credit_s)
             arrival = time.perf_counter() - credit
         arrived = arrival if arrival is not None else time.perf_counter()
-        batch = prompt_batch(prompt_token_ids)
+        batch = prompt_batch(prompt_token_ids)  # the one place a request's prompts are told apart
         num_prompt_tokens = sum(len(p) for p in batch)
         try:
-            stream = await self._accept(prompt_token_ids, params, priority, request_id, arrival,
-                                        num_prompt_tokens)
+            stream = await self._accept(batch, params, priority, request_id, arrival, num_prompt_tokens)
         except RequestRejected as rejected:
             yield rejected
             return
@@ -185,23 +175,21 @@ class LLMServer:
                 for i in range(len(batch) * params.n):
                     self.engine.abort(sample_id(request_id, i))
 
-    async def _accept(self, prompt_token_ids: list[int] | list[list[int]], params: SamplingParams, priority: int,
+    async def _accept(self, prompts: list[list[int]], params: SamplingParams, priority: int,
                       request_id: str, arrival: float | None, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
-        """Check health, queue room and limits (once, here); queue the request in the engine.
+        """Check health and queue room; queue the request in the engine, which checks it against
+        its limits (context length, KV capacity, the params' type).
 
-        `params` was checked when it was built (at the ingress); this checks what only the
-        replica knows: its context length, KV capacity and queue.
+        `params` was validated when it was built (at the ingress).
         """
         if not self.engine.is_healthy():
             raise _engine_down("the engine loop on this replica is not running")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams", "params")
         if request_id in self._live:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         self._admit(num_prompt_tokens)
         self._live.add(request_id)
         try:
-            return await self.engine.add_request(prompt_token_ids, params, request_id, priority, arrival)
+            return await self.engine.add_request(prompts, params, request_id, priority, arrival)
         except BaseException as exc:
             self._live.discard(request_id)
             if isinstance(exc, EngineDeadError):
@@ -237,24 +225,8 @@ class LLMServer:
                                  f"retry after {retry} s", None, retry)
 
     def drain_tps(self) -> float | None:
-        """Waiting prompt tokens prefilled per second lately (`admission.drain_rate`), cached."""
-        with self._drain_lock:
-            return self._drain_tps_locked()
-
-    def _drain_tps_locked(self) -> float | None:
-        now = time.perf_counter()
-        if now - self._drain_at >= DRAIN_REFRESH_S:
-            engine = self.engine.engine
-            passes = _newest(engine.iterations, RECENT_PASSES)
-            if not (self.engine.load_snapshot.num_waiting > 0 or self._queued):
-                self._backlog_since = None
-            elif self._backlog_since is None:
-                self._backlog_since = now
-            self._drain_tps = admission.drain_rate(passes, engine.config.max_batch_prefill_tokens,
-                                                   self._backlog_since, now,
-                                                   running_since=engine.pass_started)
-            self._drain_at = now
-        return self._drain_tps
+        """Waiting prompt tokens prefilled per second lately: the engine's own measure."""
+        return self.engine.engine.drain_rate()
 
     def queue_bound_tokens(self) -> int:
         engine = self.config.engine
@@ -287,16 +259,15 @@ class LLMServer:
         return self.reporter.replica_id if self.reporter is not None else None
 
     def load(self) -> ReplicaLoad:
-        """Token load for routing and autoscaling: the engine's last snapshot plus intake.
+        """Token load for routing and autoscaling, built once: the engine's last counts, the
+        intake, the queue bound and the engine's rates.
 
-        The snapshot lags intake by up to an iteration, so requests accepted here that have no
+        The counts lag intake by up to an iteration, so requests accepted here that have no
         token yet count as waiting when they are more than the scheduler shows.
         """
-        snap = self.engine.load_snapshot
         model = self.engine.engine.pass_time
-        return dataclasses.replace(
-            snap, waiting_tokens=max(snap.waiting_tokens, self.queued_tokens),
-            num_waiting=max(snap.num_waiting, len(self._queued)),
+        return self.engine.load_snapshot.report(
+            intake_tokens=self.queued_tokens, intake_requests=len(self._queued),
             queue_bound_tokens=self.queue_bound_tokens(), drain_tps=self.drain_tps() or 0.0,
             prefill_tps=(model.prefill_tokens_per_s or 0.0) if model is not None else 0.0,
             prefix_sketch=self.engine.sketch_snapshot)
@@ -338,21 +309,6 @@ class LLMServer:
 def _engine_down(message: str) -> ReplicaUnhealthyError:
     """503 engine_unavailable, retry in a second (the ingress tries another replica first)."""
     return ReplicaUnhealthyError(message, None, 1)
-
-
-def _newest(passes: Any, n: int) -> list[Any]:
-    """The last `n` entries of a deque the engine thread appends to, oldest first.
-
-    Read by negative index (copying the whole deque, or iterating it, races the appends).
-    """
-    out = []
-    for k in range(1, n + 1):
-        try:
-            out.append(passes[-k])
-        except IndexError:
-            break
-    out.reverse()
-    return out
 
 
 def _in_serve_replica() -> bool:

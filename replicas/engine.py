@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,19 +17,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
+from replicas.drain import DrainMeter
 from replicas.guided import Grammars
 from replicas.kv_cache import BlockManager
 from replicas.logits_processors import LogitsProcessors
-from replicas.model_runner import ModelRunner, PassLogits
+from replicas.model_runner import ModelRunner
 from replicas.model_support import kv_shape, model_max_length, text_config
 from replicas.models import load_model
 from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
-from replicas.protocol import (InvalidRequestError, Limits, ReplicaLoad, RequestOutput, SamplingParams,
-                               TokenLogprob, check_priority, sample_id)
+from replicas.protocol import (InvalidRequestError, Limits, RequestOutput, SamplingParams, TokenLogprob,
+                               check_priority, sample_id)
 from replicas.request import FINISHED, Request, RequestStatus
-from replicas.sampler import plan as plan_sampling
-from replicas.sampler import sample
-from replicas.scheduler import Scheduler, SchedulerOutput, watermark_blocks
+from replicas.sampler import Sampler
+from replicas.scheduler import QueueCounts, Scheduler, SchedulerOutput, watermark_blocks
 
 log = logging.getLogger(__name__)
 
@@ -120,15 +119,16 @@ class Engine:
             config, self.blocks, watermark_blocks(self.blocks.num_blocks, config.kv_watermark), log)
         self.scheduler = Scheduler(config, self.blocks, prefill_budget=self.slo_budget,
                                    may_admit=self.slo_admission)
-        self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention,
-                                  config.attention_backend, config.cuda_graphs, config.max_num_seqs,
-                                  config.compile_backend, config.cuda_graph_sizes)
         self.limits = Limits(self.max_model_len, self.blocks.capacity_tokens,
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.logits_processors = LogitsProcessors(self.vocab_size, self.eos_token_ids)
         self._token_texts: dict[int, str] = {}  # each token decoded on its own (logprobs)
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        sampler = Sampler(next(model.parameters()).device, self.vocab_size, self.logits_processors, self.grammars)
+        self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention,
+                                  config.attention_backend, config.cuda_graphs, config.max_num_seqs,
+                                  config.compile_backend, config.cuda_graph_sizes, sampler)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -137,13 +137,13 @@ class Engine:
         self.recent_tbt: deque[float] = deque(maxlen=config.tbt_sample_window)
         self.last_pass = PassSamples()
         self.num_tbt_samples = 0
-        self.last_load: ReplicaLoad = self.scheduler.load()  # refreshed after every change
+        # The rate its waiting prompt tokens drain, from its own passes (`drain_rate`).
+        self.drain = DrainMeter(self.iterations, config.max_batch_prefill_tokens)
+        # The scheduler's counts, refreshed after every change (`_changed`): the replica's load
+        # report and the metrics read them.
+        self.last_load: QueueCounts = self.scheduler.counts()
         # Called after every iteration with (stats, batch, engine): metrics, load reports.
         self.observers: list[EngineObserver] = []
-        # The rate its waiting prompt tokens drain (tokens/s; None: unknown), set by whoever
-        # measures it (the replica): a waiting request predicted to start past the queue
-        # deadline is refused at once (`Scheduler.expire`). Called on the loop thread.
-        self.drain_rate: Callable[[], float | None] | None = None
         if self.pass_time is not None:
             self.profile_passes()  # the model is fitted before the first request: no guessing
 
@@ -189,8 +189,8 @@ class Engine:
         (the async engine takes token ids only). Nothing is queued: see `enqueue`.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
+        if not isinstance(params, SamplingParams):  # the one check of its type (it may come over Ray)
+            raise InvalidRequestError("params must be a SamplingParams", "params")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
         else:
@@ -239,7 +239,7 @@ class Engine:
         req.stop_ids = stops if params.ignore_eos else stops | self.eos_token_ids
         req.max_output = min(params.max_tokens, self.max_model_len - req.num_prompt_tokens)
         self.scheduler.add(req)
-        self.last_load = self.scheduler.load()
+        self._changed()
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
@@ -255,7 +255,7 @@ class Engine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        self.last_load = self.scheduler.load()
+        self._changed()
         for observer in self.observers:
             observer.on_abort(req)
         return self._emit(req)
@@ -277,33 +277,35 @@ class Engine:
         predicted = self.pass_time.predict(shape) if self.pass_time is not None else None
         cpu_start = time.process_time()
         self.pass_started = start = time.perf_counter()
-        sampling = functools.partial(plan_sampling, [s.request for s in batch.seqs if s.samples],
-                                     device=self.runner.device, vocab=self.vocab_size,
-                                     processors=self.logits_processors, grammars=self.grammars)
-        logits = self.runner.execute(batch, sampling)  # the sampler's inputs go in the pass's one upload
-        token_ids = self._sample(logits)
+        token_ids = self.runner.run(batch)  # the tokens of batch.seqs that sample, in order
         now, cpu_s = time.perf_counter(), time.process_time() - cpu_start
         self.pass_started = None
         stats = self._record(batch, start, now, shape, predicted, cpu_s)
         outputs = self._postprocess(batch, token_ids, now)
-        self.last_load = self.scheduler.load()
+        self._changed()
         for observer in self.observers:
             observer.on_iteration(stats, batch, self)
         return expired + outputs
 
-    def _sample(self, logits: PassLogits) -> list[int]:
-        """The token of each request that samples this pass (in batch order); logprobs and
-        prompt logprobs recorded on their requests. One copy back from the device."""
-        return sample(logits.sampled, logits.prompt, logits.sampling, logits.pack, self.logits_processors)
+    def drain_rate(self) -> float | None:
+        """Waiting prompt tokens it prefilled per second lately (`admission.drain_rate`; None:
+        nothing to go by), judged up to the pass in progress. Safe from any thread."""
+        return self.drain.rate(running_since=self.pass_started)
+
+    def _changed(self) -> None:
+        """After every change of its requests: the load snapshot and whether prompts wait."""
+        self.last_load = self.scheduler.counts()
+        sched = self.scheduler
+        self.drain.note_backlog(bool(sched.waiting) or any(not r.output_token_ids for r in sched.running))
 
     def _expire(self) -> list[RequestOutput]:
-        """Requests past the queue deadline, or predicted to start past it, leave before the pass
-        is scheduled."""
-        drain = self.drain_rate() if self.drain_rate is not None and self.scheduler.waiting else None
+        """Requests past the queue deadline, or predicted to start past it (at the rate its
+        queue drains), leave before the pass is scheduled."""
+        drain = self.drain_rate() if self.scheduler.waiting else None
         expired = self.scheduler.expire(self.scheduler.clock(), drain)
         if not expired:
             return []
-        self.last_load = self.scheduler.load()
+        self._changed()
         outputs = []
         for req in expired:
             for observer in self.observers:
@@ -434,6 +436,7 @@ class Engine:
         self.pass_time.freeze_seed()
         self.blocks.query_tokens = self.blocks.hit_tokens = 0  # the profile's lookups are not traffic
         self.iterations.clear()
+        self.drain.reset()
         self.recent_tbt.clear()
         self.num_tbt_samples = 0
 

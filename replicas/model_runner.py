@@ -5,11 +5,13 @@ registered with `transformers.AttentionInterface` (`replicas.attention`); it rec
 ALL packed tokens of the step (positions already applied), writes k/v into the paged cache, and
 attends through the runner's backend ("sdpa" or "flex", see `replicas.attention`).
 
-Per-pass metadata (token ids, positions, slots, block tables, keep rows, and the sampler's
-inputs) is built on the host with numpy, packed into one buffer and sent to the device in one
-copy (`replicas.transfer`); it reaches every layer through the model's **kwargs. Block tables
-live in a persistent host array (a row per request, a block written in when it is allocated),
-not rebuilt from lists every pass.
+`run` is one pass, as nano-vllm's `ModelRunner.run`: prepare -> forward -> sample, returning
+the token ids. Per-pass metadata (token ids, positions, slots, block tables, keep rows, and the
+sampler's inputs) is built on the host with numpy, packed into one buffer and sent to the device
+in one copy (`replicas.transfer`); it reaches every layer through the model's **kwargs. The
+sampler runs on the device and its results come back in one copy. Block tables live in a
+persistent host array (a row per request, a block written in when it is allocated), not rebuilt
+from lists every pass.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ from replicas.cuda_graphs import DecodeGraphs, bucket_sizes
 from replicas.kv_cache import BlockManager
 from replicas.model_support import kv_shape, text_config
 from replicas.request import Request
+from replicas.sampler import Sampler, SamplingPlan
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
 from replicas.transfer import HostPack, Staging
 
@@ -52,12 +54,8 @@ class PassLogits:
     # (request, rows) in the order of `prompt`: its next `rows` prompt tokens are scored, from
     # token len(request.prompt_logprobs) + 1 on.
     prompt_spans: list[tuple[Request, int]]
-    sampling: object | None = None  # what `execute`'s sampling planner returned
-    pack: HostPack | None = None  # the pass's upload (the sampling plan's parts are in it)
-
-
-# Plans the pass's sampling on the host (the prompt spans, the pass's upload) before it is sent.
-SamplingPlanner = Callable[[list[tuple[Request, int]], HostPack], object]
+    sampling: SamplingPlan  # the pass's sampling, planned into its upload
+    pack: HostPack  # the pass's upload (the sampling plan's parts are in it)
 
 
 class ModelRunner:
@@ -66,7 +64,8 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, blocks: BlockManager, max_model_len: int,
                  compile_decode_attention: bool = False, attention_backend: str = "auto",
                  cuda_graphs: bool | None = None, max_num_seqs: int = 128,
-                 compile_backend: str | None = None, graph_sizes: tuple[int, ...] | None = None) -> None:
+                 compile_backend: str | None = None, graph_sizes: tuple[int, ...] | None = None,
+                 sampler: Sampler | None = None) -> None:
         """`attention_backend`: "auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex".
         `cuda_graphs`: decode-only passes replay a graph captured at start per batch-size bucket
         up to `max_num_seqs` (None: on CUDA with the flex backend; needs flex); `graph_sizes`:
@@ -75,12 +74,14 @@ class ModelRunner:
         the decode step); None: inductor on CUDA, nothing compiled elsewhere (tests pass "eager").
 
         If the flex path fails to start (a compile, a capture, whatever the exception), the
-        runner logs a WARNING and runs the eager SDPA path instead: `path` says which runs."""
+        runner logs a WARNING and runs the eager SDPA path instead: `path` says which runs.
+        `sampler`: how each pass picks its tokens (None: no logits processors, no grammars)."""
         self.model = model
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.sampler = sampler or Sampler(self.device, model.get_output_embeddings().weight.shape[0])
         layers, kv_heads, head_dim = kv_shape(model.config)
         self.num_pages = blocks.num_blocks  # the cache's, the scratch block included
         shape = (layers, self.num_pages * blocks.block_size, kv_heads, head_dim)
@@ -270,13 +271,22 @@ class ModelRunner:
         return decode_groups([s.start + 1 for s in seqs], rows, self._table, self.blocks.block_size)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, sampling: SamplingPlanner | None = None) -> PassLogits:
-        """Run the pass; returns the logits of the sequences that sample, in batch order, and of
-        the prompt positions of requests that score their prompt (only those rows are computed).
+    def run(self, batch: SchedulerOutput) -> list[int]:
+        """One pass: prepare and upload, forward, sample. Returns the token of each sequence that
+        samples (`ScheduledSeq.samples`), in batch order; the requests that ask for logprobs or
+        prompt logprobs get them recorded. One copy to the device and one back."""
+        logits = self.execute(batch)
+        return self.sampler.sample(logits.sampled, logits.prompt, logits.sampling, logits.pack)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> PassLogits:
+        """Prepare and run the forward pass; returns the logits of the sequences that sample, in
+        batch order, and of the prompt positions of requests that score their prompt (only those
+        rows are computed), with the pass's sampling plan.
 
         Decodes are packed by context length (for the grouped attention), prefill chunks after
-        them; the logits come back in the batch's own order. `sampling` plans the sampler's
-        inputs into the pass's upload, so the pass sends one buffer to the device.
+        them; the logits come back in the batch's own order. The sampler's inputs are planned
+        into the pass's upload, so the pass sends one buffer to the device.
         """
         order = sorted(range(len(batch.decodes)), key=lambda i: batch.decodes[i].start)
         decodes = [batch.decodes[i] for i in order]
@@ -321,7 +331,7 @@ class ModelRunner:
         else:
             tokens_part, attn = pack.add(tokens), self.backend.plan(layout, pack)
         keep = pack.add(sampled + prompt_rows)
-        plan = sampling(prompt_spans, pack) if sampling is not None else None
+        plan = self.sampler.plan([s.request for s in batch.seqs if s.samples], prompt_spans, pack)
         pack.send(self.device, self._staging)  # the pass's one host-to-device copy
         if self.page_map is not None:
             self.page_map.apply(map_part, pack)

@@ -12,7 +12,8 @@ whichever path its row takes, and no noise over the vocabulary is made on the ho
 
 A pass's sampling is planned on the host before the forward pass (`plan`: every parameter's
 arrays, seed keys and grammar bitmasks join the pass's one upload) and runs on the device
-after it (`sample`), its tokens and logprobs coming back in one copy.
+after it (`sample`), its tokens and logprobs coming back in one copy. The model runner does
+both (`Sampler`, which it owns): its `run` hands the engine the pass's token ids.
 """
 
 from __future__ import annotations
@@ -121,6 +122,27 @@ def plan(requests: list[Request], prompt_spans: list[tuple[Request, int]], pack:
     return out
 
 
+class Sampler:
+    """One replica's sampling, as its model runner drives it each pass: `plan` while the pass's
+    upload is prepared, `sample` once the forward pass has produced the logits. Holds what
+    outlives a pass: the logits processors' count tables and the grammar matchers' bitmasks."""
+
+    def __init__(self, device: torch.device, vocab: int, processors: LogitsProcessors | None = None,
+                 grammars: Grammars | None = None) -> None:
+        self.device, self.vocab = device, vocab
+        self.processors, self.grammars = processors, grammars
+
+    def plan(self, requests: list[Request], prompt_spans: list[tuple[Request, int]],
+             pack: HostPack) -> SamplingPlan:
+        """Host side: the sampling rows of `requests` (batch order) and the prompt rows scored."""
+        return plan(requests, prompt_spans, pack, device=self.device, vocab=self.vocab,
+                    processors=self.processors, grammars=self.grammars)
+
+    def sample(self, sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: HostPack) -> list[int]:
+        """Device side, then the pass's one copy back: the token of each sampling row."""
+        return sample(sampled, prompt, p, pack, self.processors)
+
+
 def _plan_draw(rows: list[int], requests: list[Request], pack: HostPack, device: torch.device,
                vocab: int) -> DrawPlan:
     params = [r.params for r in requests]
@@ -157,7 +179,7 @@ def _keys_part(keys: list[int | None], pack: HostPack) -> tuple[Part, Part] | No
 
 @torch.inference_mode()  # the forward pass's logits are inference tensors: edited in place
 def sample(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: HostPack,
-                processors: LogitsProcessors | None = None) -> list[int]:
+           processors: LogitsProcessors | None = None) -> list[int]:
     """Device side of a pass's sampling, then its one copy back: the token of each sampling row
     (`sampled` (N, V)), each logprobs row's entry appended to its request's `output_logprobs`,
     the prompt rows' (`prompt` (M, V)) scores to their requests' `prompt_logprobs`. Logprobs are
@@ -204,7 +226,7 @@ def sample_logits(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits (n, V) of non-greedy requests -> (n,) token ids: the draw alone, with its own
-    upload (what `loadtests.bench_sampler` times)."""
+    upload (what `loadtests.bench.sampler` times)."""
     pack = HostPack()
     d = _plan_draw(list(range(len(requests))), requests, pack, logits.device, logits.shape[1])
     pack.send(logits.device, Staging(logits.device))

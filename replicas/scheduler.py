@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
+from replicas.prefix_hash import PrefixSketch
 from replicas.protocol import ReplicaLoad
 from replicas.request import Request, RequestStatus
 
@@ -38,6 +39,36 @@ from replicas.request import Request, RequestStatus
 # Under stall_free, while prompts wait to start, the prompts already prefilling leave this share
 # of a pass's prompt budget to waiting prompts that fit in it whole (what they leave goes back).
 QUEUE_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    """The scheduler's counts after a change, as the engine publishes them: a replica's load
+    record is built from them once, when it is reported (`report`)."""
+
+    running_tokens: int  # KV tokens of the running sequences
+    waiting_tokens: int  # prompt tokens the waiting requests still have to prefill
+    num_running: int
+    num_waiting: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    kv_usage: float
+    prefix_hit_rate: float
+    cached_blocks: int
+
+    def report(self, *, intake_tokens: int = 0, intake_requests: int = 0, queue_bound_tokens: int | None = None,
+               drain_tps: float = 0.0, prefill_tps: float = 0.0,
+               prefix_sketch: PrefixSketch | None = None) -> ReplicaLoad:
+        """The replica's load record. `intake_tokens` / `intake_requests`: prompts it accepted
+        that have no token yet (the counts lag intake by up to a pass): the waiting count is the
+        larger of the two. The rest is what the replica measures beside the scheduler."""
+        return ReplicaLoad(running_tokens=self.running_tokens, waiting_tokens=max(self.waiting_tokens, intake_tokens),
+                           free_blocks=self.free_blocks, total_blocks=self.total_blocks, block_size=self.block_size,
+                           num_running=self.num_running, num_waiting=max(self.num_waiting, intake_requests),
+                           kv_usage=self.kv_usage, queue_bound_tokens=queue_bound_tokens, drain_tps=drain_tps,
+                           prefill_tps=prefill_tps, prefix_hit_rate=self.prefix_hit_rate,
+                           cached_blocks=self.cached_blocks, prefix_sketch=prefix_sketch)
 
 
 @dataclass
@@ -174,13 +205,16 @@ class Scheduler:
                 self.blocks.cache_computed(seq.request)
         return got
 
-    def load(self) -> ReplicaLoad:
-        """The scheduler's share of a load report: queue and KV counts, O(1)."""
+    def counts(self) -> QueueCounts:
+        """Queue and KV counts now, O(1)."""
         b = self.blocks
-        return ReplicaLoad(running_tokens=self.num_running_tokens, waiting_tokens=self.num_waiting_tokens,
-                           free_blocks=b.num_free, total_blocks=b.num_blocks, block_size=b.block_size,
-                           num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=b.usage,
-                           prefix_hit_rate=b.hit_rate, cached_blocks=b.num_cached)
+        return QueueCounts(self.num_running_tokens, self.num_waiting_tokens, len(self.running), len(self.waiting),
+                           b.num_free, b.num_blocks, b.block_size, b.usage, b.hit_rate, b.num_cached)
+
+    def load(self) -> ReplicaLoad:
+        """A load record of the scheduler's counts alone (a replica reports `QueueCounts.report`
+        with its intake and rates; the simulator's replicas report this)."""
+        return self.counts().report()
 
     def _insert_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=self.urgency)

@@ -104,21 +104,23 @@ async def test_queue_cap_refuses_with_retry_after(server: LLMServer, await_until
 
 @module_loop
 async def test_a_request_the_queue_would_start_past_its_deadline_is_refused_at_once(await_until: Callable) -> None:
-    """The engine asks the replica for its drain rate: at 1 prompt token/s, a prompt behind 40
+    """The engine refuses by its own drain rate: at 1 prompt token/s, a prompt behind 40
     waiting tokens would start 40 s after arrival, past the 30 s deadline, so it is refused now
     (a 429 with Retry-After that says why), not in 30 s; the one in front keeps waiting."""
     srv = make_server(EngineConfig(max_num_seqs=1, max_batch_total_tokens=1024, queue_timeout_s=30.0),
                       max_queued_tokens=4096)
     try:
-        assert srv.engine.engine.drain_rate == srv.drain_tps  # wired to the replica's measure
         running = srv.generate([5] * 8, SamplingParams(max_tokens=1000, ignore_eos=True), 0, "long")
         await anext(running)
         await anext(running)  # a token: it holds the only slot
-        srv.engine.engine.drain_rate = lambda: 1.0
         front = srv.generate([5] * 40, SamplingParams(max_tokens=1), 0, "front")
         assert isinstance(await anext(front), Acknowledged)
-        [ack, refused] = await drain(srv, [5] * 40, {"max_tokens": 1}, "behind")
-        assert isinstance(ack, Acknowledged) and isinstance(refused, QueueTimeoutError)
+        behind = srv.generate([5] * 40, SamplingParams(max_tokens=1), 0, "behind")
+        assert isinstance(await anext(behind), Acknowledged)  # admitted at the rate measured
+        srv.engine.engine.drain_rate = lambda: 1.0  # then the queue drains at 1 token/s
+        assert srv.drain_tps() == 1.0  # the replica reads the engine's measure
+        refused = await anext(behind)
+        assert isinstance(refused, QueueTimeoutError)
         assert "it would not be scheduled within queue_timeout_s (30.0 s)" in refused.message
         assert 1 <= refused.retry_after_s <= 60
         assert srv.load().num_waiting == 1  # the front one stays

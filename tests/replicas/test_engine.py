@@ -216,7 +216,7 @@ async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
     ae = AsyncEngine(eng)
     try:
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        stream = await ae.add_request([5, 6, 7, 8], params, "gone")
+        stream = await ae.add_request([[5, 6, 7, 8]], params, "gone")
         got = 0
         async for out in stream:
             got += len(out.delta_token_ids)
@@ -224,11 +224,11 @@ async def test_async_stream_abort_frees_blocks_and_loop_survives(llama):
                 break
         await stream.aclose()  # the client went away
         with pytest.raises(InvalidRequestError, match="prompt must not be empty") as bad:
-            await ae.add_request([], params, "bad")
+            await ae.add_request([[]], params, "bad")
         assert bad.value.param == "prompt"
         with pytest.raises(TypeError, match="token ids"):  # the tokenizer is the loop's
             await ae.add_request("text", params, "text")
-        finished = [o async for o in await ae.add_request([9, 10], SamplingParams(max_tokens=5, temperature=0,
+        finished = [o async for o in await ae.add_request([[9, 10]], SamplingParams(max_tokens=5, temperature=0,
                                                                                   ignore_eos=True), "ok")]
         assert sum(len(o.delta_token_ids) for o in finished) == 5 and finished[-1].finish_reason == "length"
         for _ in range(100):
@@ -249,13 +249,13 @@ async def test_async_stream_of_n_samples_carries_each_and_aborts_all(llama):
     ae = AsyncEngine(eng)
     try:
         params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, n=3)
-        outs = [o async for o in await ae.add_request([5, 6, 7, 8, 9], params, "n3")]
+        outs = [o async for o in await ae.add_request([[5, 6, 7, 8, 9]], params, "n3")]
         by = {j: [o for o in outs if o.index == j] for j in range(3)}
         assert {o.request_id for o in by[1]} == {"n3#1"} and {o.request_id for o in by[0]} == {"n3"}
         tokens = [[t for o in by[j] for t in o.delta_token_ids] for j in range(3)]
         assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 5  # greedy: equal samples
         assert [sum(o.finished for o in by[j]) for j in range(3)] == [1, 1, 1]
-        stream = await ae.add_request([5, 6, 7, 8], dataclasses.replace(params, max_tokens=200), "gone")
+        stream = await ae.add_request([[5, 6, 7, 8]], dataclasses.replace(params, max_tokens=200), "gone")
         async for out in stream:
             if out.num_output_tokens >= 2:
                 break
@@ -278,7 +278,7 @@ async def test_a_stream_interval_merges_the_tokens_between_deltas(llama):
     for interval in (0.0, 2.0):
         ae = AsyncEngine(engine_for(llama, "stall_free", max_batch_total_tokens=512), stream_interval_s=interval)
         try:
-            runs[interval] = [o async for o in await ae.add_request([5, 6, 7, 8], params, "s")]
+            runs[interval] = [o async for o in await ae.add_request([[5, 6, 7, 8]], params, "s")]
         finally:
             ae.shutdown()
     for j in range(2):
@@ -346,7 +346,7 @@ def test_a_slow_caller_gets_the_queued_deltas_merged_in_order():
     loop = AsyncEngine(eng)
 
     async def run() -> list:
-        stream = await loop.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0,
+        stream = await loop.add_request([[5, 6, 7]], SamplingParams(max_tokens=40, temperature=0,
                                                                   ignore_eos=True), "slow")
         first = await anext(stream)
         while "slow" in loop._streams:  # the loop delivers the rest (finished last) while we wait

@@ -70,7 +70,7 @@ def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles(wa
     loop = AsyncEngine(eng)
     try:
         async def run() -> None:
-            stream = await loop.add_request([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "a")
+            stream = await loop.add_request([[5, 6, 7]], SamplingParams(max_tokens=500, ignore_eos=True), "a")
             await anext(stream)  # it runs: the gauges show it
             assert value(reg, "stallfree_num_requests_running") == 1
             assert value(reg, "stallfree_kv_cache_usage_perc") > 0  # how far it got varies

@@ -1,0 +1,74 @@
+"""One pass through the replica: `Engine.step` makes one call into the model runner, which plans
+the sampling into the pass's upload, runs the forward and samples once, returning the token ids;
+the engine never enters the sampler itself."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.models import load_model
+from replicas.scheduler import SchedulerOutput
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("embedded:tiny")
+
+
+def engine_for(llama, **config) -> Engine:
+    return Engine(*llama, EngineConfig(max_batch_prefill_tokens=32, max_batch_total_tokens=1024, **config))
+
+
+def counting(calls: Counter, name: str, fn):  # noqa: ANN001, ANN202
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+MIXED = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+         SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2),
+         SamplingParams(max_tokens=4, temperature=1.0, top_k=5, ignore_eos=True, prompt_logprobs=1)]
+
+
+@pytest.mark.engine
+def test_each_step_calls_the_runner_once_and_the_runner_samples_once(llama) -> None:
+    eng = engine_for(llama)
+    runner, sampler = eng.runner, eng.runner.sampler
+    calls: Counter = Counter()
+    runner.run = counting(calls, "run", runner.run)
+    runner.execute = counting(calls, "execute", runner.execute)
+    sampler.plan = counting(calls, "plan", sampler.plan)
+    sampler.sample = counting(calls, "sample", sampler.sample)
+    for i, params in enumerate(MIXED):  # prompts of 40 tokens: chunked over passes, then decodes
+        eng.add_request(list(range(5 + i, 45 + i)), params)
+    passes = 0
+    while eng.has_unfinished():
+        before = dict(calls)
+        eng.step()
+        passes += 1
+        assert {k: calls[k] - before.get(k, 0) for k in calls} == {"run": 1, "execute": 1, "plan": 1, "sample": 1}
+    assert passes == len(eng.iterations) and passes > 6
+
+
+class FakeRunner:
+    """A runner that returns token 7 for every sequence that samples, counting its calls: the
+    engine needs nothing else from it (no sampler, no logits)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def run(self, batch: SchedulerOutput) -> list[int]:
+        self.calls += 1
+        return [7 for s in batch.seqs if s.samples]
+
+
+@pytest.mark.engine
+def test_the_engine_takes_its_tokens_from_the_runner_alone(llama) -> None:
+    eng = engine_for(llama)
+    eng.runner = fake = FakeRunner()
+    [out] = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.7, ignore_eos=True))
+    assert out.token_ids == [7, 7, 7] and fake.calls == 3 == len(eng.iterations)
