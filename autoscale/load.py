@@ -15,11 +15,12 @@ slices times the bins in use, whatever the traffic, and its percentiles are with
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from replicas.histogram import LogHistogram
+from replicas.histogram import NUM_BINS, LogHistogram
 from replicas.protocol import ReplicaLoad
 
 __all__ = ["ClusterSnapshot", "LogHistogram", "ReplicaLoad", "ReportThrottle", "TbtWindow", "fleet_interval",
@@ -75,8 +76,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 class TbtWindow:
     """TBT histograms per `slice_s` time slice, kept for `window_s` seconds.
 
-    A window of any length up to `window_s` is the merge of the slices that overlap it: it reaches
-    back to the start of the slice its start falls in (at most `slice_s` more than asked).
+    A window of any length up to `window_s` is the sum of the slices that overlap it: it reaches
+    back to the start of the slice its start falls in (at most `slice_s` more than asked). Slices
+    are dense counts (NUM_BINS ints): a report's few dozen bins add in place, slices add in C.
     """
 
     def __init__(self, window_s: float, slice_s: float = 1.0) -> None:
@@ -85,19 +87,18 @@ class TbtWindow:
         if slice_s <= 0:
             raise ValueError(f"slice_s must be > 0, got {slice_s}")
         self.window_s, self.slice_s = window_s, slice_s
-        self._slices: deque[tuple[float, LogHistogram]] = deque()  # (slice start, its gaps), oldest first
+        self._slices: deque[tuple[float, list[int]]] = deque()  # (slice start, its counts), oldest first
 
     def __len__(self) -> int:
         return len(self._slices)
 
     def add(self, hist: LogHistogram, t: float) -> None:
-        """Count `hist`'s gaps in the slice of time `t` (copied; a clock that steps back a little
-        adds to the newest slice)."""
+        """Count `hist`'s gaps in the slice of time `t` (a clock that steps back a little adds to
+        the newest slice)."""
         start = math.floor(t / self.slice_s) * self.slice_s
-        if self._slices and self._slices[-1][0] >= start:
-            self._slices[-1][1].merge(hist)
-        else:
-            self._slices.append((start, hist.copy()))
+        if not self._slices or self._slices[-1][0] < start:
+            self._slices.append((start, [0] * NUM_BINS))
+        hist.add_to_dense(self._slices[-1][1])
 
     def prune(self, now: float) -> None:
         """Drop slices that ended before the window."""
@@ -105,19 +106,20 @@ class TbtWindow:
         while self._slices and self._slices[0][0] <= horizon:
             self._slices.popleft()
 
-    def merge_into(self, out: LogHistogram, now: float, since: float | None = None) -> LogHistogram:
-        """Add to `out` the gaps of the window ending at `now` (and of slices not ending before
-        `since`); returns `out`."""
+    def add_window(self, dense: list[int], now: float, since: float | None = None) -> None:
+        """Add to `dense` (NUM_BINS counts) the gaps of the window ending at `now` (and of slices
+        not ending before `since`)."""
         self.prune(now)
         start = now - self.window_s if since is None else max(since, now - self.window_s)
-        for slice_start, hist in reversed(self._slices):
+        for slice_start, counts in reversed(self._slices):
             if slice_start + self.slice_s <= start:
                 break
-            out.merge(hist)
-        return out
+            dense[:] = map(operator.add, dense, counts)
 
     def histogram(self, now: float, since: float | None = None) -> LogHistogram:
-        return self.merge_into(LogHistogram(), now, since)
+        dense = [0] * NUM_BINS
+        self.add_window(dense, now, since)
+        return LogHistogram.from_dense(dense)
 
 
 @dataclass(frozen=True)

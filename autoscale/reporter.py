@@ -9,7 +9,9 @@ every `heartbeat_s`. Between sends it bins the TBT gaps that are new since the l
 engine's (count, latest gaps) pair) into one `LogHistogram`, so the controller's window sees
 (nearly) every gap whatever the period, in a report of fixed size. Sending never raises and never
 blocks on the controller: a dead or missing controller is looked up again later, and routing
-falls back to its local view meanwhile.
+falls back to its local view meanwhile. With `relay` (the default) reports go to the node's
+`autoscale.relay.NodeRelay`, which forwards the node's reports to the controller in one call every
+100 ms, so the controller's intake grows with the nodes, not the replicas.
 
 The app builder hands the replica a factory for it (`replicas.deployment.LoadSink`); the replica
 calls `start(load, iterations, tbt)`, `autoscaling_stats()` and `stop()`.
@@ -30,6 +32,7 @@ import ray
 from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, current_replica_key,
                                   get_or_create_controller)
 from autoscale.load import ReportThrottle, TbtWindow
+from autoscale.relay import get_or_create_relay
 from replicas.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
@@ -55,13 +58,14 @@ class LoadReporter:
                  controller_name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,
                  interval_s: float = 0.1, min_interval_s: float = 0.02, change_tokens: int = 256,
                  change_fraction: float = 0.25, heartbeat_s: float = 1.0, tbt_window_s: float = 30.0,
-                 clock: Callable[[], float] = time.time,
+                 relay: bool = True, clock: Callable[[], float] = time.time,
                  send: Callable[[str, ReplicaLoad], float | None] | None = None) -> None:
         """`send(replica_id, load)` replaces the controller (tests, a relay); like the
         controller's `report` it may return the report period the fleet asks for."""
         self._replica_id = replica_id
-        self._controller = controller
+        self._controller = controller  # the controller's handle, or the node relay's with `relay`
         self.controller_name, self.namespace = controller_name, namespace
+        self.relay = relay
         self.throttle = ReportThrottle(interval_s, min_interval_s, change_tokens, change_fraction, heartbeat_s)
         self._clock = clock
         self._send_fn = send
@@ -188,7 +192,7 @@ class LoadReporter:
             self.fleet_interval_s = float(reply)
 
     def _handle(self) -> Any:
-        """The controller handle; re-looked-up after the previous report failed."""
+        """The controller's (or the node relay's) handle; re-looked-up after a report failed."""
         last = self._last_future
         if last is not None and last.done() and last.exception() is not None:
             self.num_failed += 1
@@ -198,7 +202,8 @@ class LoadReporter:
             if not ray.is_initialized():  # never start Ray from a report
                 return None
             try:
-                self._controller = get_or_create_controller(self.controller_name, self.namespace)
+                find = get_or_create_relay if self.relay else get_or_create_controller
+                self._controller = find(self.controller_name, self.namespace)
             except Exception as exc:
                 self._lookup_after = self._clock() + LOOKUP_RETRY_S
                 logger.debug("controller lookup failed: %r", exc)

@@ -11,9 +11,10 @@ request over the router's view, and the reporter's binning of one report's gaps.
 first filled with 10 s of reports, so the window is full when the snapshots are timed.
 
 Then the real `LoadController` actor in a local Ray, fed by sender actors with the same synthetic
-reports: reports absorbed per second when flooded (one report a call, and a node's replicas in
-one `report_many` call), and, while 1,000 replicas report at 10 Hz, the snapshots' round trips.
-The actor runs one task at a time (one thread); the senders share the machine's cores with it.
+reports: reports absorbed per second when flooded (one report a call, as a reporter sends without
+a relay; a node's 8 or 50 replicas a `report_many` call, as a `NodeRelay` forwards them), and,
+while 1,000 replicas report at 10 Hz through relays of 8, the snapshots' round trips. The actor
+runs one task at a time (one thread); the senders share the machine's cores with it.
 
 Prints one table (with a `--before` JSON of an older run beside it) and writes `--json`.
 """
@@ -44,6 +45,7 @@ WINDOW_S = 10.0  # the autoscaler's TBT window here
 TBT_SLO_S = 0.05
 KEY = "SERVE_REPLICA::llm#LLMServer#{:05d}"  # Serve's replica key shape
 VARIANTS = 16  # distinct pre-built reports per replica (built once, not timed)
+NODE_REPLICAS = 8  # replicas a node relay batches (one per GPU of an 8-GPU node)
 
 
 def tbt_payload(gaps: list[float]) -> dict[str, Any]:
@@ -130,13 +132,13 @@ def bench_actor(n: int, seed: int, flood_reports: int, paced_s: float, senders: 
         pool = [Sender.remote(name, namespace, k, r) for k, r in shares]
         ray.get([p.ready.remote() for p in pool])
         out: dict[str, Any] = {"senders": senders}
-        for batch in (1, 50):  # one report a call; a node's 50 replicas a call
+        for batch in (1, NODE_REPLICAS, 50):  # one report a call; a node's replicas a call
             per = flood_reports // senders
             t0 = time.perf_counter()
             ray.get([p.flood.remote(per, batch) for p in pool])
             out[f"flood_batch{batch}_reports_per_s"] = per * senders / (time.perf_counter() - t0)
-        # 10 Hz from every replica while the autoscaler's and the router's snapshots are asked.
-        runs = [p.paced.remote(REPORT_HZ, paced_s) for p in pool]
+        # 10 Hz from every replica, a node's at a time, while the snapshots are asked.
+        runs = [p.paced.remote(REPORT_HZ, paced_s, NODE_REPLICAS) for p in pool]
         lat: dict[str, list[float]] = {"router": [], "autoscaler": []}
         end = time.perf_counter() + paced_s
         while time.perf_counter() < end:
@@ -195,7 +197,7 @@ def _sender_class() -> Any:
             ray.get(ref)  # one caller's calls run in order: the last done, all done
             return sent
 
-        def paced(self, hz: int, seconds: float) -> tuple[int, float]:
+        def paced(self, hz: int, seconds: float, batch: int) -> tuple[int, float]:
             """Every replica of the share reports `hz` times a second for `seconds`; returns the
             reports sent and how far the last one finished behind its schedule."""
             start, sent = time.perf_counter(), 0
@@ -204,7 +206,7 @@ def _sender_class() -> Any:
             for r in range(rounds):
                 due = start + r / hz
                 time.sleep(max(0.0, due - time.perf_counter()))
-                ref = self._send(r, 1)
+                ref = self._send(r, batch)
                 sent += len(self.keys)
             ray.get(ref)
             return sent, time.perf_counter() - (start + rounds / hz)
@@ -254,7 +256,7 @@ def main() -> None:
                      repeats_help="timed repetitions of each snapshot (a quarter of it at N >= 1,000); medians")
     p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000])
     p.add_argument("--actor-replicas", type=int, default=1000)
-    p.add_argument("--flood-reports", type=int, default=60_000, help="reports per flood run")
+    p.add_argument("--flood-reports", type=int, default=20_000, help="reports per flood run")
     p.add_argument("--paced-s", type=float, default=5.0)
     p.add_argument("--senders", type=int, default=2)
     p.add_argument("--before", type=Path, default=None, help="an older run's JSON, printed beside")

@@ -13,7 +13,9 @@ values above HIGHEST: reported as HIGHEST (a lower bound). Between them the erro
 
 Every histogram shares the one layout, so two merge by adding counts (a window of time slices, a
 fleet of replicas) and one leaves by subtracting them. The counts are a sparse {bin: count} dict:
-a replica's report of ~100 gaps carries a few dozen bins, however many gaps it had.
+a replica's report of ~100 gaps carries a few dozen bins, however many gaps it had. Where many
+histograms are summed (a window's time slices) a dense list of NUM_BINS counts is quicker to add
+to (`add_to_dense`, `from_dense`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import bisect
 import math
 from collections.abc import Iterable, Mapping
 
-__all__ = ["EDGES", "GAMMA", "HIGHEST", "LOWEST", "OVERFLOW", "RELATIVE_ERROR", "LogHistogram",
+__all__ = ["EDGES", "GAMMA", "HIGHEST", "LOWEST", "NUM_BINS", "OVERFLOW", "RELATIVE_ERROR", "LogHistogram",
            "bin_index", "edge_subset"]
 
 GAMMA = 1.02  # ratio of a bin's upper edge to its lower edge
@@ -32,6 +34,7 @@ _NUM_BINS = math.ceil(math.log(1e3 / LOWEST) / math.log(GAMMA))  # log bins from
 EDGES: tuple[float, ...] = tuple(LOWEST * GAMMA ** i for i in range(_NUM_BINS + 1))
 HIGHEST = EDGES[-1]  # the last bin's upper edge; above it: overflow
 OVERFLOW = len(EDGES)  # the overflow bin's index
+NUM_BINS = OVERFLOW + 1  # underflow, the log bins, overflow
 _REPRESENTATIVE = tuple([LOWEST] + [2.0 * e / (1.0 + GAMMA) for e in EDGES[1:]] + [HIGHEST])
 _INV_LOG_GAMMA = 1.0 / math.log(GAMMA)
 
@@ -74,6 +77,16 @@ class LogHistogram:
         h = cls()
         h.add_many(values)
         return h
+
+    @classmethod
+    def from_dense(cls, dense: list[int]) -> LogHistogram:
+        """From NUM_BINS counts indexed by bin."""
+        return cls({b: c for b, c in enumerate(dense) if c})
+
+    def add_to_dense(self, dense: list[int]) -> None:
+        """Add these counts to a list of NUM_BINS counts indexed by bin."""
+        for b, c in self.counts.items():
+            dense[b] += c
 
     def __reduce__(self) -> tuple[type, tuple[dict[int, int]]]:
         return LogHistogram, (self.counts,)  # pickled as its sparse counts only

@@ -11,7 +11,8 @@ import uuid
 
 import pytest
 
-from autoscale.controller import LoadBook, deployment_key, get_or_create_controller, kill_controller, replica_key
+from autoscale.controller import (DEFAULT_MAX_REPORTS_PER_S, LoadBook, deployment_key, get_or_create_controller,
+                                  kill_controller, replica_key)
 from autoscale.load import ClusterSnapshot
 from replicas.histogram import RELATIVE_ERROR, LogHistogram
 from replicas.protocol import ReplicaLoad
@@ -131,7 +132,8 @@ def controller(ray_serve):
 
 
 @pytest.mark.serve
-def test_actor_snapshot_from_reporters(controller, wait_until):
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "node_relay"])
+def test_actor_snapshot_from_reporters(controller, wait_until, relay: bool):
     import ray
 
     from autoscale.reporter import LoadReporter
@@ -139,8 +141,8 @@ def test_actor_snapshot_from_reporters(controller, wait_until):
     name, namespace, handle = controller
     assert get_or_create_controller(name, namespace)._actor_id == handle._actor_id  # found by name
     clock = Clock()  # reporters send when their clock says so, not when the test happens to run
-    a = LoadReporter("fake-a", controller_name=name, namespace=namespace, clock=clock)
-    b = LoadReporter("fake-b", controller_name=name, namespace=namespace, clock=clock)
+    a = LoadReporter("fake-a", controller_name=name, namespace=namespace, clock=clock, relay=relay)
+    b = LoadReporter("fake-b", controller_name=name, namespace=namespace, clock=clock, relay=relay)
     load = ReplicaLoad(running_tokens=500, waiting_tokens=100, free_blocks=5, total_blocks=10, block_size=16)
     assert a.maybe_report(load, tbt=(3, [0.01, 0.02, 0.03]))
     assert b.maybe_report(dataclasses.replace(load, running_tokens=10), tbt=(1, [0.2]))
@@ -156,9 +158,13 @@ def test_actor_snapshot_from_reporters(controller, wait_until):
     a.stop()
     wait_until(lambda: ray.get(handle.replica_ids.remote()) == ["fake-b"], what="fake-a removed")
     clock.t += 1.0  # a report is due again
-    assert b.maybe_report(load)
+    assert b.maybe_report(load, tbt=(3, [0.01, 0.02, 0.4]))
     wait_until(lambda: ray.get(handle.snapshot.remote()).running_tokens == 500,
                what="fake-b's new load")
+    assert ray.get(handle.snapshot.remote()).num_tbt_samples == 6  # fake-a's gaps were served: they stay
+    # The controller's reply, read by the next poll: 1 or 2 replicas (a's going) over the budget.
+    wait_until(lambda: b.maybe_report(load) or b.fleet_interval_s > 0, what="the reply read")
+    assert 1 / DEFAULT_MAX_REPORTS_PER_S <= b.fleet_interval_s <= 2 / DEFAULT_MAX_REPORTS_PER_S
 
 
 @pytest.mark.serve
@@ -184,7 +190,7 @@ def test_reporter_survives_a_dead_controller(controller, wait_until):
     name, namespace, handle = controller
     # The reporter's clock stands still: no lookup retry (LOOKUP_RETRY_S) comes due, so the
     # dead controller is neither found again nor re-created during the test.
-    rep = LoadReporter("fake-c", controller_name=name, namespace=namespace, clock=Clock())
+    rep = LoadReporter("fake-c", controller_name=name, namespace=namespace, clock=Clock(), relay=False)
     assert rep.maybe_report(ReplicaLoad(running_tokens=1), now=1.0)
     kill_controller(name, namespace)
     reports = iter(range(2, 10_000))
