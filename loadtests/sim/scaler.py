@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autoscale.load import ClusterSnapshot
+from autoscale.load import ClusterSnapshot, LogHistogram
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
+from replicas.histogram import NUM_BINS
 
 
 @dataclass
@@ -34,10 +35,10 @@ class Autoscaler:
     def decide(self, ready: list, num_starting: int, now: float) -> tuple[int, str]:
         """Desired replica count from the ready replicas' reports (`SimReplica`s)."""
         loads = {r.replica_id: r.last_report for r in ready if r.last_report is not None}
-        samples: list[float] = []
+        tbt = [0] * NUM_BINS
         for r in ready:
-            samples.extend(r.window.values(now))
-        snapshot = ClusterSnapshot.build(loads, samples, self.cfg.tbt_slo_s, now)
+            r.window.add_window(tbt, now)
+        snapshot = ClusterSnapshot.build(loads, LogHistogram.from_dense(tbt), self.cfg.tbt_slo_s, now)
         target = len(ready) + num_starting
         desired, self.state = decide_replicas(snapshot, len(ready), self.state, now, self.cfg, target=target)
         self.trace.points.append((now, len(ready), target, desired, self.state.reason))
