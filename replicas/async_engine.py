@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,9 @@ SKETCH_INTERVAL_S = 0.1  # the prefix cache's sketch for load reports is rebuilt
 
 class EngineDeadError(RuntimeError):
     """The engine loop is not running; the request cannot be served."""
+
+
+QUEUED = "queued"  # the loop's answer to an intake that the engine accepted (else: why not)
 
 
 @dataclass
@@ -102,10 +105,11 @@ class AsyncEngine:
 
     async def add_request(self, prompts: Sequence[Sequence[int]], params: SamplingParams, request_id: str,
                           priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Check the request here (InvalidRequestError before anything is queued), queue it on
-        the loop without checking again, then stream its deltas: one or more prompts (each its
-        token ids), `params.n` samples each, every delta carrying its choice `index` (sample j
-        of prompt p is choice p * n + j).
+        """Check the request against the engine's limits here, queue it on the loop (where the
+        engine refuses an id already in use) and, once queued, return the stream of its deltas;
+        a refusal is raised (InvalidRequestError) before anything streams. One or more prompts
+        (each its token ids), `params.n` samples each, every delta carrying its choice `index`
+        (sample j of prompt p is choice p * n + j).
 
         Token ids only: the tokenizer belongs to the loop thread (detokenization). The
         `arrival_time` (perf_counter clock; default now) is when the request arrived, which may
@@ -127,6 +131,16 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", reqs, stream))
         self._wake.set()
+        if not self.is_alive():  # it stopped meanwhile: nobody else will answer
+            self._refuse_inbox(EngineDeadError("engine loop is not running"))
+        try:
+            answer = await stream.queue.get()
+        except BaseException:  # the caller left before the answer: take back what was queued
+            for req in reqs:
+                self._abort_own(req.request_id, stream)
+            raise
+        if isinstance(answer, BaseException):
+            raise answer
         return self._iterate([r.request_id for r in reqs], stream)
 
     async def _iterate(self, request_ids: list[str], stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -154,10 +168,16 @@ class AsyncEngine:
                 yield item
         finally:
             for request_id in unfinished:  # the caller went away: free its KV blocks next iteration
-                self.abort(request_id)
+                self._abort_own(request_id, stream)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None))
+        """Stop the request with this id (its stream ends with its last delta)."""
+        self._abort_own(request_id, None)
+
+    def _abort_own(self, request_id: str, stream: _Stream | None) -> None:
+        """Stop the request if `stream` streams it (None: whichever does): a caller that leaves
+        never stops another's request that took the same id."""
+        self._inbox.put(("abort", request_id, stream))
         self._wake.set()
 
     def is_alive(self) -> bool:
@@ -199,6 +219,7 @@ class AsyncEngine:
                 # snapshot still shows as waiting.
                 self._publish()
                 self._deliver_all(outputs)
+            self._refuse_inbox(EngineDeadError("engine loop stopped"))
         except BaseException as exc:  # pragma: no cover - last resort, reported by health
             self.error = exc
             logger.exception("engine loop died")
@@ -219,12 +240,16 @@ class AsyncEngine:
                 except Exception:  # metrics must never stop the loop
                     logger.exception("observer on_idle failed")
 
-    def _drain_inbox(self) -> None:
+    def _taken(self) -> Iterator[tuple[str, Any, _Stream | None]]:
+        """The inbox's items, until it is empty."""
         while True:
             try:
-                kind, payload, stream = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
+
+    def _drain_inbox(self) -> None:
+        for kind, payload, stream in self._taken():
             if kind == "add":
                 reqs: list[Request] = payload
                 try:
@@ -239,11 +264,18 @@ class AsyncEngine:
                     continue
                 for req in reqs:
                     self._streams[req.request_id] = stream
-            else:
+                stream.put(QUEUED)
+            elif stream is None or self._streams.get(payload) is stream:
                 out = self.engine.abort(payload)
                 if out is not None:
                     self._deliver(out)
         self._publish()
+
+    def _refuse_inbox(self, exc: BaseException) -> None:
+        """Answer every intake still in the inbox with `exc` (the loop will not take them)."""
+        for kind, _, stream in self._taken():
+            if kind == "add":
+                stream.put(exc)
 
     def _publish(self) -> None:
         engine = self.engine
@@ -276,6 +308,8 @@ class AsyncEngine:
                 del self._streams[out.request_id]
 
     def _fail_all(self, exc: BaseException) -> None:
+        if isinstance(exc, EngineDeadError):  # the loop ends: no intake will be answered by it
+            self._refuse_inbox(exc)
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
         for stream in self._streams.values():

@@ -30,7 +30,7 @@ from replicas.engine import Engine
 from replicas.metrics import Backend, EngineMetrics, RayBackend
 from replicas.models import load_model
 from replicas.pass_trace import PassTrace
-from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError,
+from replicas.protocol import (Acknowledged, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, prompt_batch, sample_id)
 from replicas.priority import serve_at_full_priority
@@ -105,12 +105,10 @@ class LLMServer:
         if in_serve and self.reporter is not None:
             self.reporter.start(self.load, lambda: self.engine.engine.iterations,
                                 lambda: self.engine.tbt_snapshot)
-        # Prompt tokens of accepted requests that have not produced a token yet. Kept here,
-        # not read from the loop's snapshot, because the snapshot lags intake by an iteration.
-        self._queued: dict[str, int] = {}
-        # Ids streaming now. A duplicate is refused here, before the engine sees it: the
-        # engine would refuse it too, but its stream cleanup would then abort the original.
-        self._live: set[str] = set()
+        # Prompt tokens of accepted requests that have not produced a token yet, by intake (a
+        # `generate` call). Kept here, not read from the loop's snapshot, because the snapshot
+        # lags intake by an iteration.
+        self._queued: dict[object, int] = {}
         timeout = config.engine.queue_timeout_s
         self._max_transit_credit_s = timeout / 2 if timeout is not None else MAX_TRANSIT_CREDIT_S
         logger.info("replica ready: %s", self.model_info())
@@ -137,18 +135,18 @@ class LLMServer:
         arrived = arrival if arrival is not None else time.perf_counter()
         batch = prompt_batch(prompt_token_ids)  # the one place a request's prompts are told apart
         num_prompt_tokens = sum(len(p) for p in batch)
+        intake = object()  # its entry in `_queued` (the id is the engine's to check)
         try:
-            stream = await self._accept(batch, params, priority, request_id, arrival, num_prompt_tokens)
+            stream = await self._accept(batch, params, priority, request_id, arrival, num_prompt_tokens, intake)
         except RequestRejected as rejected:
             yield rejected
             return
-        self._queued[request_id] = num_prompt_tokens
         finished = started = False
         unfinished = len(batch) * params.n  # choices still generating (their deltas share the stream)
         try:
             yield Acknowledged(request_id=request_id, replica_id=self.replica_id, at=time.time())
             async for out in stream:
-                self._queued.pop(request_id, None)
+                self._queued.pop(intake, None)
                 first = not started
                 if first:
                     out.left_queue_at = time.time()
@@ -161,37 +159,33 @@ class LLMServer:
                     yield self._queue_timeout(num_prompt_tokens, time.perf_counter() - arrived)
                     return
                 yield out
-        except InvalidRequestError as rejected:  # the loop refused it at intake (a duplicate id)
-            yield rejected
         except EngineDeadError as exc:  # the loop died under it: a server fault, retry elsewhere
             down = _engine_down(f"the engine loop on this replica stopped: {exc}")
             if started:
                 raise down from None
             yield down
         finally:
-            self._live.discard(request_id)
-            self._queued.pop(request_id, None)
+            self._queued.pop(intake, None)
             if not finished:  # cancelled (client gone) or failed: free its KV blocks now
                 for i in range(len(batch) * params.n):
                     self.engine.abort(sample_id(request_id, i))
 
-    async def _accept(self, prompts: list[list[int]], params: SamplingParams, priority: int,
-                      request_id: str, arrival: float | None, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
-        """Check health and queue room; queue the request in the engine, which checks it against
-        its limits (context length, KV capacity, the params' type).
+    async def _accept(self, prompts: list[list[int]], params: SamplingParams, priority: int, request_id: str,
+                      arrival: float | None, num_prompt_tokens: int, intake: object) -> AsyncIterator[RequestOutput]:
+        """Check health and queue room; queue the request in the engine, which checks the rest
+        (its limits, the params' type, the id not in use) before the stream is returned.
 
-        `params` was validated when it was built (at the ingress).
+        `params` was validated when it was built (at the ingress). The prompt tokens count as
+        queued (`intake`) from before the engine's answer, so requests accepted meanwhile see them.
         """
         if not self.engine.is_healthy():
             raise _engine_down("the engine loop on this replica is not running")
-        if request_id in self._live:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         self._admit(num_prompt_tokens)
-        self._live.add(request_id)
+        self._queued[intake] = num_prompt_tokens
         try:
             return await self.engine.add_request(prompts, params, request_id, priority, arrival)
         except BaseException as exc:
-            self._live.discard(request_id)
+            self._queued.pop(intake, None)
             if isinstance(exc, EngineDeadError):
                 raise _engine_down("the engine loop on this replica is not running") from None
             raise

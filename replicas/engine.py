@@ -229,7 +229,8 @@ class Engine:
         return self.grammars.matcher(params.guided) if params.guided is not None else None
 
     def enqueue(self, req: Request) -> None:
-        """Queue a request built by `make_request` (no checks again but the id's uniqueness)."""
+        """Queue a request built by `make_request`: no checks again but the id's uniqueness, the
+        one check of it (the async engine answers its caller before any delta streams)."""
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use", "request_id")
         self.requests[req.request_id] = req

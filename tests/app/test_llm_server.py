@@ -146,7 +146,7 @@ async def test_one_failing_request_leaves_the_others_running(server: LLMServer,
                                                              await_until: Callable) -> None:
     first = asyncio.ensure_future(drain(server, [5] * 8, {"max_tokens": 300, "ignore_eos": True}, "dup"))
     # Accepted; it then streams its 300 tokens (a short run would free the id before the retry).
-    await await_until(lambda: "dup" in server._live, interval_s=0.001, what="first request accepted")
+    await await_until(lambda: "dup" in server.engine.engine.requests, interval_s=0.001, what="first request queued")
     [duplicate] = await drain(server, [5] * 8, {"max_tokens": 2}, "dup")
     assert isinstance(duplicate, InvalidRequestError) and "already in use" in duplicate.message
     [invalid] = await drain(server, [5] * 8, {"max_tokens": 5000}, "other")

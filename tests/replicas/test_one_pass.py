@@ -1,6 +1,8 @@
 """One pass through the replica: `Engine.step` makes one call into the model runner, which plans
 the sampling into the pass's upload, runs the forward and samples once, returning the token ids;
-the engine never enters the sampler itself."""
+the engine never enters the sampler itself. A request is checked once, by the engine, and a
+refusal reaches the async caller before any stream starts (a duplicate id never touches the
+request that holds it)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from collections import Counter
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
+from replicas.async_engine import AsyncEngine
 from replicas.models import load_model
+from replicas.protocol import InvalidRequestError
 from replicas.scheduler import SchedulerOutput
 
 
@@ -72,3 +76,22 @@ def test_the_engine_takes_its_tokens_from_the_runner_alone(llama) -> None:
     eng.runner = fake = FakeRunner()
     [out] = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.7, ignore_eos=True))
     assert out.token_ids == [7, 7, 7] and fake.calls == 3 == len(eng.iterations)
+
+
+@pytest.mark.engine
+async def test_the_engine_refuses_a_duplicate_id_before_its_stream_starts(llama) -> None:
+    ae = AsyncEngine(engine_for(llama))
+    try:
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        first = await ae.add_request([[5, 6, 7, 8]], params, "dup")  # queued: the id is taken
+        with pytest.raises(InvalidRequestError, match="already in use") as dup:
+            await ae.add_request([[9, 10]], params, "dup")
+        assert dup.value.param == "request_id"
+        with pytest.raises(InvalidRequestError, match="SamplingParams") as bad:
+            await ae.add_request([[9, 10]], {"max_tokens": 3}, "bad")  # type: ignore[arg-type]
+        assert bad.value.param == "params"
+        outs = [o async for o in first]  # the original streams on, untouched
+        assert sum(len(o.delta_token_ids) for o in outs) == 30 and outs[-1].finish_reason == "length"
+        assert not ae.engine.requests
+    finally:
+        ae.shutdown()

@@ -359,3 +359,22 @@ def test_only_whole_prompts_jump_ahead_of_one_in_progress():
     s.add(c)
     # b in progress takes its half first, c fits whole in the rest, the last 4 go back to b.
     assert tokens(step(s)) == {"a": 1, "b": 12, "c": 3}
+
+
+@pytest.mark.unit
+def test_the_load_record_is_built_once_from_the_counts_and_the_replicas_intake():
+    """The engine publishes the scheduler's counts; the replica builds its ReplicaLoad from them in
+    one call: prompts it accepted that the counts do not show yet count as waiting."""
+    s, clock = make("stall_free", mbp=8)
+    s.add(req("a", 6, 4, clock))
+    s.add(req("b", 10, 4, clock))
+    step(s)  # a's 6 prompt tokens (and its first token) and 2 of b's 10: both running
+    counts = s.counts()
+    assert (counts.running_tokens, counts.waiting_tokens, counts.num_running, counts.num_waiting) == (17, 0, 2, 0)
+    load = counts.report(intake_tokens=30, intake_requests=2, queue_bound_tokens=100, drain_tps=5.0, prefill_tps=9.0)
+    assert (load.running_tokens, load.waiting_tokens, load.num_running, load.num_waiting) == (17, 30, 2, 2)
+    assert (load.queue_bound_tokens, load.drain_tps, load.prefill_tps) == (100, 5.0, 9.0)
+    assert load.total_blocks == counts.total_blocks == 64 and load.free_blocks == counts.free_blocks < 64
+    quiet = counts.report(intake_tokens=0)  # nothing accepted beyond what the scheduler shows
+    assert (quiet.waiting_tokens, quiet.num_waiting, quiet.queue_bound_tokens) == (0, 0, None)
+    assert s.load() == quiet  # the simulator's record: the counts alone
