@@ -377,10 +377,10 @@ class Acknowledged:
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """One replica's load: built by its scheduler after every pass, completed by the replica
-    (intake queue, queue bound, drain rate) and by its reporter (TBT histogram, pass times,
-    replica id, wall-clock `timestamp`), then read as-is by the controller, the router, the
-    door's admission and the simulator.
+    """One replica's load: built once by the replica from its scheduler's counts, its intake
+    queue, queue bound and rates (`scheduler.QueueCounts.report`), completed by its reporter
+    (TBT histogram, pass times, replica id, wall-clock `timestamp`), then read as-is by the
+    controller, the router, the door's admission and the simulator.
 
     Token load = running tokens (KV tokens of running sequences) + waiting tokens (prompt
     tokens still to prefill, including requests accepted but not yet in the scheduler).

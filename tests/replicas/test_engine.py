@@ -414,8 +414,8 @@ def test_logprobs_out_of_range_name_the_field():
 
 
 @pytest.mark.engine
-def test_the_pass_in_progress_is_visible_to_the_replicas_drain_rate(llama):
-    """`pass_started` holds when the running pass began (the replica's drain rate judges a backlog
+def test_the_pass_in_progress_is_visible_to_the_engines_drain_rate(llama):
+    """`pass_started` holds when the running pass began (the engine's drain rate judges a backlog
     up to then: a long pass is not a stall) and is cleared once it ended."""
     eng = engine_for(llama, "stall_free")
     seen = []
