@@ -1,7 +1,8 @@
 """The README cannot drift from the code: its module map names every module of the product and
 every part of loadtests/ and nothing that is gone; each default in its settings table is the
-code's and each serve_config.yaml value the file's; it carries no run tables, dates or commit
-hashes (those live in docs/results/); its links resolve; and the product imports no tooling."""
+code's and each serve_config.yaml value the file's; the versions it pins are those `make install`
+installs; it carries no run tables, dates or commit hashes (those live in docs/results/); its
+links resolve; and the product imports no tooling."""
 
 from __future__ import annotations
 
@@ -131,6 +132,14 @@ def table_headers(text: str) -> list[str]:
     lines = text.splitlines()
     return [lines[i].strip() for i in range(len(lines) - 1)
             if lines[i].lstrip().startswith("|") and re.fullmatch(r"\s*\|[-:| ]+\|\s*", lines[i + 1])]
+
+
+def test_the_pins_the_readme_names_are_the_ones_make_installs() -> None:
+    from replicas.model_files import wheel_requirements
+
+    pins = set(re.findall(r"[\w.-]+==[\w.]+", README.read_text()))
+    cpu_torch = re.findall(r"^CPU_TORCH \?= (\S+)", (REPO / "Makefile").read_text(), re.M)
+    assert pins and pins == set(wheel_requirements()) | set(cpu_torch)
 
 
 def test_the_readmes_links_resolve() -> None:
