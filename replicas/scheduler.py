@@ -281,7 +281,12 @@ class Scheduler:
         return out
 
     def _schedule_stall_free(self, out: SchedulerOutput) -> None:
-        prefilling = self._schedule_decodes(out)
+        self.schedule_prefills(out, self._schedule_decodes(out))
+
+    def schedule_prefills(self, out: SchedulerOutput, prefilling: list[Request]) -> None:
+        """Stall_free's prompt chunks after the pass's decodes (`out.decodes`, counted against
+        the budget); `prefilling`: the running requests still prefilling, most urgent first.
+        The simulator calls it directly when it plays the decodes in closed form."""
         budget = self.config.max_batch_prefill_tokens - len(out.decodes)
         if self.prefill_budget is not None and out.decodes and budget > 0:  # no decodes: no gap to protect
             nxt = prefilling[0] if prefilling else self.waiting[0] if self.waiting else None

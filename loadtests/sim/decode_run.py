@@ -1,98 +1,186 @@
-"""Decode-only passes in closed form: what `schedule()` + `advance()` would do, at O(1) a pass.
+"""A replica's decoding requests in closed form: what `schedule()` + `advance()` do to them, at
+O(1) a pass instead of O(batch).
 
-While a replica has no waiting request and every running request is decoding, the scheduler's
-next pass is fully determined: every running request decodes one token, in the same order, and
-the batch changes only when something new arrives, a request finishes, or the KV cache runs out
-(preemption). A `DecodeRun` plays those passes without touching the requests: each pass's
-features follow from the run's start (context grows by the batch size a pass, the longest
-sequence by one), the KV blocks are allocated at the very passes and in the very order the
-scheduler would allocate them (a request crosses a block boundary every `block_size` passes),
-and the running-token count the load report reads is kept. The requests' own state (tokens,
-token times, computed tokens) is brought up to date in one go by `apply()`, with list copies.
+Every pass decodes one token of every running request that is decoding (stall_free never skips
+one; dynamic and static only in a pass without prompts), so those requests need no per-pass
+work until one of them finishes: a `DecodeSet` holds them and plays their side of each pass from
+aggregates. The pass's decode features follow from sums kept as requests join and leave
+(context grows by the set's size a pass, the longest sequence by one); KV blocks are allocated
+at the very passes and in the very order `_schedule_decodes` allocates them (a request crosses a
+block boundary every `block_size` passes); the running-token count a load report reads is kept;
+the TBT gaps of a pass are one value for every request that decoded in the previous pass too.
+A request's own state (tokens, token times, computed tokens) is brought up to date with list
+copies when it leaves the set: when it finishes, or when the set dissolves.
 
-A pass may run this way only if no request reaches max_tokens at its end and its new blocks
-are free; otherwise the simulator applies the run and calls the real scheduler for that pass.
+Prompts stay with the real scheduler: under stall_free (without the SLO hooks, which read the
+decodes themselves) `Scheduler.schedule_prefills` picks the pass's chunks after the set's
+decodes, exactly as `schedule()` would, and a request whose prompt completes joins the set.
+The set dissolves (every request applied) where the scheduler would preempt, and, for the
+other policies, whenever a prompt is waiting or prefilling; `schedule()` then runs that pass.
 The results equal the pass-by-pass simulation exactly (tests/loadtests/test_sim_decode_run.py).
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
+
 from replicas.histogram import LogHistogram, bin_index
-from replicas.kv_cache import BlockManager
 from replicas.request import Request
+from replicas.scheduler import Scheduler, SchedulerOutput
+
+TRIM_PASSES = 1024  # pass end times kept before every member is brought up to date
 
 
-class DecodeRun:
-    """Passes that decode exactly `reqs` (the scheduler's running list, in its order)."""
+class Member:
+    """A request in the set: up to date as of pass `base`; at pass j its computed tokens are
+    `start + j` and its tokens `start + 1 + j`; it needs a new block at pass `next_block`."""
 
-    __slots__ = ("reqs", "blocks", "num_seqs", "passes", "ends", "last_end", "prev", "context0", "max_start0",
-                 "left", "buckets")
+    __slots__ = ("req", "key", "base", "start", "next_block", "finish")
 
-    def __init__(self, reqs: list[Request], blocks: BlockManager) -> None:
-        self.reqs = list(reqs)
-        self.blocks = blocks
-        self.num_seqs = n = len(reqs)
-        self.passes = 0  # passes started in this run
-        self.ends: list[float] = []  # end times of the passes done and not yet applied to `reqs`
-        self.last_end: float | None = None  # end of the run's latest pass done
-        self.prev = [r.token_times[-1] for r in reqs]  # each request's last token before the run
-        starts = [r.num_computed_tokens for r in reqs]
-        self.context0 = sum(starts) + n  # batch_features' context at the run's first pass
-        self.max_start0 = max(starts)
-        # Passes until the first request gets its last token (that pass is not the run's).
-        self.left = min(r.params.max_tokens - len(r.output_token_ids) for r in reqs)
-        # Pass j allocates (as `_schedule_decodes` does) a block for each request whose table no
-        # longer covers its tokens: request i first at pass j0 = table capacity - tokens + 1,
-        # then every block_size passes. Buckets by j0 mod block_size, each in running order.
-        bs = blocks.block_size
-        self.buckets: list[list[tuple[int, str, int]]] = [[] for _ in range(bs)]
-        for r in reqs:
-            tokens = r.num_tokens
-            j0 = len(blocks.block_table(r.request_id)) * bs - tokens + 1
-            assert j0 >= 0, "a decoding request's computed tokens have their blocks"
-            if j0 < self.left:
-                self.buckets[j0 % bs].append((j0, r.request_id, tokens))
+    def __init__(self, req: Request, key: tuple[float, float], base: int, next_block: int) -> None:
+        self.req, self.key, self.base = req, key, base
+        self.start = req.num_computed_tokens - base
+        self.next_block = next_block
+        self.finish = base + req.params.max_tokens - len(req.output_token_ids) - 1  # its last token's pass
 
-    def start_pass(self) -> tuple[int, int, int, int, int, int] | None:
-        """Start the next pass if it is a pure decode pass that finishes no one and whose new
-        blocks are free: allocate them and return its features (as `batch_features`); else None."""
+
+class DecodeSet:
+    """The running requests that decode; `prefilling` holds the other running ones, in order."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.sch, self.blocks = scheduler, scheduler.blocks
+        self.bs = scheduler.blocks.block_size
+        self.members: dict[str, Member] = {}
+        self.passes = 0  # index of the next pass
+        self.ends: list[float] = []  # end time of each pass from `ends_base` on
+        self.ends_base = 0
+        self.last_end: float | None = None
+        self.context = 0  # sum of the members' computed tokens before the next pass
+        self.max_start: int | None = None  # max of the members' `start`
+        self.buckets: list[list[Member]] = [[] for _ in range(self.bs)]  # by next_block % bs, in running order
+        self.finishing: dict[int, list[Member]] = {}  # pass -> members that get their last token then
+        self.joined: list[Member] = []  # members whose first pass in the set is the next one
+        self.prefilling: list[Request] = []
+        for req in scheduler.running:
+            if req.is_prefilling:
+                self.prefilling.append(req)
+            else:
+                self.join(req)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def join(self, req: Request) -> None:
+        """A running request that decodes (up to date now) joins before the next pass."""
         j = self.passes
-        if j + 1 >= self.left:
-            return None
-        bucket = self.buckets[j % len(self.buckets)]
-        if bucket:
-            due = [(rid, tokens) for j0, rid, tokens in bucket if j0 <= j]
-            if len(due) > self.blocks.num_free:
-                return None  # the scheduler would preempt
-            allocate = self.blocks.allocate
-            for rid, tokens in due:
-                allocate(rid, tokens + j)
-        self.passes = j + 1
-        n = self.num_seqs
-        context = self.context0 + n * j
-        return 0, n, context, n, context, n * (self.max_start0 + j + 1)
+        table = len(self.blocks.block_table(req.request_id))
+        m = Member(req, self.sch.urgency(req), j, table * self.bs - req.num_tokens + 1 + j)
+        assert m.next_block >= j, "a decoding request's computed tokens have their blocks"
+        self.members[req.request_id] = m
+        self.context += req.num_computed_tokens
+        if self.max_start is None or m.start > self.max_start:
+            self.max_start = m.start
+        bisect.insort(self.buckets[m.next_block % self.bs], m, key=_key)
+        bisect.insort(self.finishing.setdefault(m.finish, []), m, key=_key)
+        self.joined.append(m)
 
-    def end_pass(self, now: float, gaps: LogHistogram | None) -> None:
-        """The pass ended at `now`; its TBT gaps (one per request) are counted in `gaps`."""
-        if gaps is not None:
-            if self.last_end is None:
-                gaps.add_many([now - p for p in self.prev])
-            else:  # every request's previous token came at the previous pass's end
-                b = bin_index(now - self.last_end)
-                gaps.counts[b] = gaps.counts.get(b, 0) + self.num_seqs
-                gaps.count += self.num_seqs
+    def _leave(self, m: Member) -> None:
+        """`m` (up to date) leaves the set."""
+        del self.members[m.req.request_id]
+        self.context -= m.req.num_computed_tokens
+        self.buckets[m.next_block % self.bs].remove(m)
+        if m.start == self.max_start:
+            self.max_start = max((x.start for x in self.members.values()), default=None)
+
+    def _apply(self, m: Member) -> None:
+        """Bring `m`'s request up to date with the passes done: what `Scheduler.advance` did."""
+        k = self.passes - m.base
+        if k:
+            req = m.req
+            req.num_computed_tokens += k
+            req.output_token_ids += [0] * k  # no token values in a simulation
+            req.token_times += self.ends[m.base - self.ends_base:]
+            m.base = self.passes
+
+    def apply_all(self) -> None:
+        for m in self.members.values():
+            self._apply(m)
+        self.ends, self.ends_base = [], self.passes
+
+    # ---- one pass -----------------------------------------------------------------------------
+
+    def start_pass(self) -> tuple[list, tuple[int, int, int, int, int, int]] | None:
+        """Allocate the pass's decode blocks and, under stall_free, let the scheduler pick its
+        prompt chunks; returns (the chunks, the decode features (P, D, C, S, A, X) as
+        `batch_features` counts them), or None where the scheduler would preempt."""
+        j = self.passes
+        bucket = self.buckets[j % self.bs]
+        if bucket:
+            due = [m for m in bucket if m.next_block == j]
+            if len(due) > self.blocks.num_free:
+                return None
+            allocate = self.blocks.allocate
+            for m in due:
+                allocate(m.req.request_id, m.start + 1 + j)
+                m.next_block += self.bs
+        n = len(self.members)
+        prefills: list = []
+        sch = self.sch
+        if self.prefilling or sch.waiting:
+            out = SchedulerOutput(decodes=[None] * n)  # only counted: the budget, the KV reserve
+            sch.schedule_prefills(out, self.prefilling)
+            prefills = out.prefills
+            now = sch.clock()
+            for seq in prefills:
+                req = seq.request
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                if seq.start == 0:  # admitted by this pass
+                    bisect.insort(self.prefilling, req, key=sch.urgency)
+        context = self.context + n
+        padded = n * (self.max_start + j + 1) if n else 0
+        return prefills, (0, n, context, n, context, padded)
+
+    def end_pass(self, now: float, gaps: LogHistogram | None) -> list[Request]:
+        """The pass ended at `now`: every member got a token (its gap counted in `gaps`); returns
+        the requests that got their last one, up to date and out of the set, in running order."""
+        n = len(self.members)
+        if gaps is not None and n:
+            fresh = [now - m.req.token_times[-1] for m in self.joined]
+            if fresh:
+                count_gaps(gaps, fresh)
+            if n > len(fresh):  # every other member's previous token came at the previous pass
+                count_gaps(gaps, (now - self.last_end,), n - len(fresh))
+        self.joined = []
         self.ends.append(now)
         self.last_end = now
+        self.context += n
+        self.passes += 1
+        done = self.finishing.pop(self.passes - 1, None)
+        if done:
+            for m in done:
+                self._apply(m)
+                self._leave(m)
+        if len(self.ends) > TRIM_PASSES:
+            self.apply_all()
+        return [m.req for m in done] if done else []
 
-    def apply(self) -> None:
-        """Bring every request up to date with the passes done: what `Scheduler.advance` did."""
-        ends = self.ends
-        m = len(ends)
-        if not m:
-            return
-        zeros = [0] * m  # no token values in a simulation
-        for r in self.reqs:
-            r.num_computed_tokens += m
-            r.output_token_ids += zeros
-            r.token_times += ends
-        self.ends = []
+
+def _key(m: Member) -> tuple[float, float]:
+    return m.key
+
+
+def count_gaps(hist: LogHistogram, gaps: Sequence[float], times: int = 1) -> None:
+    """Count each of `gaps` `times` times in `hist`, binning each run of equal values once (the
+    gaps of one pass are mostly one value: every decode's previous token came at the last pass)."""
+    counts = hist.counts
+    last, b = None, 0
+    for g in gaps:
+        if g != last:
+            last, b = g, bin_index(g)
+        counts[b] = counts.get(b, 0) + times
+    hist.count += len(gaps) * times

@@ -18,18 +18,19 @@ import numpy as np
 
 from autoscale.load import LogHistogram, ReplicaLoad, TbtWindow
 from loadtests.sim.costmodel import CostModel, batch_features
-from loadtests.sim.decode_run import DecodeRun
+from loadtests.sim.decode_run import DecodeSet, count_gaps
 from loadtests.sim.metrics import Recorder
 from replicas.config import EngineConfig
 from replicas.kv_cache import BlockManager
 from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes, slo_hooks
 from replicas.protocol import InvalidRequestError, Limits
 from replicas.request import Request, RequestStatus
-from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 FINISHED = RequestStatus.FINISHED_LENGTH
-# `SimReplica.batch` while a pass of a `DecodeRun` is in flight (its batch is the run's requests).
-DECODE_RUN_PASS = SchedulerOutput()
+# `SimReplica.batch` while a pass of the `DecodeSet` is in flight (its decodes are the set's,
+# its prompt chunks `SimReplica.set_prefills`).
+DECODE_SET_PASS = SchedulerOutput()
 
 
 class SimClock:
@@ -116,13 +117,19 @@ class SimReplica:
         self.rec = recorder
         self.on_finish = on_finish
         self.batch: SchedulerOutput | None = None  # the pass in flight
-        # Decode-only passes in closed form (`DecodeRun`); off: every pass through schedule().
+        # The decoding requests in closed form (`DecodeSet`); off: every pass through schedule().
         # Not with prefix caching: a decode that fills a block registers it in the cache.
         self.decode_runs = decode_runs and not spec.engine.enable_prefix_caching
-        self.run: DecodeRun | None = None
+        # The set plays passes with prompt chunks too under stall_free without the SLO hooks
+        # (they read the decodes); otherwise only passes that decode and nothing else.
+        self.hybrid = (cfg.policy == "stall_free" and self.scheduler.prefill_budget is None
+                       and self.scheduler.may_admit is None)
+        self.decodes: DecodeSet | None = None
+        self.set_prefills: list[ScheduledSeq] = []  # the chunks of the set's pass in flight
+        self.prompt_left = False  # the last full pass cut a prompt: some running request prefills
         self.num_requests = 0  # routed here and not finished (Serve's ongoing requests)
         self.num_iterations = 0
-        self.num_run_passes = 0  # of them, passes of a decode run
+        self.num_run_passes = 0  # of them, passes the decode set played
         self.busy_s = 0.0
         self.last_report: ReplicaLoad | None = None
         self.last_report_t = float("-inf")
@@ -151,9 +158,15 @@ class SimReplica:
         """Schedule the next pass at `now`; returns when it ends (None: nothing to run)."""
         if self.slo_budget is not None:
             self.slo_budget.reset()
-        f = self._decode_run_pass() if self.decode_runs else None
-        if f is not None:
-            batch = DECODE_RUN_PASS
+        started = self._decode_set_pass() if self.decode_runs else None
+        if started is not None:
+            prefills, f = started
+            if prefills:  # the chunks' features added to the decodes' (as batch_features counts them)
+                f = tuple(x + y for x, y in zip(f, batch_features(SchedulerOutput(prefills=prefills))))
+            elif not f[1]:
+                return None
+            batch = DECODE_SET_PASS
+            self.set_prefills = prefills
             self.num_run_passes += 1
         else:
             self.sync()
@@ -172,34 +185,61 @@ class SimReplica:
         self.busy_s += dur
         return now + dur
 
-    def _decode_run_pass(self) -> tuple[int, int, int, int, int, int] | None:
-        """Start the next pass as a decode run's (its features), or None: schedule() decides."""
-        sch = self.scheduler
-        if sch.waiting:
-            return None
-        if self.run is None:
-            running = sch.running
-            if not running or any(r.is_prefilling for r in running):
+    def _decode_set_pass(self) -> tuple[list[ScheduledSeq], tuple[int, ...]] | None:
+        """Start the next pass with the decode set (its chunks and decode features), or None:
+        schedule() runs it."""
+        sch, ds = self.scheduler, self.decodes
+        decode_only = not self.hybrid  # this policy's prompts stop the decodes: the set only plays pure decode passes
+        if ds is None:
+            if decode_only and (not sch.running or sch.waiting or self.prompt_left):
                 return None
-            self.run = DecodeRun(running, self.blocks)
-        return self.run.start_pass()
+            ds = DecodeSet(sch)
+            if decode_only and ds.prefilling:
+                return None
+            self.decodes = ds
+        elif decode_only and (sch.waiting or ds.prefilling):
+            return None
+        return ds.start_pass()
 
     def sync(self) -> None:
-        """End the decode run, if any: its passes are applied to the requests."""
-        if self.run is not None:
-            self.run.apply()
-            self.run = None
+        """Dissolve the decode set, if any: every request in it is brought up to date."""
+        if self.decodes is not None:
+            self.decodes.apply_all()
+            self.decodes = None
 
     def finish_iteration(self, now: float) -> None:
         """The engine's postprocess at the pass's end time `now`."""
         batch, self.batch = self.batch, None
-        rec, pending = self.rec, self.pending_tbt
-        if batch is DECODE_RUN_PASS:  # every request decoded one token, no one finished
-            self.run.end_pass(now, pending)
-            self.scheduler.num_running_tokens += self.run.num_seqs
+        sch = self.scheduler
+        if batch is DECODE_SET_PASS:
+            ds, prefills = self.decodes, self.set_prefills
+            got = sch.advance(SchedulerOutput(prefills=prefills), [0] * sum(1 for q in prefills if q.samples),
+                              now) if prefills else []
+            sch.num_running_tokens += ds.size  # every member decoded a token
+            for req in ds.end_pass(now, self.pending_tbt):  # members that got their last token
+                sch.finish(req, FINISHED)
+                self._finished(req, now)
+            for req in self._postprocess(got, now):  # prompts completed: they decode from now on
+                ds.prefilling.remove(req)
+                if req.status == RequestStatus.RUNNING:
+                    ds.join(req)
+            for seq in prefills:  # a recomputed (preempted) request left its last token: it decodes it
+                if not seq.completes and not seq.request.is_prefilling:
+                    ds.prefilling.remove(seq.request)
+                    ds.join(seq.request)
             return
+        # A prompt cut by this pass is still prefilling: the next pass cannot start a decode set
+        # (unless the set plays prompts too).
+        self.prompt_left = any(not s.completes for s in batch.prefills)
         sampled = [0] * sum(1 for s in batch.seqs if s.samples)  # no token values in a simulation
-        for req in self.scheduler.advance(batch, sampled, now):
+        self._postprocess(sch.advance(batch, sampled, now), now)
+
+    def _postprocess(self, got: list[Request], now: float) -> list[Request]:
+        """Stamp the requests that got a token at `now` (first token, TBT gap), finish those at
+        max_tokens; returns `got`."""
+        rec, pending = self.rec, self.pending_tbt
+        gaps: list[float] = []
+        for req in got:
             times = req.token_times
             if len(times) == 1:  # first token
                 i = int(req.request_id)
@@ -208,10 +248,13 @@ class SimReplica:
                 if delay > rec.late_start_s:
                     rec.num_late_start += 1
             elif pending is not None:  # the scaler's TBT window wants gaps as they happen
-                pending.add(now - times[-2])
+                gaps.append(now - times[-2])
             if len(req.output_token_ids) >= req.params.max_tokens:
                 self.scheduler.finish(req, FINISHED)
                 self._finished(req, now)
+        if gaps:
+            count_gaps(pending, gaps)
+        return got
 
     def _finished(self, req: Request, now: float) -> None:
         rec = self.rec
