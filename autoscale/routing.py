@@ -13,24 +13,30 @@ Replicas whose KV cache cannot hold the request (prompt + max_tokens) are ranked
 replica that can; a replica we have no report for counts as empty with unknown (unbounded)
 headroom, so a fresh replica takes traffic at once. Equal predictions are ordered at random, so
 a burst of equal requests spreads evenly instead of piling onto the first replica in the list.
+
+Bounded cost. A decision ranks a random sample of `sample_size` candidates (power of d choices;
+16 by default, see `RouterTuning`), not the fleet: its cost does not grow with the fleet. A
+fleet no larger than the sample is ranked whole, exactly as a full ranking. The KV filter holds
+fleet-wide: when no sampled replica has room, the rest are scanned for one that has (`_rank`).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autoscale.router_tuning import RouterTuning
 from replicas.admission import admits
 from replicas.prefix_hash import block_hashes
 from replicas.protocol import ReplicaLoad
 
 CHARS_PER_TOKEN = 4  # a text prompt's token estimate when the caller did not tokenize
-# Prefix affinity yields to token load beyond this share of a replica's KV capacity (see
-# choose_by_prefix; the simulator's multi-turn experiment is where the value comes from).
-DEFAULT_PREFIX_IMBALANCE = 0.1
+# The defaults are the router's (RouterTuning): one source for both.
+SAMPLE_SIZE = RouterTuning.sample_size
+DEFAULT_PREFIX_IMBALANCE = RouterTuning.prefix_imbalance
 
 
 @dataclass(frozen=True)
@@ -105,29 +111,77 @@ def kv_headroom(load: ReplicaLoad | None, in_flight_kv_tokens: int = 0) -> float
     return load.free_kv_tokens - load.waiting_tokens - in_flight_kv_tokens
 
 
+def sample_candidates(candidates: Sequence[str], sample_size: int | None, rng: random.Random,
+                      include: Sequence[str] = ()) -> list[str]:
+    """The replicas one decision ranks: `sample_size` candidates drawn uniformly without
+    replacement, plus `include` (candidates the caller wants looked at whatever the draw, e.g.
+    where the prompt's prefix went). Every candidate when `sample_size` is None or not smaller
+    than their number, with no draw, so a small fleet is ranked whole as before."""
+    if sample_size is None or len(candidates) <= sample_size:
+        return list(candidates)
+    pool = rng.sample(candidates, sample_size)
+    pool += [r for r in dict.fromkeys(include) if r not in pool]
+    return pool
+
+
+def _rank(pool: list[str], candidates: Sequence[str], key: Callable[[str], tuple[int, float]],
+          rng: random.Random) -> list[str]:
+    """`pool` best first by `key` = (penalty, score), lower better, equal keys in random order.
+
+    A penalty above 0 marks a replica that fails a filter (no KV room, a queue that would
+    refuse). When the best of the pool has one and `candidates` has replicas the pool did not
+    draw, those are scanned from a random start for the least penalty (stopping at the first
+    with none) and the find goes first: a sample never makes a replica that fails a filter win
+    over one that passes it. The scan costs O(candidates) only when almost every replica fails.
+    """
+    keys = {r: (*key(r), rng.random()) for r in pool}
+    ranked = sorted(keys, key=keys.__getitem__)
+    penalty = keys[ranked[0]][0] if ranked else 0
+    if penalty == 0 or len(keys) >= len(candidates):
+        return ranked
+    start, found = rng.randrange(len(candidates)), None
+    for i in range(len(candidates)):
+        r = candidates[(start + i) % len(candidates)]
+        if r in keys:
+            continue
+        p = key(r)[0]
+        if p < penalty:
+            penalty, found = p, r
+            if p == 0:
+                break
+    return ranked if found is None else [found] + ranked
+
+
+def _all_candidates(candidates: Sequence[str] | None, loads: Mapping[str, ReplicaLoad],
+                    in_flight: Mapping[str, int]) -> Sequence[str]:
+    if candidates is not None:
+        return candidates
+    return [*loads, *(r for r in in_flight if r not in loads)]
+
+
 def choose_replica(request_tokens: int, request_kv_tokens: int, loads: Mapping[str, ReplicaLoad],
                    in_flight: Mapping[str, int], *, candidates: Sequence[str] | None = None,
-                   in_flight_kv: Mapping[str, int] | None = None,
-                   rng: random.Random | None = None) -> list[str]:
-    """Rank candidates, best first, by predicted token load after adding this request.
+                   in_flight_kv: Mapping[str, int] | None = None, rng: random.Random | None = None,
+                   sample_size: int | None = SAMPLE_SIZE, include: Sequence[str] = ()) -> list[str]:
+    """Rank a sample of the candidates, best first, by predicted token load after adding this
+    request (see `sample_candidates`: `sample_size` None ranks them all).
 
     `in_flight[r]`: tokens routed to r that r's report does not reflect yet (KV needs of those in
     `in_flight_kv`, default the same numbers). `candidates` defaults to every replica named in
     `loads` or `in_flight`. Replicas without KV headroom for `request_kv_tokens` come last
-    (still ranked, so the request is never refused while any replica exists).
+    (still ranked, so the request is never refused while any replica exists), and one without
+    never wins over one with, sampled or not (`_rank`).
     """
-    if candidates is None:
-        candidates = sorted(set(loads) | set(in_flight))
+    candidates = _all_candidates(candidates, loads, in_flight)
     in_flight_kv = in_flight if in_flight_kv is None else in_flight_kv
     rng = rng or random.Random()
 
-    def key(replica: str) -> tuple[bool, int, float]:
+    def key(replica: str) -> tuple[int, float]:
         load = loads.get(replica)
         fits = kv_headroom(load, in_flight_kv.get(replica, 0)) >= request_kv_tokens
-        after = predicted_load(load, in_flight.get(replica, 0)) + request_tokens
-        return (not fits, after, rng.random())
+        return (0 if fits else 1, predicted_load(load, in_flight.get(replica, 0)) + request_tokens)
 
-    return sorted(candidates, key=key)
+    return _rank(sample_candidates(candidates, sample_size, rng, include), candidates, key, rng)
 
 
 def prefill_rate(load: ReplicaLoad | None) -> float:
@@ -140,36 +194,36 @@ def prefill_rate(load: ReplicaLoad | None) -> float:
 
 def choose_by_ttft(request_tokens: int, request_kv_tokens: int, loads: Mapping[str, ReplicaLoad],
                    in_flight: Mapping[str, int], *, candidates: Sequence[str] | None = None,
-                   in_flight_kv: Mapping[str, int] | None = None,
-                   rng: random.Random | None = None) -> list[str]:
-    """Rank candidates, best first, by predicted time to first token of this request:
+                   in_flight_kv: Mapping[str, int] | None = None, rng: random.Random | None = None,
+                   sample_size: int | None = SAMPLE_SIZE) -> list[str]:
+    """Rank a sample of the candidates (as `choose_replica`), best first, by predicted time to
+    first token of this request:
 
         (waiting prompt tokens + tokens routed there not yet reported + this prompt) / prefill rate
 
     Under stall_free a new prompt waits for the prompts queued ahead of it, not for the running
     streams (their KV is what token load counts), and a faster replica drains its queue sooner.
-    A replica with no known rate gets the median of the known ones (all unknown: 1 token/s, i.e.
-    plain prompt backlog). KV headroom filters as in `choose_replica`, then whether the replica's
-    queue bound (`queue_bound_tokens`) admits the prompt on top of its backlog (one that would
-    answer 429 comes after every one that would not); ties are random.
+    A replica with no known rate gets the median of the sample's known ones (all unknown:
+    1 token/s, i.e. plain prompt backlog). KV headroom filters as in `choose_replica`, then
+    whether the replica's queue bound (`queue_bound_tokens`) admits the prompt on top of its
+    backlog (one that would answer 429 comes after every one that would not); ties are random.
     """
-    if candidates is None:
-        candidates = sorted(set(loads) | set(in_flight))
+    candidates = _all_candidates(candidates, loads, in_flight)
     in_flight_kv = in_flight if in_flight_kv is None else in_flight_kv
     rng = rng or random.Random()
-    known = sorted(r for r in (prefill_rate(loads.get(c)) for c in candidates) if r > 0)
+    pool = sample_candidates(candidates, sample_size, rng)
+    known = sorted(r for r in (prefill_rate(loads.get(c)) for c in pool) if r > 0)
     default = known[len(known) // 2] if known else 1.0
 
-    def key(replica: str) -> tuple[bool, bool, float, float]:
+    def key(replica: str) -> tuple[int, float]:
         load = loads.get(replica)
         fits = kv_headroom(load, in_flight_kv.get(replica, 0)) >= request_kv_tokens
         queued = (load.waiting_tokens if load is not None else 0) + in_flight.get(replica, 0)
-        backlog = queued + request_tokens
         bound = load.queue_bound_tokens if load is not None else None
         ok = bound is None or admits(queued, request_tokens, bound)
-        return (not fits, not ok, backlog / (prefill_rate(load) or default), rng.random())
+        return (2 * (not fits) + (not ok), (queued + request_tokens) / (prefill_rate(load) or default))
 
-    return sorted(candidates, key=key)
+    return _rank(pool, candidates, key, rng)
 
 
 def cached_prefix_blocks(load: ReplicaLoad | None, prompt_hashes: Sequence[int]) -> int:
@@ -183,12 +237,16 @@ def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping
                      in_flight: Mapping[str, int], *, prompt_hashes: Sequence[int] = (),
                      max_imbalance: float = DEFAULT_PREFIX_IMBALANCE,
                      candidates: Sequence[str] | None = None,
-                     in_flight_kv: Mapping[str, int] | None = None,
-                     rng: random.Random | None = None) -> list[str]:
+                     in_flight_kv: Mapping[str, int] | None = None, rng: random.Random | None = None,
+                     sample_size: int | None = SAMPLE_SIZE, affinity: Sequence[str] = ()) -> list[str]:
     """Rank candidates, best first: the replica holding the longest cached prefix of the prompt
     (its reported `prefix_sketch`, asked with `prompt_hashes`), unless its predicted token load
     is above the least loaded replica's (among those that fit) by more than `max_imbalance` of
     that replica's KV capacity; then the token-load order of `choose_replica`.
+
+    The replicas looked at are `choose_replica`'s sample plus `affinity`: candidates likely to
+    hold the prefix (the router remembers where it sent prompts, `PrefixHints`), so a decision
+    asks a bounded number of sketches; "least loaded" is the least loaded of those.
 
     The bound is the trade-off made explicit: a cache hit saves the hit's prefill, while piling
     every conversation onto one replica costs everyone's TBT there. A share of KV capacity
@@ -197,7 +255,7 @@ def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping
     `choose_replica`.
     """
     ranked = choose_replica(request_tokens, request_kv_tokens, loads, in_flight, candidates=candidates,
-                            in_flight_kv=in_flight_kv, rng=rng)
+                            in_flight_kv=in_flight_kv, rng=rng, sample_size=sample_size, include=affinity)
     if not ranked or not prompt_hashes:
         return ranked
     in_flight_kv = in_flight if in_flight_kv is None else in_flight_kv
@@ -219,7 +277,7 @@ def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping
     best = max(hits.values(), default=0)
     if best == 0:
         return ranked
-    first = min((r for r, h in hits.items() if h == best), key=ranked.index)  # ties: token-load order
+    first = next(r for r in ranked if hits.get(r) == best)  # ties: token-load order
     return [first] + [r for r in ranked if r != first]
 
 

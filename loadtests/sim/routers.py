@@ -1,7 +1,9 @@
 """Routing policies for the simulator: thin adapters around `autoscale.routing`'s pure functions.
 
-The ranking is the production code (`choose_replica`, `power_of_two`, `round_robin`); these
-classes only hold what the Serve router holds between requests:
+The ranking is the production code (`choose_replica`, `power_of_two`, `round_robin`) with the
+production tuning (`RouterTuning`: the same candidate sample size, prefix bound and grace;
+pass another record to compare, e.g. `sample_size=None` for the full ranking); these classes
+only hold what the Serve router holds between requests:
 
 - token_load: the replicas' latest load reports plus the router's `InFlightBook` (requests routed
   but not yet visible in a report). A request routed to replica r stops counting as in flight
@@ -10,8 +12,8 @@ classes only hold what the Serve router holds between requests:
 - ttft: the same reports and book, ranked by predicted time to first token (prompt backlog over
   the replica's prefill rate; the simulated replicas report their cost model's rate).
 - prefix: production's `choose_by_prefix` on the same reports and book: the replica holding the
-  longest cached prefix of the prompt within a bounded token-load imbalance. The replicas'
-  caches are read exactly (`BlockManager.num_cached_leading`) where production reads a Bloom
+  longest cached prefix of the prompt within a bounded token-load imbalance, the sample widened
+  by the router's `PrefixHints` as in Serve. The replicas' caches are read exactly (`BlockManager.num_cached_leading`) where production reads a Bloom
   sketch refreshed every ~0.1 s: the simulated view is a little fresher and never false-positive.
 - power_of_two: two random replicas, fewer ongoing requests first (Serve's default probes the
   replicas' live queue lengths, so counts here are exact, not reported).
@@ -29,8 +31,10 @@ from collections.abc import Sequence
 
 from autoscale.inflight import InFlightBook
 from autoscale.load import ReplicaLoad
-from autoscale.routing import (DEFAULT_PREFIX_IMBALANCE, RequestCost, choose_by_prefix, choose_by_ttft,
-                               choose_replica, power_of_two, round_robin)
+from autoscale.prefix_hints import PrefixHints
+from autoscale.router_tuning import RouterTuning
+from autoscale.routing import (RequestCost, choose_by_prefix, choose_by_ttft, choose_replica, power_of_two,
+                               round_robin)
 from loadtests.sim.replica import SimReplica
 from replicas.kv_cache import BlockManager
 from replicas.prefix_hash import block_hashes
@@ -65,10 +69,11 @@ class TokenLoadRouter(Router):
     needs_reports = True
     rank = staticmethod(choose_replica)
 
-    def __init__(self, seed: int = 0, reflect_grace_s: float = 0.05) -> None:
+    def __init__(self, seed: int = 0, tuning: RouterTuning = RouterTuning()) -> None:
         self.rng = random.Random(seed)
-        self.book = InFlightBook(reflect_grace_s=reflect_grace_s)
-        self.grace = reflect_grace_s
+        self.tuning = tuning
+        self.book = InFlightBook(reflect_grace_s=tuning.reflect_grace_s)
+        self.grace = tuning.reflect_grace_s
         self.loads: dict[str, ReplicaLoad] = {}
         self._sent: dict[str, deque[tuple[float, str]]] = {}
 
@@ -77,7 +82,7 @@ class TokenLoadRouter(Router):
         in_flight, in_flight_kv = self.book.unreflected(self.loads)
         by_id = {r.replica_id: r for r in replicas}
         ranked = self.rank(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=list(by_id),
-                           in_flight_kv=in_flight_kv, rng=self.rng)
+                           in_flight_kv=in_flight_kv, rng=self.rng, sample_size=self.tuning.sample_size)
         return by_id[ranked[0]]
 
     def routed(self, request_id: str, replica: SimReplica, cost: RequestCost, now: float) -> None:
@@ -119,18 +124,22 @@ class _LiveCache:
 class PrefixRouter(TokenLoadRouter):
     """Production's `prefix` ranking (`routing.choose_by_prefix`) on the same reports and book."""
 
-    def __init__(self, seed: int = 0, max_imbalance: float = DEFAULT_PREFIX_IMBALANCE) -> None:
-        super().__init__(seed)
-        self.max_imbalance = max_imbalance
+    def __init__(self, seed: int = 0, tuning: RouterTuning = RouterTuning()) -> None:
+        super().__init__(seed, tuning)
+        self.hints = PrefixHints(tuning.prefix_hints)
 
     def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
                prompt: Sequence[int] | None = None) -> SimReplica:
         in_flight, in_flight_kv = self.book.unreflected(self.loads)
         by_id = {r.replica_id: r for r in replicas}
         hashes = block_hashes(prompt, replicas[0].blocks.block_size) if prompt is not None and replicas else []
+        hint = self.hints.lookup(hashes) if hashes else None
         ranked = choose_by_prefix(cost.tokens, cost.kv_tokens, self.loads, in_flight, prompt_hashes=hashes,
-                                  max_imbalance=self.max_imbalance, candidates=list(by_id),
-                                  in_flight_kv=in_flight_kv, rng=self.rng)
+                                  max_imbalance=self.tuning.prefix_imbalance, candidates=list(by_id),
+                                  in_flight_kv=in_flight_kv, rng=self.rng, sample_size=self.tuning.sample_size,
+                                  affinity=[hint] if hint in by_id else [])
+        if hashes:
+            self.hints.record(hashes, ranked[0])
         return by_id[ranked[0]]
 
     def reported(self, replica: SimReplica, load: ReplicaLoad, now: float) -> None:
@@ -152,7 +161,7 @@ class PrefillBacklogRouter(TokenLoadRouter):
         backlog = {k: replace(v, running_tokens=0) for k, v in self.loads.items()}
         by_id = {r.replica_id: r for r in replicas}
         ranked = choose_replica(cost.tokens, cost.kv_tokens, backlog, in_flight, candidates=list(by_id),
-                                in_flight_kv=in_flight_kv, rng=self.rng)
+                                in_flight_kv=in_flight_kv, rng=self.rng, sample_size=self.tuning.sample_size)
         return by_id[ranked[0]]
 
 
@@ -179,17 +188,18 @@ class RoundRobinRouter(Router):
         return replicas[ids.index(first)]
 
 
-def make_router(name: str, seed: int = 0) -> Router:
+def make_router(name: str, seed: int = 0, tuning: RouterTuning = RouterTuning()) -> Router:
+    """The simulator's router `name`; the token-load family ranks with `tuning`."""
     if name == "token_load":
-        return TokenLoadRouter(seed)
+        return TokenLoadRouter(seed, tuning)
     if name == "ttft":
-        return TtftRouter(seed)
+        return TtftRouter(seed, tuning)
     if name == "prefix":
-        return PrefixRouter(seed)
+        return PrefixRouter(seed, tuning)
     if name == "power_of_two":
         return PowerOfTwoRouter(seed)
     if name == "round_robin":
         return RoundRobinRouter()
     if name == "prefill_backlog":
-        return PrefillBacklogRouter(seed)
+        return PrefillBacklogRouter(seed, tuning)
     raise ValueError(f"router must be one of {ROUTERS + WHAT_IF_ROUTERS}, got {name!r}")

@@ -209,3 +209,85 @@ def test_prefix_affinity_never_picks_a_replica_without_kv_room():
     # Text prompts (no ids) and replicas without sketches give no hashes: plain token-load.
     assert prompt_block_hashes("some text", loads) == []
     assert prompt_block_hashes(turn1, {"x": load("x")}) == []
+
+
+# ---- bounded cost: a sample of the candidates ---------------------------------------------
+
+def fleet(n: int, seed: int = 0, **kw) -> dict[str, ReplicaLoad]:
+    rng = random.Random(seed)
+    return {f"r{i:04d}": load(f"r{i:04d}", running=rng.randrange(10_000), **kw) for i in range(n)}
+
+
+def test_a_fleet_no_larger_than_the_sample_is_ranked_whole_as_before():
+    loads = fleet(12)
+    for seed in range(5):
+        full = choose_replica(10, 10, loads, {"r0003": 500}, rng=random.Random(seed), sample_size=None)
+        assert choose_replica(10, 10, loads, {"r0003": 500}, rng=random.Random(seed), sample_size=16) == full
+        assert len(full) == 12 and choose_by_ttft(10, 10, loads, {}, rng=random.Random(seed), sample_size=12) == \
+            choose_by_ttft(10, 10, loads, {}, rng=random.Random(seed), sample_size=None)
+
+
+def test_a_large_fleet_ranks_a_seeded_sample_best_first():
+    loads = fleet(1000)
+    ranked = choose_replica(10, 10, loads, {}, rng=random.Random(1), sample_size=16)
+    assert len(ranked) == len(set(ranked)) == 16
+    assert [loads[r].running_tokens for r in ranked] == sorted(loads[r].running_tokens for r in ranked)
+    assert choose_replica(10, 10, loads, {}, rng=random.Random(1), sample_size=16) == ranked  # seeded: repeatable
+    assert choose_replica(10, 10, loads, {}, rng=random.Random(2), sample_size=16) != ranked
+
+
+def test_the_sampled_choice_is_near_the_least_loaded():
+    # The best of 16 uniform draws sits at quantile 1/17 (5.9%) of the fleet on average.
+    loads = fleet(1000, seed=3)
+    order = sorted(loads, key=lambda r: loads[r].running_tokens)
+    quantile = {r: i / len(order) for i, r in enumerate(order)}
+    rng = random.Random(4)
+    firsts = [choose_replica(10, 10, loads, {}, rng=rng)[0] for _ in range(2000)]
+    mean = sum(quantile[r] for r in firsts) / len(firsts)
+    assert 0.045 < mean < 0.075, mean
+    assert max(quantile[r] for r in firsts) < 0.4
+
+
+def test_a_replica_without_kv_room_never_wins_over_one_with_whatever_the_sample():
+    loads = fleet(1000, free_blocks=1)  # 16 free KV tokens each
+    loads["r0777"] = load("r0777", running=9_999, free_blocks=900)  # the only one with room
+    for seed in range(20):
+        ranked = choose_replica(10, 100, loads, {}, rng=random.Random(seed))
+        assert ranked[0] == "r0777" and len(ranked) in (16, 17)
+    # Nothing fits anywhere: the sample, least loaded first (the request is still routed).
+    del loads["r0777"]
+    ranked = choose_replica(10, 100, loads, {}, rng=random.Random(0))
+    assert len(ranked) == 16 and ranked == sorted(ranked, key=lambda r: loads[r].running_tokens)
+
+
+def test_ttft_sample_prefers_the_replica_whose_queue_admits_fleet_wide():
+    full = {f"q{i}": dataclasses.replace(ttft_load(900, prefill_tps=1000), queue_bound_tokens=1000)
+            for i in range(500)}
+    full["open"] = dataclasses.replace(ttft_load(900, prefill_tps=10), queue_bound_tokens=10_000)
+    for seed in range(10):
+        assert choose_by_ttft(200, 0, full, {}, rng=random.Random(seed))[0] == "open"
+
+
+def test_include_is_always_ranked_besides_the_sample():
+    loads = fleet(1000)
+    loads["r0500"] = load("r0500", running=0)
+    for seed in range(10):
+        ranked = choose_replica(10, 10, loads, {}, rng=random.Random(seed), include=["r0500"])
+        assert ranked[0] == "r0500"
+
+
+def test_prefix_affinity_in_a_large_fleet_comes_from_the_hint():
+    from autoscale.routing import choose_by_prefix, prompt_block_hashes
+
+    prompt = list(range(100, 420))
+    loads = fleet(1000)
+    loads["r0042"] = cached("r0042", [prompt], running=500)
+    loads = {k: v if k == "r0042" else cached(k, [], running=v.running_tokens) for k, v in loads.items()}
+    hashes = prompt_block_hashes(prompt, loads)
+    firsts = {choose_by_prefix(330, 400, loads, {}, prompt_hashes=hashes, rng=random.Random(s),
+                               affinity=["r0042"])[0] for s in range(10)}
+    assert firsts == {"r0042"}
+    # Without the hint the holder is looked at only when the draw picks it (16 in 1,000).
+    blind = [choose_by_prefix(330, 400, loads, {}, prompt_hashes=hashes, rng=random.Random(s))[0]
+             for s in range(10)]
+    assert blind.count("r0042") <= 2

@@ -1,0 +1,111 @@
+"""The Serve router, driven without Ray through its hooks: it takes its knobs from one
+`RouterTuning` (unknown keywords refused), ranks a seeded sample of a large fleet on the
+controller's loads and returns it one replica per rank, and with `ranking: prefix` sends a
+conversation's next turn where it sent the previous one."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from autoscale.load import ClusterSnapshot, ReplicaLoad
+from autoscale.router import TokenLoadRouter
+
+pytestmark = pytest.mark.unit
+
+
+@dataclass(frozen=True)
+class Replica:  # what the router reads of Serve's RunningReplica
+    replica_id: str
+
+
+@dataclass
+class Pending:  # what the router reads of Serve's PendingRequest
+    args: tuple
+    kwargs: dict
+    metadata: Any
+    routing_context: Any = field(default_factory=lambda: type("Ctx", (), {})())
+
+
+class Controller:
+    """Answers `snapshot.remote(...)` at once with fixed loads."""
+
+    def __init__(self, loads: dict[str, ReplicaLoad]) -> None:
+        self.snapshot = self
+        self.loads = loads
+        self.calls = 0
+
+    def remote(self, ids: list[str], **_: Any) -> Any:
+        self.calls += 1
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(ClusterSnapshot(replicas=self.loads))
+        return type("Ref", (), {"future": lambda _self: done})()
+
+
+def router(loads: dict[str, ReplicaLoad], **tuning: Any) -> TokenLoadRouter:
+    r = TokenLoadRouter.__new__(TokenLoadRouter)  # Serve's constructor wants a live deployment
+    r.initialize_state(controller_name="c", namespace="n", **tuning)
+    r._replicas = {}
+    r._controller = Controller(loads)
+    return r
+
+
+def request(i: int, prompt: list[int], max_tokens: int = 10) -> Pending:
+    meta = type("Meta", (), {"internal_request_id": f"q{i}"})()
+    return Pending((prompt, {"max_tokens": max_tokens}), {}, meta)
+
+
+def test_unknown_router_keywords_are_refused():
+    with pytest.raises(ValueError, match="sampel_size"):
+        router({}, sampel_size=8)
+    assert router({}, sample_size=None, seed=3).tuning.sample_size is None
+
+
+def test_a_large_fleet_gets_the_ranked_sample_of_the_controllers_loads():
+    rng = random.Random(0)
+    keys = [f"r{i:04d}" for i in range(1000)]
+    loads = {k: ReplicaLoad(k, running_tokens=rng.randrange(10_000), free_blocks=1000, total_blocks=1000,
+                            block_size=16) for k in keys}
+    replicas = [Replica(k) for k in keys]
+
+    async def route(r: TokenLoadRouter, i: int) -> list[str]:
+        await r.choose_replicas(replicas, request(i, list(range(50))))  # the first waits for the snapshot
+        await asyncio.sleep(0)
+        groups = await r.choose_replicas(replicas, request(i, list(range(50))))
+        return [g[0].replica_id for g in groups]
+
+    a, b = router(loads, seed=5), router(loads, seed=5)
+    ranked = asyncio.run(route(a, 1))
+    assert ranked == asyncio.run(route(b, 1))  # seeded: the same sample and order
+    assert len(ranked) == 16 and len(set(ranked)) == 16
+    assert [loads[k].running_tokens for k in ranked] == sorted(loads[k].running_tokens for k in ranked)
+    assert a._candidates is replicas and len(a._candidate_keys) == 1000  # indexed once for this list
+
+
+def test_prefix_ranking_sends_the_next_turn_where_the_history_went():
+    from replicas.prefix_hash import PrefixSketch, block_hashes
+
+    keys = [f"r{i:04d}" for i in range(200)]
+    turn1 = list(range(1000, 1000 + 16 * 20))
+    turn2 = turn1 + list(range(5000, 5100))
+    loads = {k: ReplicaLoad(k, running_tokens=100, free_blocks=1000, total_blocks=1000, block_size=16,
+                            prefix_sketch=PrefixSketch.of([], 1000)) for k in keys}
+    replicas = [Replica(k) for k in keys]
+
+    async def conversation() -> tuple[str, str]:
+        # Every request waits for a fresh snapshot, so the second one sees the first's cache.
+        r = router(loads, ranking="prefix", seed=1, refresh_interval_s=1e-9, stale_after_s=1e-9)
+        first = (await r.choose_replicas(replicas, request(1, turn1)))[0][0].replica_id
+        # That replica now caches turn 1 and reports it (load equal to the others').
+        loads[first] = ReplicaLoad(first, running_tokens=100, free_blocks=1000, total_blocks=1000,
+                                   block_size=16, prefix_sketch=PrefixSketch.of(block_hashes(turn1, 16), 1000))
+        second = (await r.choose_replicas(replicas, request(2, turn2)))[0][0].replica_id
+        return first, second
+
+    first, second = asyncio.run(conversation())
+    assert second == first
