@@ -3,10 +3,13 @@ Serve runs, `RouterTuning.sample_size`) against ranking every replica, in the si
 
     python -m loadtests.sim.routing_scale                       # 64 and 1,000 replicas
     python -m loadtests.sim.routing_scale --replicas 64 --requests-per-replica 250 --rankings token_load ttft
+    python -m loadtests.sim.routing_scale --rankings prefix --json docs/results/sim_routing_scale_prefix.json
 
 Same trace per fleet size for both rules: Mistral-7B on an A100-80GB, stall_free (MBP 512),
 ShareGPT-like Poisson arrivals at `--per-replica-rps` (3.0: about 80% of a replica's
-strict-SLO capacity, see docs/results/simulator.md). The runs at 1,000 replicas are short
+strict-SLO capacity, see docs/results/simulator.md). `prefix` runs the prefix-routing
+experiment's multi-turn chat instead (prefix cache on, conversations starting at 15 / 6 per
+replica per second, 6 turns 5 s apart, `--conversations-per-replica`) and adds the hit rate. The runs at 1,000 replicas are short
 (`--requests-per-replica`), so besides the whole trace's figures each row gives the arrivals
 after `--warm-s` (the fleet filled): their TTFT p99 and goodput (requests meeting the TTFT and
 TPOT SLOs per second of that window). Prints a table with sampled / full ratios (the target:
@@ -30,10 +33,24 @@ from loadtests.sim.__main__ import table, write_json
 from loadtests.sim.deploy import replica_spec
 from loadtests.sim.routers import make_router
 from loadtests.sim.simulator import SimConfig, Simulator
-from loadtests.sim.traffic import make_trace
+from loadtests.sim.traffic import Trace, make_trace, multi_turn_trace
 
 TOLERANCE = 0.05
 RULES = {"full": None, "sampled": RouterTuning.sample_size}  # sample_size per rule
+CHAT_RPS, CHAT_TURNS, CHAT_THINK_S = 15.0, 6, 5.0  # the prefix-routing experiment's chat (experiments.py)
+
+
+def trace_for(ranking: str, n: int, per: int, conversations: int, per_replica_rps: float, seed: int) -> Trace:
+    if ranking == "prefix":
+        return multi_turn_trace(n * conversations, n * CHAT_RPS / CHAT_TURNS, turns=CHAT_TURNS,
+                                think_s=CHAT_THINK_S, seed=seed)
+    return make_trace("sharegpt", "poisson", n=n * per, rate=n * per_replica_rps, seed=seed)
+
+
+def hit_rate(sim: Simulator) -> float:
+    everyone = sim.retired + sim.replicas
+    queried = sum(r.blocks.query_tokens for r in everyone)
+    return sum(r.blocks.hit_tokens for r in everyone) / queried if queried else 0.0
 
 
 def window(sim: Simulator, warm_s: float) -> dict[str, float]:
@@ -49,17 +66,23 @@ def window(sim: Simulator, warm_s: float) -> dict[str, float]:
             "window_goodput_rps": float(ok.sum()) / span}
 
 
+def per_size(counts: list[int], replica_counts: list[int], flag: str) -> list[int]:
+    out = counts * len(replica_counts) if len(counts) == 1 else counts
+    if len(out) != len(replica_counts):
+        raise ValueError(f"{flag} takes one count or one per --replicas")
+    return out
+
+
 def run(replica_counts: list[int], rankings: list[str], per_replica_rps: float, requests_per_replica: list[int],
-        warm_s: float, seed: int, progress: bool) -> dict[str, Any]:
-    """Both rules at each fleet size (`requests_per_replica`: one count, or one per size)."""
-    spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 512)
-    counts = requests_per_replica * len(replica_counts) if len(requests_per_replica) == 1 else requests_per_replica
-    if len(counts) != len(replica_counts):
-        raise ValueError("--requests-per-replica takes one count or one per --replicas")
+        conversations_per_replica: list[int], warm_s: float, seed: int, progress: bool) -> dict[str, Any]:
+    """Both rules at each fleet size (the counts: one, or one per size)."""
+    requests = per_size(requests_per_replica, replica_counts, "--requests-per-replica")
+    conversations = per_size(conversations_per_replica, replica_counts, "--conversations-per-replica")
     rows = []
-    for n, per in zip(replica_counts, counts):
-        trace = make_trace("sharegpt", "poisson", n=n * per, rate=n * per_replica_rps, seed=seed)
+    for n, per, convs in zip(replica_counts, requests, conversations):
         for ranking in rankings:
+            trace = trace_for(ranking, n, per, convs, per_replica_rps, seed)
+            spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 512, prefix_caching=ranking == "prefix")
             for rule, size in RULES.items():
                 tuning = dataclasses.replace(RouterTuning(), ranking=ranking, sample_size=size)
                 cfg = SimConfig(spec, n, router=ranking, tbt_slo_s=0.1, seed=seed)
@@ -70,11 +93,11 @@ def run(replica_counts: list[int], rankings: list[str], per_replica_rps: float, 
                              "requests": len(trace), "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"],
                              "goodput_rps": s["goodput_rps"], "tbt_bucket_p99_s": s["tbt_bucket_p99_s"],
                              "tpot_slo_request_share": s["tpot_slo_request_share"], **window(sim, warm_s),
-                             "wall_s": res.wall_s})
+                             "hit_rate": hit_rate(sim), "wall_s": res.wall_s})
                 print(f"  {n:5d} replicas {ranking:10s} {rule:8s} TTFT p99 {s['ttft_p99_s']:.3f} s "
                       f"goodput {s['goodput_rps']:.1f} req/s ({res.wall_s:.0f} s)", flush=True)
     return {"rows": rows, "checks": checks(rows), "per_replica_rps": per_replica_rps,
-            "requests_per_replica": requests_per_replica, "warm_s": warm_s, "seed": seed,
+            "requests_per_replica": requests, "conversations_per_replica": conversations, "warm_s": warm_s, "seed": seed,
             "sample_size": RouterTuning.sample_size, "tolerance": TOLERANCE,
             "setting": "mistral-7b / A100-80GB, stall_free MBP 512, sharegpt, poisson",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -99,21 +122,25 @@ def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m loadtests.sim.routing_scale", description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[64, 1000])
-    p.add_argument("--rankings", nargs="+", default=["token_load"], choices=["token_load", "ttft"])
+    p.add_argument("--rankings", nargs="+", default=["token_load"], choices=["token_load", "ttft", "prefix"])
     p.add_argument("--per-replica-rps", type=float, default=3.0)
     p.add_argument("--requests-per-replica", type=int, nargs="+", default=[250, 60],
                    help="one count, or one per --replicas (1,000 replicas: short, see the module doc)")
+    p.add_argument("--conversations-per-replica", type=int, nargs="+", default=[100, 10],
+                   help="prefix: one count, or one per --replicas")
     p.add_argument("--warm-s", type=float, default=10.0, help="the window starts at this arrival time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=Path("docs/results/sim_routing_scale.json"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
-    res = run(a.replicas, a.rankings, a.per_replica_rps, a.requests_per_replica, a.warm_s, a.seed, not a.quiet)
+    res = run(a.replicas, a.rankings, a.per_replica_rps, a.requests_per_replica, a.conversations_per_replica,
+              a.warm_s, a.seed, not a.quiet)
     print()
     table(res["rows"], [("replicas", "replicas", "d"), ("ranking", "ranking", "s"), ("rule", "rule", "s"),
                         ("ttft_p50_s", "p50 TTFT s", ".3f"), ("ttft_p99_s", "p99 TTFT s", ".3f"),
                         ("goodput_rps", "goodput", ".1f"), ("window_ttft_p99_s", "p99 TTFT s (warm)", ".3f"),
                         ("window_goodput_rps", "goodput (warm)", ".1f"), ("tbt_bucket_p99_s", "p99 TBT s", ".3f"),
+                        ("hit_rate", "hit rate", ".3f"),
                         ("wall_s", "wall s", ".0f")])
     for c in res["checks"]:
         print(f"{c['replicas']:5d} replicas {c['ranking']:10s} sampled / full: TTFT p99 {c['ttft_p99_s_ratio']:.3f} "

@@ -33,7 +33,7 @@ def test_from_kwargs_builds_and_refuses_unknown_keywords():
 
 @pytest.mark.parametrize("field,value", [
     ("ranking", "random"), ("sample_size", 1), ("sample_size", 2.5), ("sample_size", True),
-    ("prefix_hints", -1), ("default_max_tokens", -5), ("seed", "x"), ("refresh_interval_s", 0),
+    ("prefix_hints", -1), ("default_max_tokens", -5), ("seed", "x"), ("refresh_interval_s", -1), ("snapshot_timeout_s", 0),
     ("stale_after_s", -1.0), ("snapshot_timeout_s", float("nan")), ("max_snapshot_age_s", "2"),
     ("stale_wait_s", -0.1), ("reflect_grace_s", -1), ("prefix_imbalance", -0.5)])
 def test_each_bad_value_names_its_field(field, value):
