@@ -150,12 +150,18 @@ class DecodeSet:
         the requests that got their last one, up to date and out of the set, in running order."""
         n = len(self.members)
         if gaps is not None and n:
-            fresh = [now - m.req.token_times[-1] for m in self.joined]
-            if fresh:
-                count_gaps(gaps, fresh)
-            if n > len(fresh):  # every other member's previous token came at the previous pass
-                count_gaps(gaps, (now - self.last_end,), n - len(fresh))
-        self.joined = []
+            same = n
+            if self.joined:
+                count_gaps(gaps, [now - m.req.token_times[-1] for m in self.joined])
+                same -= len(self.joined)
+                self.joined = []
+            if same:  # every other member's previous token came at the previous pass
+                b = bin_index(now - self.last_end)
+                counts = gaps.counts
+                counts[b] = counts.get(b, 0) + same
+                gaps.count += same
+        elif self.joined:
+            self.joined = []
         self.ends.append(now)
         self.last_end = now
         self.context += n
