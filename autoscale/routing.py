@@ -226,11 +226,40 @@ def choose_by_ttft(request_tokens: int, request_kv_tokens: int, loads: Mapping[s
     return _rank(pool, candidates, key, rng)
 
 
-def cached_prefix_blocks(load: ReplicaLoad | None, prompt_hashes: Sequence[int]) -> int:
-    """Leading blocks of the prompt a replica's reported sketch holds (0 without a sketch)."""
-    if load is None or load.prefix_sketch is None or not prompt_hashes:
-        return 0
-    return load.prefix_sketch.matched_blocks(prompt_hashes)
+def prefix_winner(eligible: Sequence[str], affinity: Sequence[str], loads: Mapping[str, ReplicaLoad],
+                  prompt_hashes: Sequence[int]) -> str | None:
+    """The replica among `eligible` (in token-load order) whose reported sketch holds the most
+    leading blocks of the prompt, ties to the earlier one; None when none holds any.
+
+    Exact, at a few sketch probes a replica: in order, a replica can only take the lead with
+    more blocks than the leader, so one probe of the next block rules most out. The hinted
+    replicas (`affinity`) come last, so the usual winner (the hint, holding the longest prefix)
+    is asked only for the blocks it needs to win, not for its whole hit.
+    """
+    order = {r: i for i, r in enumerate(eligible)}
+    best, first = 0, None
+    n = len(prompt_hashes)
+    hinted = [r for r in eligible if r in affinity]
+    for r in eligible:
+        sketch = loads[r].prefix_sketch if r in loads else None
+        if sketch is None or r in affinity or best >= n or not sketch.matched_blocks(prompt_hashes[best:best + 1]):
+            continue
+        hit = sketch.matched_blocks(prompt_hashes)
+        if hit > best:
+            best, first = hit, r
+    for i, r in enumerate(hinted):
+        sketch = loads[r].prefix_sketch if r in loads else None
+        if sketch is None:
+            continue
+        if i < len(hinted) - 1:  # another hint follows: it needs this one's exact hit
+            hit = sketch.matched_blocks(prompt_hashes)
+            if hit > best or (hit == best > 0 and first is not None and order[r] < order[first]):
+                best, first = hit, r
+            continue
+        need = 1 if first is None else best + (order[r] > order[first])
+        if need <= n and sketch.matched_blocks(prompt_hashes[:need]) == need:
+            first = r
+    return first
 
 
 def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping[str, ReplicaLoad],
@@ -273,11 +302,9 @@ def choose_by_prefix(request_tokens: int, request_kv_tokens: int, loads: Mapping
     reported = loads.get(least)
     capacity = reported.total_blocks * reported.block_size if reported is not None else 0
     bound = load_of(least) + max_imbalance * capacity
-    hits = {r: cached_prefix_blocks(loads.get(r), prompt_hashes) for r in fitting if load_of(r) <= bound}
-    best = max(hits.values(), default=0)
-    if best == 0:
+    first = prefix_winner([r for r in fitting if load_of(r) <= bound], affinity, loads, prompt_hashes)
+    if first is None:
         return ranked
-    first = next(r for r in ranked if hits.get(r) == best)  # ties: token-load order
     return [first] + [r for r in ranked if r != first]
 
 

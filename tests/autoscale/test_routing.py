@@ -291,3 +291,22 @@ def test_prefix_affinity_in_a_large_fleet_comes_from_the_hint():
     blind = [choose_by_prefix(330, 400, loads, {}, prompt_hashes=hashes, rng=random.Random(s))[0]
              for s in range(10)]
     assert blind.count("r0042") <= 2
+
+
+def test_prefix_winner_is_the_longest_hit_ties_to_token_load_order_hint_or_not():
+    from autoscale.routing import prefix_winner, prompt_block_hashes
+
+    system = list(range(10_000, 10_000 + 16 * 8))  # 8 blocks every replica holds
+    mine = system + list(range(500, 500 + 16 * 6))  # 14 blocks: this conversation's history
+    loads = {"a": cached("a", [system]), "b": cached("b", [system]), "h": cached("h", [mine]),
+             "x": cached("x", [])}
+    hashes = prompt_block_hashes(mine + [1] * 40, loads)
+    for eligible in (["a", "b", "h", "x"], ["h", "a", "b", "x"], ["x", "b", "a", "h"]):
+        for affinity in ([], ["h"], ["a"], ["a", "h"], ["h", "b"]):
+            assert prefix_winner(eligible, affinity, loads, hashes) == "h", (eligible, affinity)
+    # Without h: a tie at the shared 8 blocks goes to the earlier replica, hinted or not.
+    for affinity in ([], ["a"], ["b"], ["b", "a"]):
+        assert prefix_winner(["x", "b", "a"], affinity, loads, hashes) == "b", affinity
+        assert prefix_winner(["a", "b"], affinity, loads, hashes) == "a", affinity
+    assert prefix_winner(["x"], ["x"], loads, hashes) is None
+    assert prefix_winner(["a", "b"], [], loads, prompt_block_hashes(list(range(900, 1300)), loads)) is None
