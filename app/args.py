@@ -18,14 +18,12 @@ from app.middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from app.stream_limit import DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
 from autoscale.routing import DEFAULT_PREFIX_IMBALANCE
-from autoscale.scaling import ScalingConfig
+from autoscale.scaling import ScalingConfig, queued_tokens_threshold
 from autoscale.serve_options import RouterName
 from replicas.config import DEFAULT_MODEL, EngineConfig, ReplicaConfig, ReplicaOptions
 
 # Defaults are defined once, in the records they configure.
 GPU_REPLICA_CPUS = 4.0
-_SCALING = {f.name: f.default for f in dataclasses.fields(ScalingConfig)
-            if f.default is not dataclasses.MISSING}
 
 
 class AppArgs(BaseModel):
@@ -60,28 +58,15 @@ class AppArgs(BaseModel):
     prefix_imbalance: float = Field(DEFAULT_PREFIX_IMBALANCE, ge=0, description="router: prefix "
                                     "prefers a cached replica while its token load exceeds the least "
                                     "loaded one's by at most this share of its KV capacity")
-    autoscale_by: Literal["tbt_slo", "ongoing_requests"] = Field(
-        "tbt_slo", description="with max_replicas: scale against engine.tbt_slo_ms (needs it), or "
-        "Serve's default request-count policy")
-    scaling_window_s: float = Field(_SCALING["window_s"], gt=0, description="TBT p99 sliding window")
-    downscale_margin: float = Field(_SCALING["downscale_margin"], gt=0, le=1, description="scale down only when the "
-                                    "remaining replicas keep p99 TBT under SLO * margin")
-    upscale_cooldown_s: float = Field(_SCALING["upscale_cooldown_s"], ge=0, description="after a "
-                                      "scaling change settles, wait this long before scaling up again")
-    downscale_cooldown_s: float = Field(_SCALING["downscale_cooldown_s"], ge=0, description="after a "
-                                        "scaling change settles, wait this long before scaling down")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="how many engine "
+                                   "replicas, between which bounds, scaled by what (ScalingConfig)")
     controller_name: str = Field(DEFAULT_CONTROLLER_NAME, min_length=1, description="the named Ray "
                                  "actor that collects load reports, routes and scales (autoscale/)")
     controller_namespace: str = Field(DEFAULT_NAMESPACE, min_length=1, description="its Ray namespace")
 
     # ---- Serve deployment --------------------------------------------------------------
-    num_replicas: int = Field(1, ge=1, description="engine replicas, when not autoscaling")
-    min_replicas: int | None = Field(None, ge=0, description="autoscaling: the fewest engine "
-                                     "replicas (default 1); needs max_replicas")
-    max_replicas: int | None = Field(None, ge=1, description="autoscaling: the most engine "
-                                     "replicas; set, it turns autoscaling on")
-    target_ongoing_requests: float = Field(32.0, gt=0, description="autoscale_by "
-                                           "ongoing_requests: Serve's target per replica")
+    num_replicas: int = Field(1, ge=1, description="engine replicas, when not autoscaling "
+                              "(scaling.max_replicas unset)")
     max_ongoing_requests: int = Field(256, ge=1, description="per replica; admission is by "
                                       "tokens in the engine, so keep this well above 5")
     max_queued_requests: int = Field(256, ge=1, description="requests waiting in each caller "
@@ -113,12 +98,8 @@ class AppArgs(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> AppArgs:
         self.replica_config()  # checks the settings that depend on each other (the stream interval)
-        if self.min_replicas is not None and self.max_replicas is None:
-            raise ValueError("min_replicas needs max_replicas (autoscaling) as well")
-        if self.max_replicas is not None and (self.min_replicas or 0) > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        if self.max_replicas is not None and self.autoscale_by == "tbt_slo":
-            self.scaling_config()  # ScalingConfig's ValueError names the field
+        if self.scaling.autoscaling and self.scaling.by == "tbt_slo" and self.engine.tbt_slo_ms is None:
+            raise ValueError("scaling.by tbt_slo needs engine.tbt_slo_ms")
         if self.engine.device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError("engine.device is cuda but num_gpus is 0: give each replica a GPU")
         return self
@@ -141,19 +122,13 @@ class AppArgs(BaseModel):
     def resolved_ingress_replicas(self) -> int:
         if self.ingress_replicas is not None:
             return self.ingress_replicas
-        engines = self.max_replicas if self.max_replicas is not None else self.num_replicas
+        engines = self.scaling.upper if self.scaling.autoscaling else self.num_replicas
         return 1 if engines <= 1 else 2
 
     def scaling_config(self) -> ScalingConfig:
-        """The TBT-SLO autoscaling decision's parameters (autoscale.scaling)."""
-        if self.engine.tbt_slo_ms is None:
-            raise ValueError("autoscale_by: tbt_slo needs engine.tbt_slo_ms")
-        return ScalingConfig(
-            tbt_slo_s=self.engine.tbt_slo_s, window_s=self.scaling_window_s,
-            min_replicas=self.min_replicas if self.min_replicas is not None else 1,
-            max_replicas=self.max_replicas or 1, downscale_margin=self.downscale_margin,
-            upscale_cooldown_s=self.upscale_cooldown_s, downscale_cooldown_s=self.downscale_cooldown_s,
-            queued_tokens_per_replica=self.replica.max_queued_tokens // 2)
+        """`scaling` with its queue rule resolved: null is half the replica's queue cap."""
+        queued = self.scaling.queued_tokens_per_replica or queued_tokens_threshold(self.replica.max_queued_tokens)
+        return dataclasses.replace(self.scaling, queued_tokens_per_replica=queued)
 
     def replica_config(self) -> ReplicaConfig:
         """What each engine replica is built from. Its torch threads follow its num_cpus unless

@@ -23,7 +23,7 @@ from replicas.deployment import LLMServer
 LLM_DEPLOYMENT = "LLMServer"
 # The shutdown grace of a replica is sized before the model loads: without an SLO or a length
 # limit it assumes a slow token (100 ms) and a common context length.
-UNSET_TBT_SLO_MS = 100.0
+UNSET_TBT_SLO_S = 0.1
 UNSET_MAX_MODEL_LEN = 4096
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 # Serve's health probe of an engine replica (LLMServer.check_health): how often, and how long one
@@ -49,24 +49,22 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
     }
-    scaling = None
-    if args.max_replicas is not None and args.autoscale_by == "tbt_slo":
-        scaling = args.scaling_config()
-    elif args.max_replicas is not None:
+    scaling = args.scaling_config() if args.scaling.autoscaling and args.scaling.by == "tbt_slo" else None
+    if args.scaling.autoscaling and scaling is None:
         options["autoscaling_config"] = {
-            "min_replicas": args.min_replicas if args.min_replicas is not None else 1,
-            "max_replicas": args.max_replicas,
-            "target_ongoing_requests": args.target_ongoing_requests,
+            "min_replicas": args.scaling.min_replicas,
+            "max_replicas": args.scaling.upper,
+            "target_ongoing_requests": args.scaling.target_ongoing_requests,
         }
-    if args.max_replicas is None:
+    if not args.scaling.autoscaling:
         options["num_replicas"] = args.num_replicas
     # A replica chosen to go away finishes its streams: the longest generation at twice the SLO.
     engine = args.engine
-    tbt_s = (engine.tbt_slo_ms or UNSET_TBT_SLO_MS) / 1000
+    tbt_s = engine.tbt_slo_s or UNSET_TBT_SLO_S
     max_len = engine.max_model_len or UNSET_MAX_MODEL_LEN
     router_kwargs = {"prefix_imbalance": args.prefix_imbalance} if args.router == "prefix" else {}
     options.update(deployment_options(
-        args.router, scaling, graceful_shutdown_timeout_s=graceful_shutdown_timeout(max_len, tbt_s),
+        args.router, scaling, engine.tbt_slo_s, graceful_shutdown_timeout_s=graceful_shutdown_timeout(max_len, tbt_s),
         controller_name=args.controller_name, namespace=args.controller_namespace, **router_kwargs))
     return options
 

@@ -66,13 +66,15 @@ class TbtSloPolicy:
 
     def __init__(self, controller_name: str = DEFAULT_CONTROLLER_NAME,
                  namespace: str = DEFAULT_NAMESPACE, fetch_interval_s: float = 0.5,
-                 snapshot_source: Any = None, **scaling: Any) -> None:
-        """`scaling` are `ScalingConfig` fields (tbt_slo_s required); min/max come from Serve.
+                 snapshot_source: Any = None, *, tbt_slo_s: float, **scaling: Any) -> None:
+        """`tbt_slo_s`: the engine's TBT SLO in seconds; `scaling` are `ScalingConfig` fields,
+        min/max aside: those come from Serve's AutoscalingConfig.
 
         `snapshot_source(replica_ids, window_s, since, tbt_slo_s) -> ClusterSnapshot | None` is
         injectable for tests; by default the controller actor is asked.
         """
         self.cfg = ScalingConfig.from_dict(scaling)
+        self.tbt_slo_s = tbt_slo_s
         self.controller_name, self.namespace = controller_name, namespace
         self.fetch_interval_s = fetch_interval_s
         self._source = snapshot_source
@@ -98,7 +100,7 @@ class TbtSloPolicy:
             self.last_reason = "no_load_data"
             return ctx.target_num_replicas, state_dict
         desired, state = decide_replicas(snapshot, ctx.current_num_replicas, state, now, cfg,
-                                         target=ctx.target_num_replicas)
+                                         self.tbt_slo_s, target=ctx.target_num_replicas)
         self.last_reason = state.reason
         self._export(ctx.current_num_replicas, desired, snapshot)
         if desired != ctx.target_num_replicas:
@@ -138,7 +140,7 @@ class TbtSloPolicy:
     def _snapshot(self, ids: list[str], since: float, now: float) -> ClusterSnapshot | None:
         """The latest controller snapshot that has arrived; starts the next fetch."""
         if self._source is not None:
-            return self._source(ids, self.cfg.window_s, since, self.cfg.tbt_slo_s)
+            return self._source(ids, self.cfg.window_s, since, self.tbt_slo_s)
         fut = self._pending
         if fut is not None and fut.done():
             self._pending = None
@@ -166,5 +168,5 @@ class TbtSloPolicy:
                 logger.debug("controller lookup failed: %r", exc)
                 self._lookup_after = now + LOOKUP_RETRY_S
                 return None
-        ref = self._controller.snapshot.remote(ids, self.cfg.window_s, since, self.cfg.tbt_slo_s)
+        ref = self._controller.snapshot.remote(ids, self.cfg.window_s, since, self.tbt_slo_s)
         return ref.future()

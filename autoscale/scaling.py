@@ -25,50 +25,63 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from autoscale.load import ClusterSnapshot
 
 
-@dataclass(frozen=True)
-class ScalingConfig:
-    """Scaling knobs; the SLO, window and margins come from the app config."""
+AutoscaleBy = Literal["tbt_slo", "ongoing_requests"]
 
-    tbt_slo_s: float
-    window_s: float = 30.0  # sliding window of TBT samples the p99 is taken over
-    min_replicas: int = 1
-    max_replicas: int = 1
-    upscale_margin: float = 1.0  # scale up when p99 > slo * upscale_margin
-    downscale_margin: float = 0.7  # scale down only if predicted p99 < slo * downscale_margin
-    upscale_cooldown_s: float = 5.0  # since the last change settled
-    downscale_cooldown_s: float = 30.0
-    downscale_stable_s: float = 5.0  # down conditions must hold this long without a break
-    min_samples: int = 20  # TBT samples needed before the p99 is trusted
-    queued_tokens_per_replica: int | None = 4096  # queue beyond this predicts a breach
-    token_load_per_replica: int | None = None  # token load one replica holds within the SLO
-    max_upscale_step: int = 4
-    upscale_step: int = 1
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class ScalingConfig:
+    """How the engine replicas scale (`scaling:` in serve_config.yaml); the SLO it scales
+    against is the engine's `tbt_slo_ms`, handed to the decision beside this record."""
+
+    min_replicas: int = Field(1, ge=0, description="autoscaling: the fewest engine replicas")
+    max_replicas: int | None = Field(None, ge=1, description=
+        "autoscaling: the most engine replicas; set, it turns autoscaling on (else num_replicas)")
+    by: AutoscaleBy = Field("tbt_slo", description=
+        "scale against engine.tbt_slo_ms (needs it), or Serve's default request-count policy")
+    target_ongoing_requests: float = Field(32.0, gt=0, description=
+        "by ongoing_requests: Serve's target per replica")
+    window_s: float = Field(30.0, gt=0, description="sliding window of TBT gaps the p99 is taken over")
+    upscale_margin: float = Field(1.0, gt=0, description="scale up when p99 TBT > SLO x this")
+    downscale_margin: float = Field(0.7, gt=0, description=
+        "scale down only when the remaining replicas keep p99 TBT under SLO x this (and queue and "
+        "token load under this share of their thresholds); at most upscale_margin")
+    upscale_cooldown_s: float = Field(5.0, ge=0, description=
+        "after a scaling change settles, wait this long before scaling up again")
+    downscale_cooldown_s: float = Field(30.0, ge=0, description=
+        "after a scaling change settles, wait this long before scaling down")
+    downscale_stable_s: float = Field(5.0, ge=0, description=
+        "the scale-down conditions must hold this long without a break")
+    min_samples: int = Field(20, ge=0, description="TBT gaps in the window before its p99 is trusted")
+    queued_tokens_per_replica: int | None = Field(None, gt=0, description=
+        "prompt tokens waiting per replica beyond which a breach is predicted (scale up); null: "
+        "half of replica.max_queued_tokens (the app) or no queue rule (the decision alone)")
+    token_load_per_replica: int | None = Field(None, gt=0, description=
+        "token load one replica holds within the SLO (a capacity model); null: not used")
+    max_upscale_step: int = Field(4, ge=1, description="replicas added by one decision, at most")
+    upscale_step: int = Field(1, ge=1, description="replicas added when only the TBT p99 says so")
 
     def __post_init__(self) -> None:
-        def positive(name: str, value: float | int | None, allow_zero: bool = False) -> None:
-            if value is not None and not (value >= 0 if allow_zero else value > 0):
-                raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-        positive("tbt_slo_s", self.tbt_slo_s)
-        positive("window_s", self.window_s)
-        positive("min_replicas", self.min_replicas, allow_zero=True)
-        positive("max_replicas", self.max_replicas)
-        if self.min_replicas > self.max_replicas:
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        positive("upscale_margin", self.upscale_margin)
-        if not 0 < self.downscale_margin <= self.upscale_margin:
+        if self.downscale_margin > self.upscale_margin:
             raise ValueError(f"downscale_margin must be in (0, upscale_margin], got {self.downscale_margin}")
-        for name in ("upscale_cooldown_s", "downscale_cooldown_s", "downscale_stable_s", "min_samples"):
-            positive(name, getattr(self, name), allow_zero=True)
-        positive("queued_tokens_per_replica", self.queued_tokens_per_replica)
-        positive("token_load_per_replica", self.token_load_per_replica)
-        positive("max_upscale_step", self.max_upscale_step)
-        positive("upscale_step", self.upscale_step)
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+    @property
+    def upper(self) -> int:
+        """The most replicas the decision may ask for."""
+        return max(self.max_replicas or 1, self.min_replicas, 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ScalingConfig:
@@ -81,6 +94,12 @@ class ScalingConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def queued_tokens_threshold(max_queued_tokens: int) -> int:
+    """The queue rule's default: half of a replica's queue cap (`ReplicaOptions.max_queued_tokens`),
+    so the fleet grows well before replicas start refusing for a full queue."""
+    return max_queued_tokens // 2
 
 
 @dataclass(frozen=True)
@@ -100,14 +119,15 @@ class ScalingState:
         return cls(d.get("last_change_s"), d.get("down_since_s"), d.get("reason", "init"))
 
 
-def upscale_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig) -> tuple[int, str]:
+def upscale_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig,
+                 tbt_slo_s: float) -> tuple[int, str]:
     """Replicas to add now (0: none) and why."""
     n = max(current, 1)
     steps: list[tuple[int, str]] = []
     p99 = snapshot.tbt_p99_s
     busy = snapshot.token_load > 0  # an idle cluster's old breach samples are history
     if (busy and p99 is not None and snapshot.num_tbt_samples >= cfg.min_samples
-            and p99 > cfg.tbt_slo_s * cfg.upscale_margin):
+            and p99 > tbt_slo_s * cfg.upscale_margin):
         steps.append((cfg.upscale_step, "tbt_p99_over_slo"))
     if cfg.queued_tokens_per_replica is not None and snapshot.waiting_tokens / n > cfg.queued_tokens_per_replica:
         steps.append((math.ceil(snapshot.waiting_tokens / cfg.queued_tokens_per_replica) - current,
@@ -121,7 +141,7 @@ def upscale_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig) ->
     return max(1, min(step, cfg.max_upscale_step)), reason
 
 
-def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig) -> bool:
+def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig, tbt_slo_s: float) -> bool:
     """Would `current - 1` replicas still hold the SLO with `downscale_margin` to spare?"""
     if current <= 1:
         return current == 1 and cfg.min_replicas == 0 and snapshot.token_load == 0
@@ -129,7 +149,7 @@ def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig) -> b
     idle = snapshot.token_load == 0
     p99 = snapshot.tbt_p99_s
     tbt_ok = idle or (p99 is not None and snapshot.num_tbt_samples >= cfg.min_samples
-                      and p99 * spread < cfg.tbt_slo_s * cfg.downscale_margin)
+                      and p99 * spread < tbt_slo_s * cfg.downscale_margin)
     queue_ok = (cfg.queued_tokens_per_replica is None or
                 snapshot.waiting_tokens / (current - 1) < cfg.queued_tokens_per_replica * cfg.downscale_margin)
     load_ok = (cfg.token_load_per_replica is None or
@@ -138,9 +158,13 @@ def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig) -> b
 
 
 def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState, now: float,
-                    cfg: ScalingConfig, target: int | None = None) -> tuple[int, ScalingState]:
-    """Desired replica count and the new state; `target` is the count a change is heading to."""
-    lo, hi = cfg.min_replicas, cfg.max_replicas
+                    cfg: ScalingConfig, tbt_slo_s: float,
+                    target: int | None = None) -> tuple[int, ScalingState]:
+    """Desired replica count and the new state against the SLO `tbt_slo_s` (seconds); `target`
+    is the count a change is heading to."""
+    if not tbt_slo_s > 0:
+        raise ValueError(f"tbt_slo_s must be > 0, got {tbt_slo_s!r}")
+    lo, hi = cfg.min_replicas, cfg.upper
     if target is not None and target != current:
         # A change is settling: hold its target; the cool-downs start once it lands.
         return min(max(target, lo), hi), ScalingState(now, None, "settling")
@@ -148,7 +172,7 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
         return min(max(current, lo), hi), ScalingState(now, None, "out_of_bounds")
     since_change = math.inf if state.last_change_s is None else now - state.last_change_s
 
-    add, why = upscale_need(snapshot, current, cfg)
+    add, why = upscale_need(snapshot, current, cfg, tbt_slo_s)
     if add:
         if current >= hi:
             return current, replace(state, down_since_s=None, reason=f"{why}:at_max")
@@ -156,7 +180,7 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
             return current, replace(state, down_since_s=None, reason=f"{why}:cooldown")
         return min(current + add, hi), ScalingState(now, None, why)
 
-    if current > lo and can_shrink(snapshot, current, cfg):
+    if current > lo and can_shrink(snapshot, current, cfg, tbt_slo_s):
         down_since = state.down_since_s if state.down_since_s is not None else now
         if now - down_since >= cfg.downscale_stable_s and since_change >= cfg.downscale_cooldown_s:
             return current - 1, ScalingState(now, None, "slo_holds_with_fewer")

@@ -2,7 +2,8 @@
 
 The app builder turns its config into these with one call, e.g.
 
-    opts = deployment_options(router=args.router, scaling=ScalingConfig(tbt_slo_s=..., ...),
+    opts = deployment_options(router=args.router, scaling=ScalingConfig(max_replicas=4, ...),
+                              tbt_slo_s=0.1,
                               graceful_shutdown_timeout_s=graceful_shutdown_timeout(...))
     serve.deployment(LLMServer).options(**opts, max_ongoing_requests=..., ...)
 
@@ -42,14 +43,18 @@ def request_router_config(router: RouterName = "token_load", *,
                                "ranking": router, **router_kwargs})
 
 
-def autoscaling_config(scaling: ScalingConfig, *, initial_replicas: int | None = None,
+def autoscaling_config(scaling: ScalingConfig, tbt_slo_s: float, *, initial_replicas: int | None = None,
                        controller_name: str = DEFAULT_CONTROLLER_NAME,
                        namespace: str = DEFAULT_NAMESPACE) -> AutoscalingConfig:
-    """Serve autoscaling driven by `TbtSloPolicy`; Serve's own delays are zeroed because the
-    policy's hysteresis and cool-downs already do that job (two layers would only add lag)."""
+    """Serve autoscaling driven by `TbtSloPolicy` against `tbt_slo_s`; Serve's own delays are
+    zeroed because the policy's hysteresis and cool-downs already do that job (two layers would
+    only add lag). Serve keeps min/max; the policy gets the rest of `scaling`."""
+    if not scaling.autoscaling:
+        raise ValueError("scaling.max_replicas is not set: nothing to autoscale")
     kwargs = {k: v for k, v in scaling.to_dict().items() if k not in ("min_replicas", "max_replicas")}
+    kwargs["tbt_slo_s"] = tbt_slo_s
     return AutoscalingConfig(
-        min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas,
+        min_replicas=scaling.min_replicas, max_replicas=scaling.upper,
         initial_replicas=initial_replicas, upscale_delay_s=0.0, downscale_delay_s=0.0,
         policy=AutoscalingPolicy(policy_function=TBT_SLO_POLICY,
                                  policy_kwargs={"controller_name": controller_name,
@@ -62,16 +67,19 @@ def graceful_shutdown_timeout(max_generation_tokens: int, tbt_s: float, floor_s:
     return float(max(floor_s, math.ceil(2.0 * max_generation_tokens * tbt_s)))
 
 
-def deployment_options(router: RouterName = "token_load", scaling: ScalingConfig | None = None, *,
-                       graceful_shutdown_timeout_s: float | None = None, initial_replicas: int | None = None,
+def deployment_options(router: RouterName = "token_load", scaling: ScalingConfig | None = None,
+                       tbt_slo_s: float | None = None, *, graceful_shutdown_timeout_s: float | None = None, initial_replicas: int | None = None,
                        controller_name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,
                        **router_kwargs: Any) -> dict[str, Any]:
-    """Keyword arguments for `Deployment.options(...)`: router, autoscaling, shutdown grace."""
+    """Keyword arguments for `Deployment.options(...)`: router, autoscaling against `tbt_slo_s`
+    (when `scaling` is given), shutdown grace."""
     opts: dict[str, Any] = {"request_router_config": request_router_config(
         router, controller_name=controller_name, namespace=namespace, **router_kwargs)}
     if scaling is not None:
+        if tbt_slo_s is None:
+            raise ValueError("autoscaling against the TBT SLO needs tbt_slo_s")
         opts["autoscaling_config"] = autoscaling_config(
-            scaling, initial_replicas=initial_replicas, controller_name=controller_name, namespace=namespace)
+            scaling, tbt_slo_s, initial_replicas=initial_replicas, controller_name=controller_name, namespace=namespace)
     if graceful_shutdown_timeout_s is not None:
         opts["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
     return opts

@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from autoscale.scaling import ScalingConfig
+from autoscale.scaling import ScalingConfig, queued_tokens_threshold
 from loadtests.sim.capacity import Criteria, find_capacity
 from loadtests.sim.deploy import replica_spec
 from loadtests.sim.routers import ROUTERS
 from loadtests.sim.simulator import SimConfig, Simulator
 from loadtests.sim.traffic import make_trace, multi_turn_trace
+from replicas.config import ReplicaOptions
 
 POLICIES = ("static", "dynamic", "stall_free")
 SLOS = {"strict": 0.1, "relaxed": 0.5}
@@ -282,10 +283,10 @@ def autoscale(per_replica_rps: float | None = None, peak_rps: float = 24.0, low_
     peak_fleet = math.ceil(peak_rps / per_replica_rps)
     # The scaler's capacity model: the token load one replica carries at 80% of its capacity.
     load_cap = int(token_load_at(spec, workload, 0.8 * per_replica_rps, seed))
-    # queued_tokens_per_replica: the default 4096 is less than one long ShareGPT prompt (a single
-    # arrival caught between two passes would read as a breach); four median prompts instead.
-    scaling = ScalingConfig(tbt_slo_s=tbt_slo_s, window_s=30.0, min_replicas=1, max_replicas=2 * peak_fleet,
-                            token_load_per_replica=load_cap, queued_tokens_per_replica=16384,
+    # The queue rule as the app sets it: half of a replica's default queue cap.
+    queued = queued_tokens_threshold(ReplicaOptions().max_queued_tokens)
+    scaling = ScalingConfig(window_s=30.0, min_replicas=1, max_replicas=2 * peak_fleet,
+                            token_load_per_replica=load_cap, queued_tokens_per_replica=queued,
                             upscale_cooldown_s=startup_s / 2, downscale_cooldown_s=60.0, downscale_stable_s=30.0)
     log(f"  replica capacity {per_replica_rps:.2f} req/s -> peak fleet {peak_fleet}; "
         f"token_load_per_replica {load_cap}")

@@ -25,8 +25,10 @@ class ScalingTrace:
 
 
 class Autoscaler:
-    def __init__(self, cfg: ScalingConfig, interval_s: float = 1.0, startup_s: float = 60.0) -> None:
+    def __init__(self, cfg: ScalingConfig, tbt_slo_s: float, interval_s: float = 1.0,
+                 startup_s: float = 60.0) -> None:
         self.cfg = cfg
+        self.tbt_slo_s = tbt_slo_s
         self.interval_s = interval_s
         self.startup_s = startup_s
         self.state = ScalingState()
@@ -38,8 +40,9 @@ class Autoscaler:
         tbt = [0] * NUM_BINS
         for r in ready:
             r.window.add_window(tbt, now)
-        snapshot = ClusterSnapshot.build(loads, LogHistogram.from_dense(tbt), self.cfg.tbt_slo_s, now)
+        snapshot = ClusterSnapshot.build(loads, LogHistogram.from_dense(tbt), self.tbt_slo_s, now)
         target = len(ready) + num_starting
-        desired, self.state = decide_replicas(snapshot, len(ready), self.state, now, self.cfg, target=target)
+        desired, self.state = decide_replicas(snapshot, len(ready), self.state, now, self.cfg, self.tbt_slo_s,
+                                              target=target)
         self.trace.points.append((now, len(ready), target, desired, self.state.reason))
         return desired, self.state.reason

@@ -63,8 +63,10 @@ def test_the_engine_and_replica_records_are_nested_not_copied() -> None:
     ({"engine": {"max_batch_prefill_tokens": 0}}, "max_batch_prefill_tokens must be a positive integer"),
     ({"replica": {"max_queued_tokens": 0}}, "max_queued_tokens"),
     ({"engine": {"max_num_seqs": "many"}}, "max_num_seqs"),
-    ({"min_replicas": 3, "max_replicas": 2}, "min_replicas (3) > max_replicas (2)"),
-    ({"min_replicas": 1}, "min_replicas needs max_replicas"),
+    ({"scaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas (3) > max_replicas (2)"),
+    ({"scaling": {"max_replicas": 2}}, "scaling.by tbt_slo needs engine.tbt_slo_ms"),
+    ({"scaling": {"window_s": 0}}, "window_s"),
+    ({"scaling_window_s": 30}, "scaling_window_s"),  # the old flat name is refused, not ignored
     ({"engine": {"device": "cuda"}}, "num_gpus is 0"),
     ({"engine": {"max_batch_prefil_tokens": 256}}, "max_batch_prefil_tokens"),  # a typo is not ignored
     ({"max_batch_prefill_tokens": 256}, "max_batch_prefill_tokens"),  # nor a setting at the wrong level
@@ -92,14 +94,15 @@ def test_builder_options() -> None:
     assert fixed["max_ongoing_requests"] == 256  # AppArgs' default
     assert fixed["request_router_config"].request_router_class.endswith("TokenLoadRouter")
     assert fixed["graceful_shutdown_timeout_s"] == 820.0  # 4096 tokens at twice 100 ms, rounded up
-    counted = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=4, autoscale_by="ongoing_requests"))
+    counted = llm_deployment_options(AppArgs(scaling={"max_replicas": 4, "by": "ongoing_requests"}))
     assert counted["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in counted
-    slo = llm_deployment_options(AppArgs(min_replicas=1, max_replicas=3, engine={"tbt_slo_ms": 80}))
+    slo = llm_deployment_options(AppArgs(scaling={"max_replicas": 3}, engine={"tbt_slo_ms": 80}))
     policy = slo["autoscaling_config"].policy
     assert slo["autoscaling_config"].max_replicas == 3 and "num_replicas" not in slo
     assert policy.policy_kwargs["tbt_slo_s"] == 0.08
+    assert policy.policy_kwargs["queued_tokens_per_replica"] == 16_384  # half the replica's queue cap
     with pytest.raises(ValidationError, match="tbt_slo_ms"):
-        AppArgs(min_replicas=1, max_replicas=4)  # scaling against the SLO needs the SLO
+        AppArgs(scaling={"max_replicas": 4})  # scaling against the SLO needs the SLO
     p2 = llm_deployment_options(AppArgs(router="power_of_two"))
     assert p2["request_router_config"].request_router_class != fixed["request_router_config"].request_router_class
     prefix = llm_deployment_options(AppArgs(router="prefix", prefix_imbalance=0.25))["request_router_config"]
@@ -151,7 +154,7 @@ def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
     assert llm_deployment_options(args)["max_queued_requests"] == args.max_queued_requests == 256
     assert args.resolved_ingress_replicas == 1
     assert AppArgs(num_replicas=3).resolved_ingress_replicas == 2
-    assert AppArgs(min_replicas=1, max_replicas=4, engine={"tbt_slo_ms": 50}).resolved_ingress_replicas == 2
+    assert AppArgs(scaling={"max_replicas": 4}, engine={"tbt_slo_ms": 50}).resolved_ingress_replicas == 2
     assert AppArgs(num_replicas=3, ingress_replicas=5).resolved_ingress_replicas == 5
     assert args.ingress_num_cpus == 0.5
     ingress = build_app(AppArgs(num_replicas=2)).__dict__  # the bound ingress deployment
@@ -162,6 +165,26 @@ def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
     assert config.backpressure_config.status_code == 429
     with pytest.raises(ValidationError, match="queue_timeout_s"):
         AppArgs(engine={"queue_timeout_s": 0})
+
+
+# Float settings that are not durations (shares, margins, counts of CPUs, a request target).
+DIMENSIONLESS = ("fraction", "watermark", "margin", "quantile", "imbalance", "ongoing_requests",
+                 "num_cpus", "num_gpus")
+
+
+def test_every_duration_setting_names_its_unit() -> None:
+    """docs/settings.md's unit rule: a float setting is a duration unless it is a known share or
+    count, and a duration ends in _ms (a latency a client sees) or _s (everything else)."""
+    from app.settings_doc import HEADER, settings
+
+    assert "**Units.**" in HEADER
+    floats = [name for name, info in settings() if "float" in str(info.annotation).replace("float16", "")
+              .replace("float32", "")]
+    durations = [n for n in floats if not any(w in n.split(".")[-1] for w in DIMENSIONLESS)]
+    assert durations and all(n.endswith(("_s", "_ms")) for n in durations), durations
+    for name in (n for n in durations if n.endswith("_ms")):
+        assert any(w in name for w in ("slo", "interval", "target")), f"{name}: ms is for latency targets"
+    assert "engine.tbt_slo_ms" in durations and "scaling.window_s" in durations
 
 
 def test_the_settings_reference_is_generated_and_current() -> None:

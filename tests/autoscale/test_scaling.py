@@ -12,7 +12,7 @@ from autoscale.scaling import ScalingConfig, ScalingState, can_shrink, decide_re
 pytestmark = pytest.mark.unit
 
 SLO = 0.1
-CFG = ScalingConfig(tbt_slo_s=SLO, min_replicas=1, max_replicas=4, upscale_cooldown_s=5.0,
+CFG = ScalingConfig(min_replicas=1, max_replicas=4, upscale_cooldown_s=5.0,
                     downscale_cooldown_s=30.0, downscale_stable_s=5.0, downscale_margin=0.7,
                     min_samples=20, queued_tokens_per_replica=4096)
 FRESH = ScalingState()
@@ -26,120 +26,124 @@ def snap(p99: float | None, samples: int = 100, running: int = 1000, waiting: in
 
 
 def test_up_on_p99_breach():
-    n, state = decide_replicas(snap(0.15), 2, FRESH, now=100.0, cfg=CFG)
+    n, state = decide_replicas(snap(0.15), 2, FRESH, now=100.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 3 and state.reason == "tbt_p99_over_slo" and state.last_change_s == 100.0
 
 
 def test_p99_needs_enough_samples():
-    n, _ = decide_replicas(snap(0.5, samples=5), 2, FRESH, now=100.0, cfg=CFG)
+    n, _ = decide_replicas(snap(0.5, samples=5), 2, FRESH, now=100.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2
 
 
 def test_up_on_queue_prediction_without_tbt_breach():
     # 20k queued prompt tokens over 2 replicas is 10k each, over 4096: need ceil(20000/4096)=5,
     # capped at max_replicas=4.
-    n, state = decide_replicas(snap(0.05, waiting=20_000), 2, FRESH, now=100.0, cfg=CFG)
+    n, state = decide_replicas(snap(0.05, waiting=20_000), 2, FRESH, now=100.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 4 and state.reason == "queued_tokens_predict_breach"
 
 
 def test_up_respects_cooldown_and_max():
     recent = ScalingState(last_change_s=98.0)
-    n, state = decide_replicas(snap(0.15), 2, recent, now=100.0, cfg=CFG)
+    n, state = decide_replicas(snap(0.15), 2, recent, now=100.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2 and state.reason.endswith(":cooldown")
-    n, _ = decide_replicas(snap(0.15), 2, recent, now=103.0, cfg=CFG)
+    n, _ = decide_replicas(snap(0.15), 2, recent, now=103.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 3
-    n, state = decide_replicas(snap(0.9), 4, FRESH, now=100.0, cfg=CFG)
+    n, state = decide_replicas(snap(0.9), 4, FRESH, now=100.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 4 and state.reason.endswith(":at_max")
 
 
 def test_hold_inside_the_hysteresis_band():
     # 2 -> 1 would predict p99 = 0.04 * 2 = 0.08, above 0.7 * SLO = 0.07: hold, though under SLO.
-    n, state = decide_replicas(snap(0.04), 2, FRESH, now=100.0, cfg=CFG)
+    n, state = decide_replicas(snap(0.04), 2, FRESH, now=100.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2 and state.reason == "hold" and state.down_since_s is None
 
 
 def test_down_only_after_stable_period_and_cooldown():
     low = snap(0.02)  # 2 -> 1 predicts 0.04 < 0.07
     state = ScalingState(last_change_s=0.0)
-    n, state = decide_replicas(low, 2, state, now=100.0, cfg=CFG)
+    n, state = decide_replicas(low, 2, state, now=100.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2 and state.reason == "downscale_pending" and state.down_since_s == 100.0
-    n, state = decide_replicas(low, 2, state, now=104.0, cfg=CFG)
+    n, state = decide_replicas(low, 2, state, now=104.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2  # held 4 s of the 5 s needed
-    n, state = decide_replicas(low, 2, state, now=105.0, cfg=CFG)
+    n, state = decide_replicas(low, 2, state, now=105.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 1 and state.reason == "slo_holds_with_fewer" and state.last_change_s == 105.0
 
 
 def test_a_breach_resets_the_downscale_clock():
     state = ScalingState(last_change_s=0.0, down_since_s=100.0)
-    _, state = decide_replicas(snap(0.08), 2, state, now=103.0, cfg=CFG)  # in band: reset
+    _, state = decide_replicas(snap(0.08), 2, state, now=103.0, cfg=CFG, tbt_slo_s=SLO)  # in band: reset
     assert state.down_since_s is None
-    n, state = decide_replicas(snap(0.02), 2, state, now=106.0, cfg=CFG)
+    n, state = decide_replicas(snap(0.02), 2, state, now=106.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2 and state.down_since_s == 106.0
 
 
 def test_down_waits_for_cooldown_after_a_change():
     state = ScalingState(last_change_s=90.0, down_since_s=90.0)
-    n, _ = decide_replicas(snap(0.02), 3, state, now=110.0, cfg=CFG)  # only 20 s of 30 s cool-down
+    n, _ = decide_replicas(snap(0.02), 3, state, now=110.0, cfg=CFG, tbt_slo_s=SLO)  # only 20 s of 30 s cool-down
     assert n == 3
-    n, _ = decide_replicas(snap(0.02), 3, state, now=120.0, cfg=CFG)
+    n, _ = decide_replicas(snap(0.02), 3, state, now=120.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2
 
 
 def test_idle_cluster_shrinks_even_with_old_breach_samples():
     idle = snap(0.5, running=0, waiting=0)
-    assert can_shrink(idle, 3, CFG)
-    assert decide_replicas(idle, 3, FRESH, now=0.0, cfg=CFG)[0] == 3  # and never grows
+    assert can_shrink(idle, 3, CFG, SLO)
+    assert decide_replicas(idle, 3, FRESH, now=0.0, cfg=CFG, tbt_slo_s=SLO)[0] == 3  # and never grows
     state = ScalingState(last_change_s=0.0, down_since_s=100.0)
-    n, _ = decide_replicas(idle, 3, state, now=105.0, cfg=CFG)
+    n, _ = decide_replicas(idle, 3, state, now=105.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 2
 
 
 def test_queue_blocks_downscale():
     # p99 is fine but 3000 queued tokens on 1 replica would be > 0.7 * 4096.
-    assert not can_shrink(snap(0.01, waiting=3000), 2, CFG)
-    assert can_shrink(snap(0.01, waiting=2000), 2, CFG)
+    assert not can_shrink(snap(0.01, waiting=3000), 2, CFG, SLO)
+    assert can_shrink(snap(0.01, waiting=2000), 2, CFG, SLO)
 
 
 def test_never_below_min_and_clamps_out_of_bounds():
     state = ScalingState(last_change_s=0.0, down_since_s=0.0)
-    n, _ = decide_replicas(snap(0.0, running=0), 1, state, now=1000.0, cfg=CFG)
+    n, _ = decide_replicas(snap(0.0, running=0), 1, state, now=1000.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 1
-    assert decide_replicas(snap(0.05), 6, FRESH, now=0.0, cfg=CFG)[0] == 4
-    assert decide_replicas(snap(0.05), 0, FRESH, now=0.0, cfg=CFG)[0] == 1
+    assert decide_replicas(snap(0.05), 6, FRESH, now=0.0, cfg=CFG, tbt_slo_s=SLO)[0] == 4
+    assert decide_replicas(snap(0.05), 0, FRESH, now=0.0, cfg=CFG, tbt_slo_s=SLO)[0] == 1
 
 
 def test_settling_change_holds_target_and_restarts_cooldown():
-    n, state = decide_replicas(snap(0.5), 2, FRESH, now=50.0, cfg=CFG, target=3)
+    n, state = decide_replicas(snap(0.5), 2, FRESH, now=50.0, cfg=CFG, tbt_slo_s=SLO, target=3)
     assert n == 3 and state.reason == "settling" and state.last_change_s == 50.0
-    n, _ = decide_replicas(snap(0.5), 3, state, now=52.0, cfg=CFG, target=3)
+    n, _ = decide_replicas(snap(0.5), 3, state, now=52.0, cfg=CFG, tbt_slo_s=SLO, target=3)
     assert n == 3  # landed, but the up cool-down counts from 50
-    n, _ = decide_replicas(snap(0.5), 3, state, now=55.0, cfg=CFG, target=3)
+    n, _ = decide_replicas(snap(0.5), 3, state, now=55.0, cfg=CFG, tbt_slo_s=SLO, target=3)
     assert n == 4
 
 
 def test_token_load_capacity_model():
-    cfg = ScalingConfig(tbt_slo_s=SLO, max_replicas=8, token_load_per_replica=10_000,
+    cfg = ScalingConfig(max_replicas=8, token_load_per_replica=10_000,
                         queued_tokens_per_replica=None)
-    n, state = decide_replicas(snap(0.01, running=50_000), 2, FRESH, now=0.0, cfg=cfg)
+    n, state = decide_replicas(snap(0.01, running=50_000), 2, FRESH, now=0.0, cfg=cfg, tbt_slo_s=SLO)
     assert n == 5 and state.reason == "token_load_predicts_breach"
-    assert not can_shrink(snap(0.01, running=15_000), 3, cfg)  # 7500 each > 0.7 * 10000
-    assert can_shrink(snap(0.01, running=10_000), 3, cfg)
+    assert not can_shrink(snap(0.01, running=15_000), 3, cfg, SLO)  # 7500 each > 0.7 * 10000
+    assert can_shrink(snap(0.01, running=10_000), 3, cfg, SLO)
 
 
 def test_scale_to_zero_only_when_idle():
-    cfg = ScalingConfig(tbt_slo_s=SLO, min_replicas=0, max_replicas=2, downscale_stable_s=0.0,
+    cfg = ScalingConfig(min_replicas=0, max_replicas=2, downscale_stable_s=0.0,
                         downscale_cooldown_s=0.0)
-    assert decide_replicas(snap(None, samples=0, running=0), 1, FRESH, now=0.0, cfg=cfg)[0] == 0
-    assert decide_replicas(snap(0.01, running=10), 1, FRESH, now=0.0, cfg=cfg)[0] == 1
+    assert decide_replicas(snap(None, samples=0, running=0), 1, FRESH, now=0.0, cfg=cfg, tbt_slo_s=SLO)[0] == 0
+    assert decide_replicas(snap(0.01, running=10), 1, FRESH, now=0.0, cfg=cfg, tbt_slo_s=SLO)[0] == 1
 
 
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="tbt_slo_s"):
-        ScalingConfig(tbt_slo_s=0)
+        decide_replicas(snap(0.1), 2, FRESH, now=0.0, cfg=CFG, tbt_slo_s=0)
     with pytest.raises(ValueError, match="min_replicas"):
-        ScalingConfig(tbt_slo_s=0.1, min_replicas=3, max_replicas=2)
+        ScalingConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="downscale_margin"):
-        ScalingConfig(tbt_slo_s=0.1, downscale_margin=1.5)
+        ScalingConfig(downscale_margin=1.5)
+    with pytest.raises(ValueError, match="window_s"):
+        ScalingConfig(window_s=0)
     with pytest.raises(ValueError, match="bogus"):
-        ScalingConfig.from_dict({"tbt_slo_s": 0.1, "bogus": 1})
+        ScalingConfig.from_dict({"window_s": 10, "bogus": 1})
+    with pytest.raises(ValueError, match="tbt_slo_s"):
+        ScalingConfig.from_dict({"tbt_slo_s": 0.1})  # the SLO is the engine's, not a scaling knob
     assert ScalingState.from_dict(ScalingState(1.0, 2.0, "x").to_dict()) == ScalingState(1.0, 2.0, "x")

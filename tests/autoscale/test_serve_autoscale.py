@@ -227,12 +227,12 @@ async def test_scales_up_on_slo_breach_and_down_without_cutting_streams(names, a
 
     app, ctl, ns = names
     controller_of(ctl, ns)
-    scaling = ScalingConfig(tbt_slo_s=0.005, window_s=2.0, min_replicas=1, max_replicas=2,
+    scaling = ScalingConfig(window_s=2.0, min_replicas=1, max_replicas=2,
                             upscale_cooldown_s=0.5, downscale_cooldown_s=1.0, downscale_stable_s=1.0,
                             min_samples=5, queued_tokens_per_replica=None)
     dep = fake_token_server(ctl, ns).options(
         max_ongoing_requests=100, ray_actor_options={"num_cpus": 0},
-        **deployment_options("token_load", scaling, graceful_shutdown_timeout_s=60.0,
+        **deployment_options("token_load", scaling, 0.005, graceful_shutdown_timeout_s=60.0,
                              initial_replicas=1, controller_name=ctl, namespace=ns))
     handle = serve.run(dep.bind(), name=app, route_prefix=None)
     assert running_replicas(app) == 1

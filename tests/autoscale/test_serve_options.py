@@ -29,13 +29,17 @@ def test_router_selection():
 
 
 def test_autoscaling_and_shutdown_options():
-    scaling = ScalingConfig(tbt_slo_s=0.08, window_s=20.0, min_replicas=1, max_replicas=3)
-    opts = deployment_options("token_load", scaling, graceful_shutdown_timeout_s=300.0)
+    scaling = ScalingConfig(window_s=20.0, min_replicas=1, max_replicas=3)
+    opts = deployment_options("token_load", scaling, 0.08, graceful_shutdown_timeout_s=300.0)
     auto = opts["autoscaling_config"]
     assert (auto.min_replicas, auto.max_replicas, auto.upscale_delay_s, auto.downscale_delay_s) == (1, 3, 0, 0)
     assert auto.policy.get_policy() is TbtSloPolicy
     policy = TbtSloPolicy(**auto.policy.policy_kwargs)  # what Serve's controller does
-    assert policy.cfg.tbt_slo_s == 0.08 and policy.cfg.window_s == 20.0
+    assert policy.tbt_slo_s == 0.08 and policy.cfg.window_s == 20.0
+    with pytest.raises(ValueError, match="tbt_slo_s"):
+        deployment_options("token_load", scaling)  # the SLO comes with the scaling
+    with pytest.raises(ValueError, match="max_replicas"):
+        deployment_options("token_load", ScalingConfig(), 0.08)  # nothing to scale
     assert opts["graceful_shutdown_timeout_s"] == 300.0
     assert "autoscaling_config" not in deployment_options("power_of_two")
     # 2048 tokens at twice a 100 ms TBT: 410 s; short generations still get the floor.
@@ -48,4 +52,4 @@ def test_yaml_example_names_the_real_classes():
     router = request_router_config(**{"router": "token_load"})
     assert dep["request_router_config"]["request_router_class"] == router.request_router_class
     kwargs = dep["autoscaling_config"]["policy"]["policy_kwargs"]
-    assert TbtSloPolicy(**kwargs).cfg.tbt_slo_s == 0.1
+    assert TbtSloPolicy(**kwargs).tbt_slo_s == 0.1

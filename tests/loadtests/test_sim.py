@@ -142,8 +142,7 @@ def test_token_load_router_calls_the_production_choice(monkeypatch, router, cls,
 def test_autoscaler_adds_replicas_after_start_up_delay():
     spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 512)
     trace = make_trace("sharegpt", "step", duration_s=100.0, lo=1.0, hi=10.0, at_s=50.0, seed=3)
-    # The default 4096 queued tokens per replica is less than one long ShareGPT prompt: raise it.
-    scaling = ScalingConfig(tbt_slo_s=0.1, min_replicas=1, max_replicas=6, upscale_cooldown_s=5.0,
+    scaling = ScalingConfig(min_replicas=1, max_replicas=6, upscale_cooldown_s=5.0,
                             queued_tokens_per_replica=16384)
     sim = Simulator(SimConfig(spec, 1, router="token_load", scaling=scaling, scaling_interval_s=1.0,
                               startup_s=20.0), trace)
