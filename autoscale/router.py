@@ -49,7 +49,7 @@ from autoscale.prefix_hints import PrefixHints
 from autoscale.router_tuning import RouterTuning
 from replicas.protocol import ReplicaLoad
 from autoscale.routing import (RequestCost, choose_by_prefix, choose_by_ttft, choose_replica,
-                               prompt_block_hashes, prompt_of, request_cost)
+                               prompt_block_hashes, prompt_of, request_cost, sketch_block_size)
 
 NO_LOADS: Mapping[str, ReplicaLoad] = MappingProxyType({})  # the local view: one object, so its ledger view is kept
 RANKINGS = {"token_load": choose_replica, "ttft": choose_by_ttft, "prefix": choose_by_prefix}
@@ -83,6 +83,7 @@ class TokenLoadRouter(RequestRouter):
         # The ledger's unreflected tokens against `_view_loads`, kept current by the book.
         self._view_loads: Mapping[str, ReplicaLoad] | None = None
         self._in_flight: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._block_size: int | None = None  # of the replicas' prefix sketches in `_view_loads`
         self._loads_at = float("-inf")  # router clock when the cached snapshot arrived
         self._last_refresh = float("-inf")
         self._refresh_task: asyncio.Task[None] | None = None
@@ -108,11 +109,12 @@ class TokenLoadRouter(RequestRouter):
         if loads is not self._view_loads:  # a new snapshot (or none): the ledger's view of it
             self._in_flight = self._book.view(loads)
             self._view_loads = loads
+            self._block_size = sketch_block_size(loads) if self._by_prefix else None
         in_flight, in_flight_kv = self._in_flight
         extra: dict[str, Any] = {}
         hashes: list[int] = []
         if self._by_prefix and pending_request is not None:
-            hashes = prompt_block_hashes(prompt_of(pending_request.args, pending_request.kwargs), loads)
+            hashes = prompt_block_hashes(prompt_of(pending_request.args, pending_request.kwargs), self._block_size)
             hint = self._hints.lookup(hashes) if hashes else None
             extra = {"prompt_hashes": hashes, "max_imbalance": self.tuning.prefix_imbalance,
                      "affinity": [hint] if hint in by_key else []}

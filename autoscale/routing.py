@@ -85,15 +85,21 @@ def prompt_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     return kwargs.get("prompt_token_ids", kwargs.get("prompt", args[0] if args else None))
 
 
-def prompt_block_hashes(prompt: Any, loads: Mapping[str, ReplicaLoad]) -> list[int]:
-    """The prompt's block hashes as the replicas name their cached blocks (their block size),
-    for `choose_by_prefix`; empty without token ids or a replica reporting a sketch."""
+def sketch_block_size(loads: Mapping[str, ReplicaLoad]) -> int | None:
+    """The block size the replicas' prefix sketches name blocks by; None without a sketch or
+    when replicas disagree. O(replicas): the router asks once per snapshot, not per request."""
+    sizes = {load.block_size for load in loads.values() if load.prefix_sketch is not None}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def prompt_block_hashes(prompt: Any, block_size: int | None) -> list[int]:
+    """The prompt's block hashes as the replicas name their cached blocks (`sketch_block_size`),
+    for `choose_by_prefix`; empty without token ids or a block size."""
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple)):
         prompt = prompt[0]  # a batch goes to one replica: its first prompt stands for it
-    if not isinstance(prompt, (list, tuple)) or not prompt or not isinstance(prompt[0], int):
+    if block_size is None or not isinstance(prompt, (list, tuple)) or not prompt or not isinstance(prompt[0], int):
         return []
-    sizes = {load.block_size for load in loads.values() if load.prefix_sketch is not None}
-    return block_hashes(prompt, sizes.pop()) if len(sizes) == 1 else []
+    return block_hashes(prompt, block_size)
 
 
 def predicted_load(load: ReplicaLoad | None, in_flight_tokens: int = 0) -> int:

@@ -174,13 +174,13 @@ def cached(rid: str, prompts: list[list[int]], running: int = 0, block: int = 16
 
 
 def test_a_conversations_next_turn_goes_where_its_history_is_cached():
-    from autoscale.routing import choose_by_prefix, prompt_block_hashes
+    from autoscale.routing import choose_by_prefix, prompt_block_hashes, sketch_block_size
 
     turn1 = list(range(100, 420))  # 20 blocks
     turn2 = turn1 + list(range(500, 560))
     loads = {"a": cached("a", [], running=100), "b": cached("b", [turn1], running=1500),
              "c": cached("c", [turn1[:64]], running=0)}
-    hashes = prompt_block_hashes(turn2, loads)
+    hashes = prompt_block_hashes(turn2, sketch_block_size(loads))
     assert len(hashes) == len(turn2) // 16
     # b holds all 20 blocks and is 1500 tokens above the least loaded: within the bound of 10%
     # of its 16000-token KV capacity.
@@ -193,22 +193,22 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached():
     assert choose_by_prefix(380, 400, loads, {"b": 600}, prompt_hashes=hashes, max_imbalance=0.1,
                             rng=random.Random(0))[0] == "c"
     # No hit anywhere: exactly the token-load order.
-    other = prompt_block_hashes(list(range(900, 1300)), loads)
+    other = prompt_block_hashes(list(range(900, 1300)), sketch_block_size(loads))
     assert choose_by_prefix(380, 400, loads, {}, prompt_hashes=other, rng=random.Random(0)) == \
         choose_replica(380, 400, loads, {}, rng=random.Random(0))
 
 
 def test_prefix_affinity_never_picks_a_replica_without_kv_room():
-    from autoscale.routing import choose_by_prefix, prompt_block_hashes
+    from autoscale.routing import choose_by_prefix, prompt_block_hashes, sketch_block_size
 
     turn1 = list(range(100, 420))
     full = dataclasses.replace(cached("b", [turn1]), free_blocks=1)
     loads = {"a": cached("a", []), "b": full}
-    hashes = prompt_block_hashes(turn1 + [7] * 30, loads)
+    hashes = prompt_block_hashes(turn1 + [7] * 30, sketch_block_size(loads))
     assert choose_by_prefix(350, 400, loads, {}, prompt_hashes=hashes, rng=random.Random(0))[0] == "a"
     # Text prompts (no ids) and replicas without sketches give no hashes: plain token-load.
-    assert prompt_block_hashes("some text", loads) == []
-    assert prompt_block_hashes(turn1, {"x": load("x")}) == []
+    assert prompt_block_hashes("some text", sketch_block_size(loads)) == []
+    assert prompt_block_hashes(turn1, sketch_block_size({"x": load("x")})) == []
 
 
 # ---- bounded cost: a sample of the candidates ---------------------------------------------
@@ -277,13 +277,13 @@ def test_include_is_always_ranked_besides_the_sample():
 
 
 def test_prefix_affinity_in_a_large_fleet_comes_from_the_hint():
-    from autoscale.routing import choose_by_prefix, prompt_block_hashes
+    from autoscale.routing import choose_by_prefix, prompt_block_hashes, sketch_block_size
 
     prompt = list(range(100, 420))
     loads = fleet(1000)
     loads["r0042"] = cached("r0042", [prompt], running=500)
     loads = {k: v if k == "r0042" else cached(k, [], running=v.running_tokens) for k, v in loads.items()}
-    hashes = prompt_block_hashes(prompt, loads)
+    hashes = prompt_block_hashes(prompt, sketch_block_size(loads))
     firsts = {choose_by_prefix(330, 400, loads, {}, prompt_hashes=hashes, rng=random.Random(s),
                                affinity=["r0042"])[0] for s in range(10)}
     assert firsts == {"r0042"}
@@ -294,13 +294,13 @@ def test_prefix_affinity_in_a_large_fleet_comes_from_the_hint():
 
 
 def test_prefix_winner_is_the_longest_hit_ties_to_token_load_order_hint_or_not():
-    from autoscale.routing import prefix_winner, prompt_block_hashes
+    from autoscale.routing import prefix_winner, prompt_block_hashes, sketch_block_size
 
     system = list(range(10_000, 10_000 + 16 * 8))  # 8 blocks every replica holds
     mine = system + list(range(500, 500 + 16 * 6))  # 14 blocks: this conversation's history
     loads = {"a": cached("a", [system]), "b": cached("b", [system]), "h": cached("h", [mine]),
              "x": cached("x", [])}
-    hashes = prompt_block_hashes(mine + [1] * 40, loads)
+    hashes = prompt_block_hashes(mine + [1] * 40, sketch_block_size(loads))
     for eligible in (["a", "b", "h", "x"], ["h", "a", "b", "x"], ["x", "b", "a", "h"]):
         for affinity in ([], ["h"], ["a"], ["a", "h"], ["h", "b"]):
             assert prefix_winner(eligible, affinity, loads, hashes) == "h", (eligible, affinity)
@@ -309,4 +309,4 @@ def test_prefix_winner_is_the_longest_hit_ties_to_token_load_order_hint_or_not()
         assert prefix_winner(["x", "b", "a"], affinity, loads, hashes) == "b", affinity
         assert prefix_winner(["a", "b"], affinity, loads, hashes) == "a", affinity
     assert prefix_winner(["x"], ["x"], loads, hashes) is None
-    assert prefix_winner(["a", "b"], [], loads, prompt_block_hashes(list(range(900, 1300)), loads)) is None
+    assert prefix_winner(["a", "b"], [], loads, prompt_block_hashes(list(range(900, 1300)), sketch_block_size(loads))) is None
