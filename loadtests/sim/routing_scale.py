@@ -2,7 +2,7 @@
 Serve runs, `RouterTuning.sample_size`) against ranking every replica, in the simulator.
 
     python -m loadtests.sim.routing_scale                       # 64 and 1,000 replicas
-    python -m loadtests.sim.routing_scale --replicas 64 --requests-per-replica 250 --rankings token_load ttft
+    python -m loadtests.sim.routing_scale --replicas 64 --per-replica-rps 3.5 --rankings token_load ttft
     python -m loadtests.sim.routing_scale --rankings prefix --json docs/results/sim_routing_scale_prefix.json
 
 Same trace per fleet size for both rules: Mistral-7B on an A100-80GB, stall_free (MBP 512),
@@ -37,6 +37,7 @@ from loadtests.sim.traffic import Trace, make_trace, multi_turn_trace
 
 TOLERANCE = 0.05
 RULES = {"full": None, "sampled": RouterTuning.sample_size}  # sample_size per rule
+LARGE_FLEET = 1000  # from here the default trace is short (the simulator's cost grows with the fleet)
 CHAT_RPS, CHAT_TURNS, CHAT_THINK_S = 15.0, 6, 5.0  # the prefix-routing experiment's chat (experiments.py)
 
 
@@ -66,18 +67,23 @@ def window(sim: Simulator, warm_s: float) -> dict[str, float]:
             "window_goodput_rps": float(ok.sum()) / span}
 
 
-def per_size(counts: list[int], replica_counts: list[int], flag: str) -> list[int]:
+def per_size(counts: list[int] | None, replica_counts: list[int], flag: str, small: int, large: int) -> list[int]:
+    """One count per fleet size: the flag's (one for all, or one each), else `small` below
+    LARGE_FLEET replicas and `large` from there (a run of a few minutes)."""
+    if counts is None:
+        return [small if n < LARGE_FLEET else large for n in replica_counts]
     out = counts * len(replica_counts) if len(counts) == 1 else counts
     if len(out) != len(replica_counts):
         raise ValueError(f"{flag} takes one count or one per --replicas")
     return out
 
 
-def run(replica_counts: list[int], rankings: list[str], per_replica_rps: float, requests_per_replica: list[int],
-        conversations_per_replica: list[int], warm_s: float, seed: int, progress: bool) -> dict[str, Any]:
-    """Both rules at each fleet size (the counts: one, or one per size)."""
-    requests = per_size(requests_per_replica, replica_counts, "--requests-per-replica")
-    conversations = per_size(conversations_per_replica, replica_counts, "--conversations-per-replica")
+def run(replica_counts: list[int], rankings: list[str], per_replica_rps: float,
+        requests_per_replica: list[int] | None, conversations_per_replica: list[int] | None, warm_s: float,
+        seed: int, progress: bool) -> dict[str, Any]:
+    """Both rules at each fleet size (the counts: see `per_size`)."""
+    requests = per_size(requests_per_replica, replica_counts, "--requests-per-replica", 250, 60)
+    conversations = per_size(conversations_per_replica, replica_counts, "--conversations-per-replica", 100, 10)
     rows = []
     for n, per, convs in zip(replica_counts, requests, conversations):
         for ranking in rankings:
@@ -124,10 +130,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--replicas", type=int, nargs="+", default=[64, 1000])
     p.add_argument("--rankings", nargs="+", default=["token_load"], choices=["token_load", "ttft", "prefix"])
     p.add_argument("--per-replica-rps", type=float, default=3.0)
-    p.add_argument("--requests-per-replica", type=int, nargs="+", default=[250, 60],
-                   help="one count, or one per --replicas (1,000 replicas: short, see the module doc)")
-    p.add_argument("--conversations-per-replica", type=int, nargs="+", default=[100, 10],
-                   help="prefix: one count, or one per --replicas")
+    p.add_argument("--requests-per-replica", type=int, nargs="+",
+                   help="one count, or one per --replicas (default 250, and 60 from 1,000 replicas up)")
+    p.add_argument("--conversations-per-replica", type=int, nargs="+",
+                   help="prefix: one count, or one per --replicas (default 100, and 10 from 1,000 replicas up)")
     p.add_argument("--warm-s", type=float, default=10.0, help="the window starts at this arrival time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=Path("docs/results/sim_routing_scale.json"))

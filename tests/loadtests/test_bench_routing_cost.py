@@ -66,3 +66,11 @@ def test_window_counts_only_late_arrivals_that_meet_both_slos():
     assert w["window_requests"] == 4
     assert w["window_goodput_rps"] == pytest.approx(2 / 6.0)  # 5.0 (ok), 11.0 (one token: ok)
     assert w["window_ttft_p99_s"] == 3.0
+
+
+def test_trace_sizes_per_fleet():
+    assert rs.per_size(None, [64, 1000, 2000], "--x", 250, 60) == [250, 60, 60]
+    assert rs.per_size([5], [64, 1000], "--x", 250, 60) == [5, 5]
+    assert rs.per_size([5, 6], [64, 1000], "--x", 250, 60) == [5, 6]
+    with pytest.raises(ValueError, match="--x"):
+        rs.per_size([1, 2, 3], [64, 1000], "--x", 250, 60)
