@@ -132,6 +132,11 @@ class ClusterSnapshot:
     num_tbt_samples: int = 0
     tbt_slo_token_share: float | None = None  # fraction of windowed TBT gaps <= the SLO (see build)
     timestamp: float = 0.0
+    # Demand over the window, in tokens (prompt + max_tokens) per second of requests: those the
+    # replicas started serving, and those refused anywhere (door, ingress, replica queue, SLO
+    # admission). Their sum is the demand the autoscaler sizes the fleet for.
+    served_tps: float = 0.0
+    refused_tps: float = 0.0
 
     @property
     def running_tokens(self) -> int:

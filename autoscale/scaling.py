@@ -5,19 +5,26 @@ Up (by `upscale_step`, more when the queue says so) when any of these predicts a
   while there is load (an idle cluster's old samples do not add replicas),
 - queued prompt tokens per replica exceed `queued_tokens_per_replica`,
 - token load per replica exceeds `token_load_per_replica` (optional capacity model),
+- the fleet has refused more than `max_refused_share` of the demand for `refusal_persist_s`
+  (demand: tokens per second of requests served plus refused, at the door, the ingress, a
+  replica's queue or SLO admission): admission keeps TBT and queues low by refusing, so those
+  signals alone never see the demand it shed. The step sizes the fleet for all of the demand at
+  the replicas' measured capacity (their served rate while refusing: they are saturated),
 and `upscale_cooldown_s` has passed since the last change settled.
 
 Down by one only when the remaining `current - 1` replicas would still hold the SLO with margin:
 p99 scaled by `current / (current - 1)` (load redistributed; TBT grows at most linearly with
 batch tokens, so this over-predicts) is below `tbt_slo_s * downscale_margin`, or the cluster is
 idle (no running or queued tokens); and queued/token load per remaining replica stays under
-`margin` times its threshold. Those conditions must hold continuously for `downscale_stable_s`,
+`margin` times its threshold; nothing was refused, and the remaining replicas would serve the
+whole demand at `margin` times their capacity measured when the fleet last refused. Those conditions must hold continuously for `downscale_stable_s`,
 and `downscale_cooldown_s` must have passed since the last change. The band between the up and
 down thresholds is the hysteresis: inside it the count holds.
 
 While a change is settling (Serve's target differs from the running count) the decision holds,
 and the cool-downs count from when it settled, so a replica still starting is never "not enough"
-twice. The result is clamped to [min_replicas, max_replicas].
+twice; only persisting refusals may raise the target meanwhile (their need is counted on the
+ready replicas alone). The result is clamped to [min_replicas, max_replicas].
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ class ScalingConfig:
         "half of replica.max_queued_tokens (the app) or no queue rule (the decision alone)")
     token_load_per_replica: int | None = Field(None, gt=0, description=
         "token load one replica holds within the SLO (a capacity model); null: not used")
+    max_refused_share: float | None = Field(0.01, ge=0, lt=1, description=
+        "scale up while more than this share of the demand (tokens/s served + refused, from the "
+        "door to the replicas' queues) is refused; null: refusals are not a scaling signal")
+    refusal_persist_s: float = Field(2.0, ge=0, description=
+        "refusals must go on this long, without a break, before they add replicas")
     max_upscale_step: int = Field(4, ge=1, description="replicas added by one decision, at most")
     upscale_step: int = Field(1, ge=1, description="replicas added when only the TBT p99 says so")
 
@@ -109,21 +121,48 @@ class ScalingState:
     last_change_s: float | None = None  # when the last change settled (or was decided)
     down_since_s: float | None = None  # when the scale-down conditions started holding
     reason: str = "init"
+    refusing_since_s: float | None = None  # when the refused share went over max_refused_share
+    # Tokens/s one replica served the last time the fleet refused (saturated): its capacity.
+    capacity_tps: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> ScalingState:
-        d = d or {}
-        return cls(d.get("last_change_s"), d.get("down_since_s"), d.get("reason", "init"))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+
+def refused_share(snapshot: ClusterSnapshot) -> float:
+    """The share of the window's demand (tokens/s served + refused) that was refused."""
+    demand = snapshot.served_tps + snapshot.refused_tps
+    return snapshot.refused_tps / demand if demand > 0 else 0.0
+
+
+def refusing(snapshot: ClusterSnapshot, cfg: ScalingConfig) -> bool:
+    return cfg.max_refused_share is not None and refused_share(snapshot) > cfg.max_refused_share
+
+
+def demand_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig) -> int:
+    """Replicas to add so the whole demand would be served: the fleet's served rate per replica
+    is its capacity while it refuses, so `ceil(demand / (served / current)) - current`; at least
+    `upscale_step` (nothing served yet: no measure, one step)."""
+    n = max(current, 1)
+    if snapshot.served_tps <= 0:
+        return cfg.upscale_step
+    demand = snapshot.served_tps + snapshot.refused_tps
+    return max(cfg.upscale_step, math.ceil(demand * n / snapshot.served_tps - 1e-9) - current)
 
 
 def upscale_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig,
-                 tbt_slo_s: float) -> tuple[int, str]:
-    """Replicas to add now (0: none) and why."""
+                 tbt_slo_s: float, refusals_persist: bool = False) -> tuple[int, str]:
+    """Replicas to add now (0: none) and why; `refusals_persist`: the fleet has refused more than
+    its share of the demand for `refusal_persist_s` (the caller keeps that time)."""
     n = max(current, 1)
     steps: list[tuple[int, str]] = []
+    if refusals_persist:
+        steps.append((demand_need(snapshot, current, cfg), "refused_demand"))
     p99 = snapshot.tbt_p99_s
     busy = snapshot.token_load > 0  # an idle cluster's old breach samples are history
     if (busy and p99 is not None and snapshot.num_tbt_samples >= cfg.min_samples
@@ -141,8 +180,10 @@ def upscale_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig,
     return max(1, min(step, cfg.max_upscale_step)), reason
 
 
-def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig, tbt_slo_s: float) -> bool:
-    """Would `current - 1` replicas still hold the SLO with `downscale_margin` to spare?"""
+def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig, tbt_slo_s: float,
+               capacity_tps: float | None = None) -> bool:
+    """Would `current - 1` replicas still hold the SLO with `downscale_margin` to spare, and the
+    demand (nothing refused; the served rate within their capacity `capacity_tps` x margin)?"""
     if current <= 1:
         return current == 1 and cfg.min_replicas == 0 and snapshot.token_load == 0
     spread = current / (current - 1)
@@ -154,7 +195,10 @@ def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig, tbt_
                 snapshot.waiting_tokens / (current - 1) < cfg.queued_tokens_per_replica * cfg.downscale_margin)
     load_ok = (cfg.token_load_per_replica is None or
                snapshot.token_load / (current - 1) < cfg.token_load_per_replica * cfg.downscale_margin)
-    return tbt_ok and queue_ok and load_ok
+    demand_ok = snapshot.refused_tps == 0 or cfg.max_refused_share is None
+    if demand_ok and capacity_tps is not None and cfg.max_refused_share is not None:
+        demand_ok = snapshot.served_tps / (current - 1) < capacity_tps * cfg.downscale_margin
+    return tbt_ok and queue_ok and load_ok and demand_ok
 
 
 def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState, now: float,
@@ -165,24 +209,38 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
     if not tbt_slo_s > 0:
         raise ValueError(f"tbt_slo_s must be > 0, got {tbt_slo_s!r}")
     lo, hi = cfg.min_replicas, cfg.upper
+    capacity = state.capacity_tps
+    refusing_since = None
+    if refusing(snapshot, cfg):
+        refusing_since = state.refusing_since_s if state.refusing_since_s is not None else now
+        if snapshot.served_tps > 0:  # saturated: what a replica serves now is its capacity
+            capacity = snapshot.served_tps / max(current, 1)
+    persist = refusing_since is not None and now - refusing_since >= cfg.refusal_persist_s
     if target is not None and target != current:
-        # A change is settling: hold its target; the cool-downs start once it lands.
-        return min(max(target, lo), hi), ScalingState(now, None, "settling")
+        # A change is settling: hold its target, the cool-downs start once it lands. Only the
+        # refused demand may raise it: its need is counted on the ready replicas alone (what
+        # they serve and what was refused), so the replicas still starting are not counted twice.
+        want = current + min(demand_need(snapshot, current, cfg), cfg.max_upscale_step) if persist else target
+        settle = ScalingState(now, None, "settling", refusing_since, capacity)
+        if want > target:
+            return min(want, hi), replace(settle, reason="refused_demand")
+        return min(max(target, lo), hi), settle
     if current < lo or current > hi:
-        return min(max(current, lo), hi), ScalingState(now, None, "out_of_bounds")
+        return min(max(current, lo), hi), ScalingState(now, None, "out_of_bounds", capacity_tps=capacity)
     since_change = math.inf if state.last_change_s is None else now - state.last_change_s
+    state = replace(state, refusing_since_s=refusing_since, capacity_tps=capacity)
 
-    add, why = upscale_need(snapshot, current, cfg, tbt_slo_s)
+    add, why = upscale_need(snapshot, current, cfg, tbt_slo_s, persist)
     if add:
         if current >= hi:
             return current, replace(state, down_since_s=None, reason=f"{why}:at_max")
         if since_change < cfg.upscale_cooldown_s:
             return current, replace(state, down_since_s=None, reason=f"{why}:cooldown")
-        return min(current + add, hi), ScalingState(now, None, why)
+        return min(current + add, hi), ScalingState(now, None, why, capacity_tps=capacity)
 
-    if current > lo and can_shrink(snapshot, current, cfg, tbt_slo_s):
+    if current > lo and can_shrink(snapshot, current, cfg, tbt_slo_s, capacity):
         down_since = state.down_since_s if state.down_since_s is not None else now
         if now - down_since >= cfg.downscale_stable_s and since_change >= cfg.downscale_cooldown_s:
-            return current - 1, ScalingState(now, None, "slo_holds_with_fewer")
-        return current, ScalingState(state.last_change_s, down_since, "downscale_pending")
-    return current, ScalingState(state.last_change_s, None, "hold")
+            return current - 1, ScalingState(now, None, "slo_holds_with_fewer", capacity_tps=capacity)
+        return current, replace(state, down_since_s=down_since, reason="downscale_pending")
+    return current, replace(state, down_since_s=None, reason="hold")

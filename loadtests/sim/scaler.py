@@ -10,8 +10,11 @@ its running ones, and is released when empty (it is billed until then).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
+from autoscale.demand import DemandLog
 from autoscale.load import ClusterSnapshot, LogHistogram
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
 from replicas.histogram import NUM_BINS
@@ -34,13 +37,19 @@ class Autoscaler:
         self.state = ScalingState()
         self.trace = ScalingTrace()
 
-    def decide(self, ready: list, num_starting: int, now: float) -> tuple[int, str]:
-        """Desired replica count from the ready replicas' reports (`SimReplica`s)."""
+    def decide(self, ready: list, num_starting: int, now: float,
+               demand: DemandLog | None = None) -> tuple[int, str]:
+        """Desired replica count from the ready replicas' reports (`SimReplica`s) and the demand
+        admitted and refused since the last change (within the window), as the controller reads it."""
         loads = {r.replica_id: r.last_report for r in ready if r.last_report is not None}
         tbt = [0] * NUM_BINS
         for r in ready:
             r.window.add_window(tbt, now)
         snapshot = ClusterSnapshot.build(loads, LogHistogram.from_dense(tbt), self.tbt_slo_s, now)
+        if demand is not None:
+            since = max(now - self.cfg.window_s, self.state.last_change_s or -math.inf)
+            served, refused = demand.rates(now, since)
+            snapshot = dataclasses.replace(snapshot, served_tps=served, refused_tps=refused)
         target = len(ready) + num_starting
         desired, self.state = decide_replicas(snapshot, len(ready), self.state, now, self.cfg, self.tbt_slo_s,
                                               target=target)

@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from autoscale.demand import DemandLog
 from autoscale.load import ReportThrottle
 from autoscale.routing import RequestCost
 from autoscale.scaling import ScalingConfig
@@ -28,6 +29,8 @@ from loadtests.sim.replica import ReplicaSpec, SimClock, SimReplica
 from loadtests.sim.routers import Router, make_router
 from loadtests.sim.scaler import Autoscaler
 from loadtests.sim.traffic import Trace
+from replicas.admission import admits, queue_bound
+from replicas.config import ReplicaOptions
 from replicas.request import Request, SamplingParams
 
 ITER_END, READY, SCALE, CHECK = 0, 1, 2, 3
@@ -50,6 +53,12 @@ class SimConfig:
     # Decode-only passes in closed form (`decode_run.DecodeRun`); False: every pass through
     # schedule() and advance(), the reference the closed form must equal exactly.
     decode_runs: bool = True
+    # Load shedding as a replica does it (`replicas.admission`): with `shed`, a prompt the chosen
+    # replica's queue bound cannot take (max_queued_tokens, and what the replica prefills within
+    # queue_timeout_s at its modelled prompt rate; None: no deadline) is refused at arrival.
+    shed: bool = False
+    queue_timeout_s: float | None = None
+    max_queued_tokens: int = ReplicaOptions().max_queued_tokens
 
     def describe(self) -> dict[str, Any]:
         e = self.spec.engine
@@ -57,7 +66,8 @@ class SimConfig:
              "kv_capacity_tokens": self.spec.kv_capacity_tokens, "max_num_seqs": e.max_num_seqs,
              "block_size": e.block_size, "cost_model": self.spec.cost.name, "num_replicas": self.num_replicas,
              "router": self.router, "tbt_slo_s": self.tbt_slo_s, "ttft_slo_s": self.ttft_slo_s,
-             "startup_s": self.startup_s, "seed": self.seed}
+             "startup_s": self.startup_s, "seed": self.seed, "shed": self.shed,
+             "queue_timeout_s": self.queue_timeout_s, "max_queued_tokens": self.max_queued_tokens}
         if self.scaling is not None:
             d["scaling"] = self.scaling.to_dict()
         return d
@@ -88,6 +98,8 @@ class Simulator:
         self.router = router or make_router(cfg.router, cfg.seed)
         self.scaler = (Autoscaler(cfg.scaling, cfg.tbt_slo_s, cfg.scaling_interval_s, cfg.startup_s)
                        if cfg.scaling is not None else None)
+        # Tokens (prompt + max_tokens) of the requests admitted and refused: the demand signal.
+        self.demand = DemandLog(cfg.scaling.window_s if cfg.scaling is not None else 60.0)
         self.replicas: list[SimReplica] = []  # provisioned: starting, ready or draining
         self.retired: list[SimReplica] = []
         self.routable: list[SimReplica] = []  # ready and not draining
@@ -263,6 +275,12 @@ class Simulator:
         req = Request(str(i), ids, sp, 0, ta)
         cost = RequestCost(plen, plen + olen)
         r = self.router.choose(cost, self.routable, ta, ids)
+        if self.cfg.shed and not admits(r.scheduler.num_waiting_tokens, plen, queue_bound(
+                self.cfg.max_queued_tokens, r.prefill_tps, self.cfg.queue_timeout_s)):
+            self.rec.rejected[i] = True
+            self.demand.add(ta, refused=plen + olen)
+            return
+        self.demand.add(ta, served=plen + olen)
         r.add(req)
         self.router.routed(req.request_id, r, cost, ta)
         if r.batch is None:
@@ -290,7 +308,7 @@ class Simulator:
 
     def _scale_tick(self, now: float) -> None:
         ready = list(self.routable)
-        desired, _ = self.scaler.decide(ready, len(self.pending), now)
+        desired, _ = self.scaler.decide(ready, len(self.pending), now, self.demand)
         if desired != len(ready) + len(self.pending):
             self._scale_to(desired, now)
 

@@ -4,10 +4,13 @@ outside [min, max]; inside the hysteresis band the count holds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autoscale.load import ClusterSnapshot, ReplicaLoad
-from autoscale.scaling import ScalingConfig, ScalingState, can_shrink, decide_replicas
+from autoscale.scaling import (ScalingConfig, ScalingState, can_shrink, decide_replicas, demand_need,
+                               refused_share)
 
 pytestmark = pytest.mark.unit
 
@@ -147,3 +150,51 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="tbt_slo_s"):
         ScalingConfig.from_dict({"tbt_slo_s": 0.1})  # the SLO is the engine's, not a scaling knob
     assert ScalingState.from_dict(ScalingState(1.0, 2.0, "x").to_dict()) == ScalingState(1.0, 2.0, "x")
+
+
+def demand(served: float, refused: float, p99: float = 0.05, replicas: int = 1) -> ClusterSnapshot:
+    """A fleet whose admission keeps TBT and queues low while it refuses `refused` tokens/s."""
+    return dataclasses.replace(snap(p99, replicas=replicas), served_tps=served, refused_tps=refused)
+
+
+def test_refused_demand_adds_the_replicas_it_needs_once_refusals_persist():
+    # One replica serves 1,000 tokens/s and refuses 2,500: TBT and queue look fine.
+    n, state = decide_replicas(demand(1000, 2500), 1, FRESH, now=10.0, cfg=CFG, tbt_slo_s=SLO)
+    assert n == 1 and state.refusing_since_s == 10.0 and state.capacity_tps == 1000
+    n, state = decide_replicas(demand(1000, 2500), 1, state, now=11.0, cfg=CFG, tbt_slo_s=SLO)
+    assert n == 1  # 1 s of the 2 s refusal_persist_s
+    n, state = decide_replicas(demand(1000, 2500), 1, state, now=12.0, cfg=CFG, tbt_slo_s=SLO)
+    assert (n, state.reason) == (4, "refused_demand")  # ceil(3,500 / 1,000 a replica): 3 more
+    assert state.capacity_tps == 1000 and state.refusing_since_s is None  # the window restarts
+    # A break in the refusals restarts the clock.
+    _, s1 = decide_replicas(demand(1000, 2500), 1, FRESH, now=0.0, cfg=CFG, tbt_slo_s=SLO)
+    _, s2 = decide_replicas(demand(1000, 0), 1, s1, now=1.0, cfg=CFG, tbt_slo_s=SLO)
+    n, _ = decide_replicas(demand(1000, 2500), 1, s2, now=2.5, cfg=CFG, tbt_slo_s=SLO)
+    assert n == 1
+
+
+def test_refusals_under_the_share_or_off_do_not_scale():
+    state = dataclasses.replace(FRESH, refusing_since_s=0.0)
+    assert decide_replicas(demand(1000, 10), 1, state, now=9.0, cfg=CFG, tbt_slo_s=SLO)[0] == 1  # 1%
+    off = dataclasses.replace(CFG, max_refused_share=None)
+    assert decide_replicas(demand(1000, 5000), 1, state, now=9.0, cfg=off, tbt_slo_s=SLO)[0] == 1
+    assert refused_share(demand(1000, 3000)) == 0.75 and refused_share(demand(0, 0)) == 0.0
+    # Refusing with nothing served yet (no measure of capacity): one step.
+    assert demand_need(demand(0, 500), 2, CFG) == 1
+    assert demand_need(demand(2000, 2000), 2, CFG) == 2
+
+
+def test_no_scale_down_while_refusing_or_past_the_measured_capacity():
+    low = dict(p99=0.01, replicas=3)
+    assert not can_shrink(demand(3000, 100, **low), 3, CFG, SLO)  # refusing: never shrink
+    assert can_shrink(demand(3000, 0, **low), 3, CFG, SLO)  # no capacity measured: TBT decides
+    assert not can_shrink(demand(3000, 0, **low), 3, CFG, SLO, capacity_tps=2000)  # 1,500 > 0.7 x 2,000
+    assert can_shrink(demand(2000, 0, **low), 3, CFG, SLO, capacity_tps=2000)  # 1,000 < 1,400
+    # The capacity measured while refusing outlives the change it caused.
+    _, state = decide_replicas(demand(1000, 3000), 1, FRESH, now=0.0, cfg=CFG, tbt_slo_s=SLO)
+    n, state = decide_replicas(demand(1000, 3000), 1, state, now=3.0, cfg=CFG, tbt_slo_s=SLO)
+    assert n == 4
+    n, state = decide_replicas(demand(3900, 0, p99=0.01, replicas=4), 4, state, now=100.0, cfg=CFG,
+                               tbt_slo_s=SLO)
+    assert n == 4 and state.reason == "hold" and state.capacity_tps == 1000  # 1,300 each > 700
+    assert ScalingState.from_dict(state.to_dict()) == state
