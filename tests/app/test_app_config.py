@@ -168,7 +168,7 @@ def test_every_queue_in_the_path_is_bounded_and_the_ingress_sized() -> None:
 
 
 # Float settings that are not durations (shares, margins, counts of CPUs, a request target).
-DIMENSIONLESS = ("fraction", "watermark", "margin", "quantile", "imbalance", "ongoing_requests",
+DIMENSIONLESS = ("fraction", "share", "watermark", "margin", "quantile", "imbalance", "ongoing_requests",
                  "num_cpus", "num_gpus")
 
 
