@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autoscale.demand import DemandCounts
 from replicas.protocol import ReplicaLoad
 from replicas.admission import Decision, QueueView, door_decision
 
@@ -190,15 +191,20 @@ class _Ticket:
 
 
 def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
-                     deployment: str, timeout_s: float = 1.0) -> Fetch:
-    """A `Fetch` reading the controller actor's snapshot, kept to this app's engine replicas."""
-    from autoscale.controller import get_or_create_controller
+                     deployment: str, timeout_s: float = 1.0,
+                     demand: tuple[str, Callable[[float], DemandCounts | None]] | None = None) -> Fetch:
+    """A `Fetch` reading the controller actor's snapshot, kept to this app's engine replicas.
+    `demand`: (source, counts(now)): the caller's demand counters ride along when they are due
+    (`autoscale.demand`), sent without waiting for an answer."""
+    from autoscale.controller import deployment_key_of, get_or_create_controller
 
     handle: list[Any] = []
 
     async def fetch() -> Mapping[str, ReplicaLoad]:
         if not handle:
             handle.append(get_or_create_controller(controller_name, namespace))
+        if demand is not None and (counts := demand[1](time.time())) is not None:
+            handle[0].report_demand.remote(deployment_key_of(app_name, deployment), demand[0], counts)
         try:
             ref = handle[0].snapshot.remote(None, with_tbt=False)
             snap = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)

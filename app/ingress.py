@@ -11,6 +11,7 @@ so refusals (400, 429) are answered before a 200 and SSE headers are sent.
 # route parameters of a Serve ingress class. Serve pickles the class when it is decorated,
 # so every module-level name its methods use is defined above it.
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -37,6 +38,8 @@ from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, Completi
 from app.stream_limit import StreamLimit, limit_observer
 from app.streaming import (DONE, Gathered, StreamMeta, chat_events, chat_response, collect,
                            completion_events, completion_response, sse)
+from autoscale.controller import deployment_key_of
+from autoscale.demand import DemandCounter, DemandCounts
 from replicas.model_files import load_tokenizer
 from replicas.protocol import ReplicaUnhealthyError, RequestRejected
 from replicas.priority import serve_at_full_priority
@@ -70,6 +73,14 @@ def _cancel(gen: DeploymentResponseGenerator) -> None:
         gen.cancel()
     except Exception as exc:  # the call already failed or ended: nothing left to cancel
         logger.debug("cancel of a finished handle call: %r", exc)
+
+
+def _replica_name() -> str:
+    """This ingress replica's id under Serve; a fresh name outside it."""
+    try:
+        return str(serve.get_replica_context().replica_id)
+    except Exception:  # noqa: BLE001 - not in a Serve replica (tests)
+        return uuid.uuid4().hex[:8]
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -110,7 +121,10 @@ class OpenAIIngress:
         # One thread: long prompts never block the event loop, and the tokenizer (not safe to
         # call from several threads at once) is only ever used from this one.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        proxy_door.publish(args.proxy_door.settings(args.engine.tbt_slo_ms))
+        proxy_door.publish(dataclasses.replace(
+            args.proxy_door.settings(args.engine.tbt_slo_ms), controller_name=args.controller_name,
+            controller_namespace=args.controller_namespace,
+            deployment=deployment_key_of(getattr(llm, "app_name", None), getattr(llm, "deployment_name", "LLMServer"))))
         api.state.max_body_bytes = args.max_body_bytes
         api.state.body_timeout_s = args.body_timeout_s
         api.state.stream_limit = None
@@ -120,9 +134,17 @@ class OpenAIIngress:
                                 clock=time.perf_counter)
             limit.on_step = limit_observer(limit, "ingress", logger)
             api.state.stream_limit = limit
-        self.gate = AdmissionGate(controller_fetch(args.controller_name, args.controller_namespace,
-                                                   getattr(llm, "app_name", None),
-                                                   getattr(llm, "deployment_name", "LLMServer")))
+        # Every request this ingress answers, served or refused (429), for the autoscaler's demand;
+        # the in-flight limit's refusals go unsized (no body read). Sent with the gate's fetches.
+        self.demand = DemandCounter()
+        self.gate = AdmissionGate(controller_fetch(
+            args.controller_name, args.controller_namespace, getattr(llm, "app_name", None),
+            getattr(llm, "deployment_name", "LLMServer"),
+            demand=(f"ingress:{_replica_name()}", self._demand_counts)))
+
+    def _demand_counts(self, now: float) -> DemandCounts | None:
+        limit = api.state.stream_limit
+        return self.demand.to_send(now, unsized=limit.num_refused if limit is not None else 0)
 
     # ---- routes ------------------------------------------------------------------------
 
@@ -247,6 +269,19 @@ class OpenAIIngress:
         # max_tokens None (chat's default): the replica fills in what its context and KV leave.
         params = body.sampling_params(max_tokens)  # InvalidRequestError -> 400 naming the field
         num_prompt_tokens = sum(len(p) for p in prompts)
+        demand = num_prompt_tokens + len(prompts) * (max_tokens or 0)  # what the autoscaler counts
+        try:
+            started = await self._send(request_id, prompts, params, body.priority, arrived_at, num_prompt_tokens)
+        except OpenAIError as exc:
+            if exc.status_code == 429:  # refused here or downstream: demand the fleet did not serve
+                self.demand.refused(demand)
+            raise
+        self.demand.served(demand)
+        return started
+
+    async def _send(self, request_id: str, prompts: list[list[int]], params: Any, priority: int,
+                    arrived_at: float, num_prompt_tokens: int) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
+        """`_start` past the request's checks: admission, the replica call, its first output."""
         ids = prompts[0] if len(prompts) == 1 else prompts
         await self._admit(num_prompt_tokens)
         ticket = self.gate.admit(num_prompt_tokens)
@@ -255,7 +290,7 @@ class OpenAIIngress:
             for attempt in range(1, START_ATTEMPTS + 1):
                 # A fresh id per attempt: a replica that is only unreachable may still hold the first.
                 rid = request_id if attempt == 1 else f"{request_id}-retry{attempt - 1}"
-                gen = self.stream_llm.generate.remote(ids, params, body.priority, rid, arrived_at)
+                gen = self.stream_llm.generate.remote(ids, params, priority, rid, arrived_at)
                 try:
                     first = await self._first_output(gen, ticket, arrived_at)
                 except BaseException as exc:

@@ -42,6 +42,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -54,6 +56,7 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
+from autoscale.demand import DemandCounter, DemandCounts
 from replicas.config import STRICT
 from replicas.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
 from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, refuse
@@ -127,6 +130,11 @@ class DoorSettings:
     wait_target_s: float
     gap_target_s: float | None
     slow_share: float
+    # Where the door's refusals go as refused demand (`autoscale.demand`): the controller actor's
+    # name and namespace and the engine deployment's key; "": not reported.
+    controller_name: str = ""
+    controller_namespace: str = ""
+    deployment: str = ""
 
 
 def publish(settings: DoorSettings) -> None:
@@ -176,6 +184,8 @@ class Door:
         self.summary = b"{}"  # the settings in force, as JSON (PASSED_HEADER)
         self._read_at = float("-inf")
         self._reading: asyncio.Task[None] | None = None
+        self.demand = DemandCounter()  # its refusals are unsized: no body was read
+        self.source = f"door:{socket.gethostname()}:{os.getpid()}"
 
     def apply(self, settings: DoorSettings) -> None:
         if settings == self.settings:
@@ -205,6 +215,19 @@ class Door:
         settings = await asyncio.to_thread(self._read)
         if settings is not None:
             self.apply(settings)
+        counts = self.demand.to_send(self._clock(), unsized=self.pending.num_refused + self.limit.num_refused)
+        if counts is not None and self.settings is not None and self.settings.controller_name:
+            await asyncio.to_thread(self._report, self.settings, counts)
+
+    def _report(self, settings: DoorSettings, counts: DemandCounts) -> None:
+        """The door's refusals to the controller, as refused demand (sent, not waited for)."""
+        from autoscale.controller import get_or_create_controller
+
+        try:
+            controller = get_or_create_controller(settings.controller_name, settings.controller_namespace)
+            controller.report_demand.remote(settings.deployment, self.source, counts)
+        except Exception as exc:  # noqa: BLE001 - the controller may be restarting: next time
+            logger.debug("proxy door: demand report failed: %r", exc)
 
 
 def _refusal_counter() -> Callable[[str], None] | None:

@@ -26,12 +26,14 @@ router and policy look replicas up by `replica_key(replica_id)`, the same string
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
+from autoscale.demand import DemandCounts, DemandLog
 from autoscale.load import ClusterSnapshot, LogHistogram, ReplicaLoad, TbtWindow, fleet_interval
 from replicas.histogram import NUM_BINS
 
@@ -60,6 +62,13 @@ def deployment_key(replica_id: str) -> str:
     return replica_id.rpartition("#")[0] or replica_id
 
 
+def deployment_key_of(app_name: str | None, deployment: str) -> str:
+    """The `deployment_key` of the replicas of `deployment` in application `app_name`."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    return deployment_key(replica_key(ReplicaID("_", DeploymentID(deployment, app_name or ""))))
+
+
 class LoadBook:
     """Latest load per replica and TBT histograms per deployment; aggregates on demand."""
 
@@ -81,12 +90,22 @@ class LoadBook:
         self._last_seen: dict[str, float] = {}  # controller clock: skew-free staleness
         self._deployment: dict[str, str] = {}  # replica -> deployment_key
         self._tbt: dict[str, TbtWindow] = {}  # per deployment
+        self._demand: dict[str, DemandLog] = {}  # per deployment: served and refused (autoscale.demand)
 
     def report(self, replica_id: str, load: ReplicaLoad) -> float:
         """Record one replica's load; its TBT histogram joins its deployment's window at receive
         time. Returns the report period the fleet asks of each replica now (seconds)."""
         self._record(replica_id, load, self._clock())
         return fleet_interval(len(self._loads), self.max_reports_per_s)
+
+    def report_demand(self, deployment: str, source: str, counts: DemandCounts) -> None:
+        """A source's demand counters for `deployment` (its key: `deployment_key` of its replicas'):
+        the ingress's served and refused requests, the proxy door's refusals."""
+        now = self._clock()
+        log = self._demand.get(deployment)
+        if log is None:
+            log = self._demand[deployment] = DemandLog(self.window_s, start_t=now)
+        log.report(source, now, counts)
 
     def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]]) -> float:
         """`report` for several replicas in one call (a node's); the same reply."""
@@ -157,13 +176,19 @@ class LoadBook:
         dense = [0] * NUM_BINS
         deployments = self._tbt if replica_ids is None else {self._deployment[r] for r in loads
                                                              if r in self._deployment}
+        served = refused = 0.0
+        for deployment in self._demand if replica_ids is None else {deployment_key(r) for r in loads}:
+            if (log := self._demand.get(deployment)) is not None:
+                s, r = log.rates(now, since)
+                served, refused = served + s, refused + r
         for deployment in list(deployments):
             window = self._tbt.get(deployment)
             if window is not None:
                 window.add_window(dense, now, since)
                 if not window:  # every slice aged out: the deployment's window goes
                     del self._tbt[deployment]
-        return ClusterSnapshot.build(loads, LogHistogram.from_dense(dense), tbt_slo_s, now)
+        snap = ClusterSnapshot.build(loads, LogHistogram.from_dense(dense), tbt_slo_s, now)
+        return dataclasses.replace(snap, served_tps=served, refused_tps=refused) if served or refused else snap
 
 
 def _with(load: ReplicaLoad, **changes: Any) -> ReplicaLoad:

@@ -7,43 +7,103 @@ that admission protects (TBT p99, queued tokens, token load) therefore stay low 
 unserved, so the autoscaler needs the demand itself: tokens per second (prompt + max_tokens) of
 requests served and of requests refused, wherever they were refused (`scaling.refusing`).
 
-Every source keeps monotone counters of the tokens it served and refused and reports them now
-and then (a replica in its `ReplicaLoad`, the door and the ingress on their own): `DemandLog`
-turns successive counter values into timestamped increments and reads rates over any part of its
-window. The first value a source reports is its baseline (what it counted before the log knew
-it is history, not a burst).
+Every source keeps monotone counters (`DemandCounts`) and reports them now and then: the
+ingress counts every request it answers (served once it has a first token; refused when it
+answers 429, whoever refused: its own token door, Serve's queue, a replica's queue bound, the
+queue deadline, SLO admission), the proxy door counts the requests it refuses before anyone reads
+their bodies (unsized: they are counted at the mean size of the requests served in the window).
+`DemandLog` turns successive counter values into timestamped increments and reads rates over any
+part of its window. The first value a source reports is its baseline (what it counted before the
+log knew it is history, not a burst).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, fields
 
-__all__ = ["DemandLog"]
+__all__ = ["REPORT_EVERY_S", "DemandCounter", "DemandCounts", "DemandLog"]
+
+REPORT_EVERY_S = 1.0  # a source sends its counters at most this often, and only when they moved
+
+
+@dataclass(frozen=True)
+class DemandCounts:
+    """A source's monotone counters (or, in the log, the increments of one report)."""
+
+    served_tokens: int = 0  # prompt + max_tokens of requests that got a first token
+    served_requests: int = 0
+    refused_tokens: int = 0  # prompt + max_tokens of requests refused with their size known
+    refused_unsized: int = 0  # requests refused before their size was read (the proxy door)
+
+    def __sub__(self, other: DemandCounts) -> DemandCounts:
+        return DemandCounts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self))
+
+
+class DemandCounter:
+    """A source's counters as it counts them (the ingress, the proxy door), and when to send."""
+
+    def __init__(self) -> None:
+        self._counts = DemandCounts()
+        self._sent: DemandCounts | None = None
+        self._sent_at = float("-inf")
+
+    def served(self, tokens: int) -> None:
+        c = self._counts
+        self._counts = DemandCounts(c.served_tokens + tokens, c.served_requests + 1, c.refused_tokens,
+                                    c.refused_unsized)
+
+    def refused(self, tokens: int | None = None) -> None:
+        """One request refused: `tokens` its prompt + max_tokens, None when its size is unknown."""
+        c = self._counts
+        self._counts = DemandCounts(c.served_tokens, c.served_requests, c.refused_tokens + (tokens or 0),
+                                    c.refused_unsized + (tokens is None))
+
+    @property
+    def counts(self) -> DemandCounts:
+        return self._counts
+
+    def to_send(self, now: float, unsized: int = 0) -> DemandCounts | None:
+        """The counters when a report is due (moved, and REPORT_EVERY_S since the last), else None;
+        the first call always sends (the controller's baseline). `unsized`: refusals of unknown
+        size counted elsewhere (an in-flight limit's), added to the counter's own."""
+        c = self._counts
+        counts = DemandCounts(c.served_tokens, c.served_requests, c.refused_tokens, c.refused_unsized + unsized)
+        if self._sent is not None and (counts == self._sent or now - self._sent_at < REPORT_EVERY_S):
+            return None
+        self._sent, self._sent_at = counts, now
+        return counts
 
 
 class DemandLog:
-    """Increments of served and refused tokens, kept `window_s` seconds, read as rates."""
+    """Increments of served and refused demand, kept `window_s` seconds, read as rates."""
 
     def __init__(self, window_s: float, start_t: float = 0.0) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s
         self.start_t = start_t  # rates never cover time before the log began
-        self._events: deque[tuple[float, int, int]] = deque()  # (t, served, refused) increments
-        self._counters: dict[str, tuple[int, int]] = {}  # source -> last (served, refused)
+        self._events: deque[tuple[float, DemandCounts]] = deque()
+        self._counters: dict[str, DemandCounts] = {}  # source -> its last counters
+        self._mean_tokens = 0.0  # a served request's size, lately (sizes the unsized refusals)
 
-    def add(self, t: float, served: int = 0, refused: int = 0) -> None:
-        """Tokens served and refused at time `t` (times must not go backwards much)."""
-        if served or refused:
-            self._events.append((t, served, refused))
+    def add(self, t: float, served: int = 0, refused: int = 0, counts: DemandCounts | None = None) -> None:
+        """Demand at time `t` (times must not go backwards much): `served` / `refused` tokens of
+        one request each, or the increments `counts`."""
+        counts = counts or DemandCounts(served, 1 if served else 0, refused)
+        if counts:
+            self._events.append((t, counts))
         self._prune(t)
 
-    def report(self, source: str, t: float, served_total: int, refused_total: int) -> None:
+    def report(self, source: str, t: float, counts: DemandCounts) -> None:
         """A source's counters at `t`: their growth since its previous report is added."""
         last = self._counters.get(source)
-        self._counters[source] = (served_total, refused_total)
+        self._counters[source] = counts
         if last is not None:
-            self.add(t, served_total - last[0], refused_total - last[1])
+            self.add(t, counts=counts - last)
 
     def forget(self, source: str) -> None:
         """The source went away (its increments stay in the window)."""
@@ -56,13 +116,17 @@ class DemandLog:
         span = now - start
         if span <= 0:
             return 0.0, 0.0
-        served = refused = 0
-        for t, s, r in reversed(self._events):
+        served = requests = refused = unsized = 0
+        for t, c in reversed(self._events):
             if t <= start:  # an increment covers the time before it: (start, now]
                 break
-            served += s
-            refused += r
-        return served / span, refused / span
+            served += c.served_tokens
+            requests += c.served_requests
+            refused += c.refused_tokens
+            unsized += c.refused_unsized
+        if requests > 0:
+            self._mean_tokens = served / requests
+        return served / span, (refused + unsized * self._mean_tokens) / span
 
     def _prune(self, now: float) -> None:
         horizon = now - self.window_s

@@ -5,6 +5,7 @@ target) or just after the server refused one; one slow request alone never close
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -375,6 +376,33 @@ def test_serves_callback_builds_both_parts_and_takes_published_settings() -> Non
     door.apply(ProxyDoorConfig(enabled=False).settings(None))  # off: both parts let everything by
     limit.in_flight = 10_000
     assert limit.admits() and pending.admits()
+
+
+def test_the_doors_refusals_reach_the_controller_as_unsized_refused_demand() -> None:
+    built = middlewares()
+    limit, pending, door = built[1].kwargs["limit"], built[0].kwargs["pending"], built[0].kwargs["door"]
+    sent: list = []
+    door._report = lambda settings, counts: sent.append((settings.deployment, counts))
+    settings = dataclasses.replace(ProxyDoorConfig().settings(None), controller_name="ctl",
+                                   controller_namespace="ns", deployment="SERVE_REPLICA::llm#LLMServer")
+    door._read = lambda: settings
+
+    async def refresh() -> None:
+        door._read_at = float("-inf")
+        door.refresh()
+        await door._reading
+
+    asyncio.run(refresh())  # the baseline
+    pending.num_refused, limit.num_refused = 3, 2
+    door.demand._sent_at = float("-inf")  # a report is due
+    asyncio.run(refresh())
+    assert [(d, c.refused_unsized) for d, c in sent] == [("SERVE_REPLICA::llm#LLMServer", 0),
+                                                         ("SERVE_REPLICA::llm#LLMServer", 5)]
+    door._read = lambda: dataclasses.replace(settings, controller_name="")  # not reported
+    pending.num_refused = 9
+    door.demand._sent_at = float("-inf")
+    asyncio.run(refresh())
+    assert len(sent) == 2
 
 
 def test_proxy_env_sets_the_callback_and_priority_unless_given() -> None:

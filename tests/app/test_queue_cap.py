@@ -55,6 +55,21 @@ async def test_queue_cap_answers_429_with_retry_after(queue_app_url: str, await_
         ok = await client.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2})
         assert ok.status_code == 200
 
+        # The autoscaler sees the refused demand: the ingress counted the 429 (40 prompt tokens,
+        # no max_tokens) and sends its counters along with its admission fetches.
+        from autoscale.controller import deployment_key_of, get_or_create_controller
+
+        controller = get_or_create_controller()  # the app's (AppArgs' default name)
+        prefix = deployment_key_of("queuecap", "LLMServer") + "#"
+
+        async def refusals_seen() -> bool:
+            await client.post("/v1/completions", json={"prompt": [5] * 4, "max_tokens": 1})  # a fetch
+            ids = [r for r in await controller.replica_ids.remote() if r.startswith(prefix)]
+            snap = await controller.snapshot.remote(ids)
+            return bool(ids) and snap.refused_tps > 0 and snap.served_tps > 0
+
+        await await_until(refusals_seen, interval_s=0.5, what="the refused demand at the controller")
+
 
 async def test_empty_queue_admits_a_prompt_longer_than_the_cap(queue_app_url: str) -> None:
     async with httpx.AsyncClient(base_url=queue_app_url, timeout=60) as client:
