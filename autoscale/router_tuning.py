@@ -31,7 +31,7 @@ class RouterTuning:
     prefix_imbalance: float = 0.1
     # prefix: prompt prefixes the router remembers (block hash -> replica it sent them to), so
     # it asks only those replicas' sketches besides the sample; 0 turns the memory off.
-    prefix_hints: int = 65536
+    prefix_hints: int = 131072  # about two entries a live conversation
     seed: int | None = None  # the tie-breaking and sampling RNG; None: fresh entropy
     default_max_tokens: int = 0  # a request without max_tokens needs this much KV beyond its prompt
     # ---- the controller snapshot --------------------------------------------------------------

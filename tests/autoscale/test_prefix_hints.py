@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoscale.prefix_hints import PrefixHints, marks
+from autoscale.prefix_hints import PrefixHints, kept, marks
 from replicas.prefix_hash import block_hashes
 
 pytestmark = pytest.mark.unit
@@ -18,6 +18,10 @@ def test_marks_are_the_first_powers_of_two_every_16th_and_the_last():
     assert marks(5) == [0, 1, 3, 4]
     assert marks(40) == [0, 1, 3, 7, 15, 31, 39]
     assert marks(32) == [0, 1, 3, 7, 15, 31]
+    # What a record keeps: about two entries of its own, however long the prompt.
+    assert kept(0) == [] and kept(1) == [0] and kept(5) == [0, 1, 3, 4]
+    assert kept(40) == [0, 1, 3, 7, 31, 39] and kept(32) == [0, 1, 3, 7, 31]
+    assert kept(1000) == [0, 1, 3, 7, 991, 999]
 
 
 def test_next_turn_finds_the_replica_of_the_previous_turn():
@@ -37,13 +41,13 @@ def test_a_shared_system_prompt_finds_a_replica_that_was_sent_it():
     hints.record(block_hashes(system + list(range(90_000, 90_100)), 16), "a")
     other_user = system + list(range(70_000, 70_300))
     assert hints.lookup(block_hashes(other_user, 16)) == "a"  # block 63 is a mark (every 16th)
-    hints.record(block_hashes(other_user, 16), "b")
-    assert hints.lookup(block_hashes(system + [1, 2, 3] * 100, 16)) == "b"  # the latest sender
+    hints.record(block_hashes(other_user, 16), "b")  # keeps b at its own deepest 16th (block 79)
+    assert hints.lookup(block_hashes(system + [1, 2, 3] * 100, 16)) == "a"
 
 
 def test_the_table_is_bounded_oldest_out_and_zero_is_off():
     hints = PrefixHints(10)
-    prompts = [list(range(i * 10_000, i * 10_000 + 16 * 4)) for i in range(6)]  # 4 blocks: 3 marks each
+    prompts = [list(range(i * 10_000, i * 10_000 + 16 * 4)) for i in range(6)]  # 4 blocks: 3 kept each
     for i, p in enumerate(prompts):
         hints.record(block_hashes(p, 16), f"r{i}")
     assert len(hints) == 10
