@@ -94,7 +94,7 @@ class TbtSloPolicy:
                                   max_replicas=max(ctx.capacity_adjusted_max_replicas,
                                                    ctx.capacity_adjusted_min_replicas, 1))
         ids = [replica_key(r) for r in ctx.running_replicas]
-        since = max(now - cfg.window_s, state.last_change_s or -math.inf)
+        since = state.window_start(now, cfg.window_s, ctx.target_num_replicas != ctx.current_num_replicas)
         snapshot = self._snapshot(ids, since, now) or snapshot_from_metrics(self._metrics(ctx))
         if snapshot is None:
             self.last_reason = "no_load_data"

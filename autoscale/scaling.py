@@ -124,6 +124,13 @@ class ScalingState:
     refusing_since_s: float | None = None  # when the refused share went over max_refused_share
     # Tokens/s one replica served the last time the fleet refused (saturated): its capacity.
     capacity_tps: float | None = None
+    decided_s: float | None = None  # when the change now settling was decided
+
+    def window_start(self, now: float, window_s: float, settling: bool = False) -> float:
+        """Where the signals' window starts: `window_s` back, but not before the last change
+        landed (its effect is what counts), nor, while one is `settling`, before it was decided."""
+        anchor = (self.decided_s or self.last_change_s) if settling else self.last_change_s
+        return max(now - window_s, anchor if anchor is not None else -math.inf)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,25 +151,28 @@ def refusing(snapshot: ClusterSnapshot, cfg: ScalingConfig) -> bool:
     return cfg.max_refused_share is not None and refused_share(snapshot) > cfg.max_refused_share
 
 
-def demand_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig) -> int:
-    """Replicas to add so the whole demand would be served: the fleet's served rate per replica
-    is its capacity while it refuses, so `ceil(demand / (served / current)) - current`; at least
-    `upscale_step` (nothing served yet: no measure, one step)."""
-    n = max(current, 1)
-    if snapshot.served_tps <= 0:
+def demand_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig,
+                capacity_tps: float | None = None) -> int:
+    """Replicas to add so the whole demand would be served at `downscale_margin` of `capacity_tps`
+    a replica (default: what each serves now, their capacity while the fleet refuses): the size
+    at which scaling down would not hold either, so the fleet settles there.
+    `ceil(demand / (capacity x margin)) - current`, at least `upscale_step` (no measure: one step)."""
+    capacity = (capacity_tps or snapshot.served_tps / max(current, 1)) * cfg.downscale_margin
+    if capacity <= 0:
         return cfg.upscale_step
     demand = snapshot.served_tps + snapshot.refused_tps
-    return max(cfg.upscale_step, math.ceil(demand * n / snapshot.served_tps - 1e-9) - current)
+    return max(cfg.upscale_step, math.ceil(demand / capacity - 1e-9) - current)
 
 
 def upscale_need(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig,
-                 tbt_slo_s: float, refusals_persist: bool = False) -> tuple[int, str]:
+                 tbt_slo_s: float, refusals_persist: bool = False,
+                 capacity_tps: float | None = None) -> tuple[int, str]:
     """Replicas to add now (0: none) and why; `refusals_persist`: the fleet has refused more than
     its share of the demand for `refusal_persist_s` (the caller keeps that time)."""
     n = max(current, 1)
     steps: list[tuple[int, str]] = []
     if refusals_persist:
-        steps.append((demand_need(snapshot, current, cfg), "refused_demand"))
+        steps.append((demand_need(snapshot, current, cfg, capacity_tps), "refused_demand"))
     p99 = snapshot.tbt_p99_s
     busy = snapshot.token_load > 0  # an idle cluster's old breach samples are history
     if (busy and p99 is not None and snapshot.num_tbt_samples >= cfg.min_samples
@@ -212,31 +222,40 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
     capacity = state.capacity_tps
     refusing_since = None
     if refusing(snapshot, cfg):
-        refusing_since = state.refusing_since_s if state.refusing_since_s is not None else now
-        if snapshot.served_tps > 0:  # saturated: what a replica serves now is its capacity
-            capacity = snapshot.served_tps / max(current, 1)
-    persist = refusing_since is not None and now - refusing_since >= cfg.refusal_persist_s
+        # Saturated: what a replica serves is its capacity. The best seen while the refusals last
+        # (a window that spans replicas landing divides their work by too many), measured anew
+        # in each spell of refusals (the requests' mix may have changed since the last).
+        episode = state.refusing_since_s is not None
+        refusing_since = state.refusing_since_s if episode else now
+        if snapshot.served_tps > 0:
+            measured = snapshot.served_tps / max(current, 1)
+            capacity = max(measured, capacity or 0.0) if episode else measured
+    # Refusals count once they have gone on refusal_persist_s, and as long again within the
+    # window since the last decision (a window a moment old is one burst).
+    decided = state.decided_s if state.reason == "settling" else state.last_change_s
+    persist = (refusing_since is not None and now - max(refusing_since, decided or -math.inf)
+               >= cfg.refusal_persist_s)
     if target is not None and target != current:
         # A change is settling: hold its target, the cool-downs start once it lands. Only the
         # refused demand may raise it: its need is counted on the ready replicas alone (what
         # they serve and what was refused), so the replicas still starting are not counted twice.
-        want = current + min(demand_need(snapshot, current, cfg), cfg.max_upscale_step) if persist else target
-        settle = ScalingState(now, None, "settling", refusing_since, capacity)
+        want = current + min(demand_need(snapshot, current, cfg, capacity), cfg.max_upscale_step) if persist else target
+        settle = ScalingState(now, None, "settling", refusing_since, capacity, decided if decided is not None else now)
         if want > target:
-            return min(want, hi), replace(settle, reason="refused_demand")
+            return min(want, hi), replace(settle, reason="refused_demand", decided_s=now)
         return min(max(target, lo), hi), settle
     if current < lo or current > hi:
         return min(max(current, lo), hi), ScalingState(now, None, "out_of_bounds", capacity_tps=capacity)
     since_change = math.inf if state.last_change_s is None else now - state.last_change_s
     state = replace(state, refusing_since_s=refusing_since, capacity_tps=capacity)
 
-    add, why = upscale_need(snapshot, current, cfg, tbt_slo_s, persist)
+    add, why = upscale_need(snapshot, current, cfg, tbt_slo_s, persist, capacity)
     if add:
         if current >= hi:
             return current, replace(state, down_since_s=None, reason=f"{why}:at_max")
         if since_change < cfg.upscale_cooldown_s:
             return current, replace(state, down_since_s=None, reason=f"{why}:cooldown")
-        return min(current + add, hi), ScalingState(now, None, why, capacity_tps=capacity)
+        return min(current + add, hi), ScalingState(now, None, why, refusing_since, capacity)
 
     if current > lo and can_shrink(snapshot, current, cfg, tbt_slo_s, capacity):
         down_since = state.down_since_s if state.down_since_s is not None else now

@@ -47,7 +47,7 @@ class Autoscaler:
             r.window.add_window(tbt, now)
         snapshot = ClusterSnapshot.build(loads, LogHistogram.from_dense(tbt), self.tbt_slo_s, now)
         if demand is not None:
-            since = max(now - self.cfg.window_s, self.state.last_change_s or -math.inf)
+            since = self.state.window_start(now, self.cfg.window_s, settling=num_starting > 0)
             served, refused = demand.rates(now, since)
             snapshot = dataclasses.replace(snapshot, served_tps=served, refused_tps=refused)
         target = len(ready) + num_starting

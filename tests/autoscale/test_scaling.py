@@ -164,8 +164,8 @@ def test_refused_demand_adds_the_replicas_it_needs_once_refusals_persist():
     n, state = decide_replicas(demand(1000, 2500), 1, state, now=11.0, cfg=CFG, tbt_slo_s=SLO)
     assert n == 1  # 1 s of the 2 s refusal_persist_s
     n, state = decide_replicas(demand(1000, 2500), 1, state, now=12.0, cfg=CFG, tbt_slo_s=SLO)
-    assert (n, state.reason) == (4, "refused_demand")  # ceil(3,500 / 1,000 a replica): 3 more
-    assert state.capacity_tps == 1000 and state.refusing_since_s is None  # the window restarts
+    assert (n, state.reason) == (4, "refused_demand")  # ceil(3,500 / 700 a replica), max 4
+    assert state.capacity_tps == 1000 and state.refusing_since_s == 10.0  # the spell goes on
     # A break in the refusals restarts the clock.
     _, s1 = decide_replicas(demand(1000, 2500), 1, FRESH, now=0.0, cfg=CFG, tbt_slo_s=SLO)
     _, s2 = decide_replicas(demand(1000, 0), 1, s1, now=1.0, cfg=CFG, tbt_slo_s=SLO)
@@ -181,7 +181,9 @@ def test_refusals_under_the_share_or_off_do_not_scale():
     assert refused_share(demand(1000, 3000)) == 0.75 and refused_share(demand(0, 0)) == 0.0
     # Refusing with nothing served yet (no measure of capacity): one step.
     assert demand_need(demand(0, 500), 2, CFG) == 1
-    assert demand_need(demand(2000, 2000), 2, CFG) == 2
+    # 4,000 tokens/s at 1,000 a replica, sized to run at downscale_margin (0.7): 6 replicas, 4 more.
+    assert demand_need(demand(2000, 2000), 2, CFG) == 4
+    assert demand_need(demand(2000, 2000), 2, CFG, capacity_tps=2000) == 1  # a measure from before
 
 
 def test_no_scale_down_while_refusing_or_past_the_measured_capacity():
@@ -198,3 +200,25 @@ def test_no_scale_down_while_refusing_or_past_the_measured_capacity():
                                tbt_slo_s=SLO)
     assert n == 4 and state.reason == "hold" and state.capacity_tps == 1000  # 1,300 each > 700
     assert ScalingState.from_dict(state.to_dict()) == state
+
+
+def test_persisting_refusals_raise_a_settling_target_on_the_capacity_seen_this_spell():
+    cfg = dataclasses.replace(CFG, max_replicas=10)
+    _, state = decide_replicas(demand(2000, 6000), 1, FRESH, now=0.0, cfg=cfg, tbt_slo_s=SLO)
+    assert state.capacity_tps == 2000
+    n, state = decide_replicas(demand(2000, 6000), 1, state, now=2.0, cfg=cfg, tbt_slo_s=SLO)
+    assert (n, state.reason) == (5, "refused_demand")  # ceil(8,000 / 1,400) = 6, 4 more at most
+    # Settling (one of four landed): the window since the decision divides 2 replicas' work by 2
+    # while one served most of it: the capacity seen this spell (2,000) stands, not 1,500.
+    n, state = decide_replicas(demand(3000, 6000), 2, state, now=10.0, cfg=cfg, tbt_slo_s=SLO, target=5)
+    assert (n, state.reason, state.capacity_tps) == (6, "refused_demand", 2000)  # ceil(9,000 / 1,400) = 7 > 5: 2 + 4
+    # The next second: a window a moment old since that decision does not raise it again.
+    n, state = decide_replicas(demand(3000, 9000), 2, state, now=11.0, cfg=cfg, tbt_slo_s=SLO, target=6)
+    assert (n, state.reason, state.decided_s) == (6, "settling", 10.0)
+    n, state = decide_replicas(demand(3000, 9000), 2, state, now=12.0, cfg=cfg, tbt_slo_s=SLO, target=6)
+    assert (n, state.decided_s) == (6, 10.0)  # 9 wanted, but 2 ready + 4 at most: it holds
+    assert state.window_start(12.0, 30.0, settling=True) == 10.0  # since the latest decision
+    held = dataclasses.replace(state, reason="settling", last_change_s=20.0)
+    assert held.window_start(21.0, 30.0, settling=True) == 10.0  # since the decision while settling
+    assert held.window_start(21.0, 30.0) == 20.0  # since it landed
+    assert FRESH.window_start(100.0, 30.0) == 70.0
