@@ -219,26 +219,12 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
     if not tbt_slo_s > 0:
         raise ValueError(f"tbt_slo_s must be > 0, got {tbt_slo_s!r}")
     lo, hi = cfg.min_replicas, cfg.upper
-    capacity = state.capacity_tps
-    refusing_since = None
-    if refusing(snapshot, cfg):
-        # Saturated: what a replica serves is its capacity. The best seen while the refusals last
-        # (a window that spans replicas landing divides their work by too many), measured anew
-        # in each spell of refusals (the requests' mix may have changed since the last).
-        episode = state.refusing_since_s is not None
-        refusing_since = state.refusing_since_s if episode else now
-        if snapshot.served_tps > 0:
-            measured = snapshot.served_tps / max(current, 1)
-            capacity = max(measured, capacity or 0.0) if episode else measured
-    # Refusals count once they have gone on refusal_persist_s, and as long again within the
-    # window since the last decision (a window a moment old is one burst).
+    refusing_since, capacity, persist = _refusals(snapshot, current, state, now, cfg)
     decided = state.decided_s if state.reason == "settling" else state.last_change_s
-    persist = (refusing_since is not None and now - max(refusing_since, decided or -math.inf)
-               >= cfg.refusal_persist_s)
     if target is not None and target != current:
         # A change is settling: hold its target, the cool-downs start once it lands. Only the
-        # refused demand may raise it: its need is counted on the ready replicas alone (what
-        # they serve and what was refused), so the replicas still starting are not counted twice.
+        # refused demand may raise it: its need is the whole demand over the capacity, so the
+        # replicas still starting are not counted twice.
         want = current + min(demand_need(snapshot, current, cfg, capacity), cfg.max_upscale_step) if persist else target
         settle = ScalingState(now, None, "settling", refusing_since, capacity, decided if decided is not None else now)
         if want > target:
@@ -263,3 +249,24 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
             return current - 1, ScalingState(now, None, "slo_holds_with_fewer", capacity_tps=capacity)
         return current, replace(state, down_since_s=down_since, reason="downscale_pending")
     return current, replace(state, down_since_s=None, reason="hold")
+
+
+def _refusals(snapshot: ClusterSnapshot, current: int, state: ScalingState, now: float,
+              cfg: ScalingConfig) -> tuple[float | None, float | None, bool]:
+    """(when this spell of refusals began, a replica's capacity in tokens/s, whether the
+    refusals persist). While refusing, replicas are saturated: what one serves is its capacity,
+    the best seen this spell (a window that spans replicas landing divides their work by too
+    many), measured anew in each spell (the requests' mix may have changed since the last).
+    Refusals persist once they have gone on `refusal_persist_s`, and as long again since the
+    latest decision (a window a moment old is one burst)."""
+    capacity = state.capacity_tps
+    if not refusing(snapshot, cfg):
+        return None, capacity, False
+    spell = state.refusing_since_s is not None
+    since = state.refusing_since_s if spell else now
+    if snapshot.served_tps > 0:
+        measured = snapshot.served_tps / max(current, 1)
+        capacity = max(measured, capacity or 0.0) if spell else measured
+    decided = state.decided_s if state.reason == "settling" else state.last_change_s
+    persist = now - max(since, decided if decided is not None else -math.inf) >= cfg.refusal_persist_s
+    return since, capacity, persist

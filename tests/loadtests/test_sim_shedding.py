@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_shed_load_step_grows_the_fleet_until_it_refuses_under_one_percent():
-    out = shedding.run(per_replica_rps=3.7, step_x=4.0, duration_s=300.0, startup_s=30.0, bin_s=60.0)
+    out = shedding.run(per_replica_rps=3.7, step_x=4.0, duration_s=420.0, startup_s=30.0, bin_s=60.0)
     with_signal, without = out["arms"]["demand signal"], out["arms"]["without (before)"]
     step_bin = int(out["step"][2] // 60)
     assert with_signal["refused"][step_bin] > 100 and without["refused"][step_bin] > 100  # it sheds
