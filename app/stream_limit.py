@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from replicas.admission import MAX_RETRY_AFTER_S, STALLED_RETRY_AFTER_S  # one Retry-After bound, every 429
+
 DEFAULT_TARGET_MS = 50.0  # AppArgs.ingress_lag_target_ms
 DEFAULT_MIN_LIMIT = 8  # AppArgs.ingress_min_requests
 DECREASE = 0.8
@@ -46,8 +48,6 @@ GROW_IDLE = 1.5
 PERSIST = 4  # control intervals (0.5 s each) the lag must stay over the target before a cut
 TICK_S = 0.02  # the watcher's timer
 RATE_WINDOW_S = 10.0  # requests ended this recently give the Retry-After's drain rate
-MAX_RETRY_AFTER_S = 60
-STALLED_RETRY_AFTER_S = 5
 LOG_EVERY_S = 5.0  # the limit's log line, at most this often
 
 

@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from autoscale.scaling import ScalingConfig
+from autoscale.scaling import ScalingConfig, queued_tokens_threshold
 from loadtests.sim.capacity import Criteria, find_capacity
 from loadtests.sim.deploy import replica_spec
 from loadtests.sim.simulator import SimConfig, SimResult, Simulator
 from loadtests.sim.traffic import make_trace
+from replicas.config import ReplicaOptions
 
 ARMS = {"demand signal": 0.01, "without (before)": None}
 
@@ -46,7 +47,8 @@ def run(per_replica_rps: float | None = None, step_x: float = 4.0, duration_s: f
     for name, share in ARMS.items():
         scaling = ScalingConfig(min_replicas=1, max_replicas=2 * math.ceil(step_x), window_s=30.0,
                                 upscale_cooldown_s=startup_s / 2, downscale_cooldown_s=60.0,
-                                downscale_stable_s=30.0, queued_tokens_per_replica=16_384,
+                                downscale_stable_s=30.0,
+                                queued_tokens_per_replica=queued_tokens_threshold(ReplicaOptions().max_queued_tokens),
                                 max_refused_share=share)
         cfg = SimConfig(spec, 1, router="token_load", tbt_slo_s=tbt_slo_s, scaling=scaling, scaling_interval_s=1.0,
                         startup_s=startup_s, seed=seed, shed=True, queue_timeout_s=queue_timeout_s)
