@@ -5,9 +5,10 @@ A Ray actor call costs the controller a fixed few hundred microseconds whatever 
 (loadtests/bench_fleet.py), so 1,000 replicas at 10 Hz, one call a report, is more than one
 core absorbs. Each node runs a `NodeRelay` (named after the controller and the node, found or
 created by the node's first reporter); its replicas' reporters send to it, and every `flush_s`
-it forwards what came in as one `report_many`. Between two flushes a replica's newer load replaces
-its older one and their TBT histograms add up, so no gap is lost and nothing waits longer than
-`flush_s`. The relay answers each report with the period the controller last asked for.
+(or the longer report period the controller asks of a large fleet, so a batch still holds each
+of the node's replicas once) it forwards what came in as one `report_many`. Between two flushes a
+replica's newer load replaces its older one and their TBT histograms add up, so no gap is lost.
+The relay answers each report with the period the controller last asked for.
 
 `ReportRelay` is the bookkeeping (pure, tested without Ray); `NodeRelay` is the actor around it.
 Its flush loop stops when nothing has come in for `idle_s` (the next report starts it again), so
@@ -99,7 +100,7 @@ class NodeRelay:
 
     async def _flush_loop(self) -> None:
         while self._relay or self._clock() - self._last_report < self.idle_s:
-            await asyncio.sleep(self.flush_s)
+            await asyncio.sleep(max(self.flush_s, self._relay.interval_s))
             batch = self._relay.take()
             if not batch:
                 continue

@@ -199,7 +199,7 @@ def _sender_class() -> Any:
 
         def paced(self, hz: int, seconds: float, batch: int) -> tuple[int, float]:
             """Every replica of the share reports `hz` times a second for `seconds`; returns the
-            reports sent and how far the last one finished behind its schedule."""
+            reports sent and how long after it was due the last one was absorbed."""
             start, sent = time.perf_counter(), 0
             rounds = int(hz * seconds)
             ref = None
@@ -209,7 +209,7 @@ def _sender_class() -> Any:
                 ref = self._send(r, batch)
                 sent += len(self.keys)
             ray.get(ref)
-            return sent, time.perf_counter() - (start + rounds / hz)
+            return sent, time.perf_counter() - (start + (rounds - 1) / hz)
 
     return Sender
 
