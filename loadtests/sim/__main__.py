@@ -171,7 +171,8 @@ def cmd_autoscale(a: argparse.Namespace) -> None:
 
 
 def cmd_speed(a: argparse.Namespace) -> None:
-    res = ex.speed(a.num_requests, a.replicas, a.per_replica_rps, a.router, progress=not a.quiet)
+    res = ex.speed(a.num_requests, a.replicas, a.per_replica_rps, a.router, autoscale=a.autoscale,
+                   decode_runs=not a.pass_by_pass, progress=not a.quiet)
     for k, v in res.items():
         print(f"{k:16s} {v}")
     write_json(a.json, res)
@@ -287,6 +288,9 @@ def _add_speed(sub: Any) -> None:
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--per-replica-rps", type=float, default=3.0)
     p.add_argument("--router", choices=ROUTERS, default="token_load")
+    p.add_argument("--autoscale", action="store_true", help="the autoscaler on (1 to twice --replicas)")
+    p.add_argument("--pass-by-pass", action="store_true",
+                   help="every pass through schedule() and advance(): the reference the decode set equals")
     _seed_json(p, "sim_speed.json", seed=False)
     p.set_defaults(fn=cmd_speed)
 

@@ -328,17 +328,22 @@ def autoscale(per_replica_rps: float | None = None, peak_rps: float = 24.0, low_
 def speed(num_requests: int = 100_000, replicas: int = 64, per_replica_rps: float = 3.0,
           router: str = "token_load", gpu: str = "A100-80GB", model: str = "mistral-7b",
           workload: str = "sharegpt", policy: str = "stall_free", mbp: int = 512, seed: int = 0,
-          progress: bool = True) -> dict[str, Any]:
-    """Wall and CPU time of one large simulation (the issue's 100k requests x 64 replicas)."""
+          autoscale: bool = False, decode_runs: bool = True, progress: bool = True) -> dict[str, Any]:
+    """Wall and CPU time of one large simulation. `autoscale`: the scaler decides every second
+    between 1 and twice the starting fleet; `decode_runs` False: the pass-by-pass reference."""
     import os
 
     spec = replica_spec(gpu, model, policy, mbp)
     trace = make_trace(workload, "poisson", n=num_requests, rate=replicas * per_replica_rps, seed=seed)
-    res = Simulator(SimConfig(spec, replicas, router=router), trace).run(progress=progress, desc="speed")
+    scaling = ScalingConfig(min_replicas=1, max_replicas=2 * replicas) if autoscale else None
+    cfg = SimConfig(spec, replicas, router=router, scaling=scaling, decode_runs=decode_runs)
+    res = Simulator(cfg, trace).run(progress=progress, desc="speed")
     s = res.summary
     return {"num_requests": num_requests, "replicas": replicas, "router": router, "policy": policy,
-            "workload": workload, "rate_rps": replicas * per_replica_rps, "wall_s": res.wall_s,
-            "cpu_s": s["sim_cpu_s"], "iterations": s["iterations"], "output_tokens": int(trace.output_len.sum()),
+            "workload": workload, "rate_rps": replicas * per_replica_rps, "autoscale": autoscale,
+            "decode_runs": decode_runs, "wall_s": res.wall_s, "cpu_s": s["sim_cpu_s"],
+            "iterations": s["iterations"], "decode_run_passes": s["decode_run_passes"],
+            "max_replicas": s["max_replicas"], "output_tokens": int(trace.output_len.sum()),
             "us_per_output_token": s["sim_cpu_s"] / int(trace.output_len.sum()) * 1e6,
             "prompt_tokens": int(trace.prompt_len.sum()), "simulated_s": s["duration_s"], "loadavg": os.getloadavg(),
             "summary": {k: s[k] for k in ("ttft_p99_s", "tbt_bucket_p99_s", "tpot_slo_request_share",
