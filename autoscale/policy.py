@@ -34,7 +34,7 @@ from autoscale.load import ClusterSnapshot
 from replicas.protocol import ReplicaLoad
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # the Serve controller runs the policy: its log file
 
 STATE_KEY = "tbt_slo"
 LOOKUP_RETRY_S = 5.0
