@@ -165,3 +165,24 @@ def test_a_recomputed_request_left_one_token_short_joins_the_decodes():
     assert [(q.token_times, q.num_computed_tokens, q.is_finished) for q in fast_reqs] == \
            [(q.token_times, q.num_computed_tokens, q.is_finished) for q in ref_reqs]
     assert fast.rec.max_gap == ref.rec.max_gap and fast.pending_tbt == ref.pending_tbt
+
+
+def test_with_the_slo_budget_only_pure_decode_passes_are_played_and_nothing_changes():
+    """The SLO budget reads the decodes and learns from every pass: the set plays only passes
+    without prompts there, and the pass-time model sees the same passes in the same order."""
+    import dataclasses
+
+    spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 2048)
+    spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, tbt_slo_ms=100.0))
+    trace = make_trace("sharegpt", "poisson", n=300, rate=8.0, seed=3)
+    runs = []
+    for decode_runs in (False, True):
+        sim = Simulator(SimConfig(spec, 2, router="token_load", decode_runs=decode_runs, log_iterations=True,
+                                  scaling=ScalingConfig(min_replicas=1, max_replicas=4)), trace)
+        res = sim.run()
+        runs.append((sim, res))
+    (ref, r), (fast, f) = runs
+    assert 0 < f.summary["decode_run_passes"] < f.summary["iterations"]
+    assert [x.log for x in ref.retired + ref.replicas] == [x.log for x in fast.retired + fast.replicas]
+    assert ref.rec.ttft == fast.rec.ttft and ref.rec.max_gap == fast.rec.max_gap and r.scaling == f.scaling
+    assert [list(x.pass_time.window) for x in ref.replicas] == [list(x.pass_time.window) for x in fast.replicas]
