@@ -91,7 +91,7 @@ class SimReplica:
     """A replica's scheduler state plus the simulator's bookkeeping around it."""
 
     def __init__(self, replica_id: str, spec: ReplicaSpec, clock: SimClock, recorder: Recorder,
-                 on_finish: Callable[[SimReplica, Request, float], None], tbt_window_s: float | None = None,
+                 on_finish: Callable[[SimReplica, Request, float], None], tbt_window: TbtWindow | None = None,
                  log_iterations: bool = False, decode_runs: bool = True) -> None:
         self.replica_id = replica_id
         self.spec = spec
@@ -134,10 +134,11 @@ class SimReplica:
         self.last_report: ReplicaLoad | None = None
         self.last_report_t = float("-inf")
         self.last_report_tokens = 0
-        # TBT samples for the scaling decision: pending until the next report, then windowed
-        # as the controller does (autoscale.load.TbtWindow: histograms in 1 s slices).
-        self.window = TbtWindow(tbt_window_s) if tbt_window_s else None
-        self.pending_tbt: LogHistogram | None = LogHistogram() if tbt_window_s else None
+        # TBT gaps for the scaling decision: pending until the next report, then added to the
+        # fleet's window as the controller adds them to the deployment's (autoscale.load.TbtWindow:
+        # histograms in 1 s slices; one window for the fleet, shared by its replicas).
+        self.window = tbt_window
+        self.pending_tbt: LogHistogram | None = LogHistogram() if tbt_window is not None else None
         self.log: list[tuple[float, float, int, int, int, int]] | None = [] if log_iterations else None
         self.draining = False
         self.start_t = 0.0

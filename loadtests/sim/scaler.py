@@ -1,7 +1,8 @@
 """The autoscaler in the simulator: `autoscale.scaling.decide_replicas` on a `ClusterSnapshot`.
 
 Every `interval_s` the simulator builds the snapshot the controller would hold (each ready
-replica's latest report and its windowed TBT samples, `ClusterSnapshot.build`) and asks the
+replica's latest report, the fleet's TBT window, the demand served and refused;
+`ClusterSnapshot.build`) and asks the
 production decision for a replica count. Serve's part is mimicked here: `current` is the number
 of ready replicas, `target` the count being headed to (ready + starting); new replicas become
 ready `startup_s` after they are asked for; a replica scaled away stops taking requests, drains
@@ -15,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from autoscale.demand import DemandLog
-from autoscale.load import ClusterSnapshot, LogHistogram
+from autoscale.load import ClusterSnapshot, LogHistogram, TbtWindow
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
 from replicas.histogram import NUM_BINS
 
@@ -37,14 +38,15 @@ class Autoscaler:
         self.state = ScalingState()
         self.trace = ScalingTrace()
 
-    def decide(self, ready: list, num_starting: int, now: float,
-               demand: DemandLog | None = None) -> tuple[int, str]:
-        """Desired replica count from the ready replicas' reports (`SimReplica`s) and the demand
-        admitted and refused since the last change (within the window), as the controller reads it."""
+    def decide(self, ready: list, num_starting: int, now: float, demand: DemandLog | None = None,
+               window: TbtWindow | None = None) -> tuple[int, str]:
+        """Desired replica count from the ready replicas' reports (`SimReplica`s), the fleet's TBT
+        `window` and the demand admitted and refused since the last change, as the controller
+        reads them."""
         loads = {r.replica_id: r.last_report for r in ready if r.last_report is not None}
         tbt = [0] * NUM_BINS
-        for r in ready:
-            r.window.add_window(tbt, now)
+        if window is not None:
+            window.add_window(tbt, now)
         snapshot = ClusterSnapshot.build(loads, LogHistogram.from_dense(tbt), self.tbt_slo_s, now)
         if demand is not None:
             since = self.state.window_start(now, self.cfg.window_s, settling=num_starting > 0)

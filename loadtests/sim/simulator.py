@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from autoscale.demand import DemandLog
-from autoscale.load import ReportThrottle
+from autoscale.load import ReportThrottle, TbtWindow
 from autoscale.routing import RequestCost
 from autoscale.scaling import ScalingConfig
 from loadtests.sim.metrics import Recorder
@@ -100,6 +100,9 @@ class Simulator:
                        if cfg.scaling is not None else None)
         # Tokens (prompt + max_tokens) of the requests admitted and refused: the demand signal.
         self.demand = DemandLog(cfg.scaling.window_s if cfg.scaling is not None else 60.0)
+        # The fleet's TBT window, as the controller keeps one per deployment (gaps of replicas
+        # gone since stay until they age out); the replicas add their reports' histograms to it.
+        self.tbt = TbtWindow(cfg.scaling.window_s) if cfg.scaling is not None else None
         self.replicas: list[SimReplica] = []  # provisioned: starting, ready or draining
         self.retired: list[SimReplica] = []
         self.routable: list[SimReplica] = []  # ready and not draining
@@ -115,8 +118,7 @@ class Simulator:
     # ---- replicas -------------------------------------------------------------------------------
 
     def _provision(self, now: float, ready: bool) -> SimReplica:
-        window = self.cfg.scaling.window_s if self.cfg.scaling is not None else None
-        r = SimReplica(f"r{self._ids}", self.cfg.spec, self.clock, self.rec, self._on_finish, window,
+        r = SimReplica(f"r{self._ids}", self.cfg.spec, self.clock, self.rec, self._on_finish, self.tbt,
                        self.cfg.log_iterations, self.cfg.decode_runs)
         self._ids += 1
         r.start_t = now
@@ -308,7 +310,7 @@ class Simulator:
 
     def _scale_tick(self, now: float) -> None:
         ready = list(self.routable)
-        desired, _ = self.scaler.decide(ready, len(self.pending), now, self.demand)
+        desired, _ = self.scaler.decide(ready, len(self.pending), now, self.demand, self.tbt)
         if desired != len(ready) + len(self.pending):
             self._scale_to(desired, now)
 
