@@ -49,7 +49,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     spec = replica_spec(a.gpu, a.model, a.policy, a.mbp, tp=a.tp)
     kw = dict(n=a.num_requests, rate=a.rate, seed=a.seed, cv=a.cv)
     trace = make_trace(a.workload, a.arrivals, **kw)
-    res = Simulator(SimConfig(spec, a.replicas, router=a.router, tbt_slo_s=a.tbt_slo, ttft_slo_s=a.ttft_slo,
+    res = Simulator(SimConfig(spec, a.replicas, router=a.router, tbt_slo_s=a.tbt_slo_ms / 1000, ttft_slo_s=a.ttft_slo_ms / 1000,
                               seed=a.seed), trace).run(progress=not a.quiet)
     for k, v in res.summary.items():
         print(f"{k:24s} {v:.4f}" if isinstance(v, float) else f"{k:24s} {v}")
@@ -133,8 +133,8 @@ def cmd_slo_goodput(a: argparse.Namespace) -> None:
     results = []
     for gpu, model in a.deployments:
         print(f"Goodput around fixed 128's saturating rate: {model} on {gpu}, {a.workload}, "
-              f"{a.num_requests} requests per point, TTFT SLO {a.ttft_slo:g} s")
-        results.append(ex.slo_goodput(gpu, model, a.workload, a.num_requests, a.seed, ttft_slo_s=a.ttft_slo,
+              f"{a.num_requests} requests per point, TTFT SLO {a.ttft_slo_ms:g} ms")
+        results.append(ex.slo_goodput(gpu, model, a.workload, a.num_requests, a.seed, ttft_slo_s=a.ttft_slo_ms / 1000,
                                       rate_factors=tuple(a.factors)))
     print()
     table([r for res in results for r in res["rows"]],
@@ -151,7 +151,7 @@ def cmd_slo_goodput(a: argparse.Namespace) -> None:
 
 
 def cmd_autoscale(a: argparse.Namespace) -> None:
-    res = ex.autoscale(a.per_replica_rps, a.peak, a.low, a.duration, a.startup, seed=a.seed,
+    res = ex.autoscale(a.per_replica_rps, a.peak, a.low, a.duration_s, a.startup_s, seed=a.seed,
                        progress=not a.quiet)
     print()
     table(res["rows"], [("scenario", "scenario", "s"), ("fleet", "fleet", "s"),
@@ -203,8 +203,8 @@ def _add_run(sub: Any) -> None:
     p.add_argument("-n", "--num-requests", type=int, default=2000)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--router", choices=ROUTERS + WHAT_IF_ROUTERS, default="token_load")
-    p.add_argument("--tbt-slo", type=float, default=0.1)
-    p.add_argument("--ttft-slo", type=float, default=2.0)
+    p.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     _seed_json(p, "sim_run.json")
     p.set_defaults(fn=cmd_run)
 
@@ -231,7 +231,7 @@ def _add_slo_goodput(sub: Any) -> None:
                    default=[("A100-80GB", "mistral-7b"), ("H100-SXM", "llama-70b")], help="GPU/model ...")
     p.add_argument("--workload", default="sharegpt")
     p.add_argument("-n", "--num-requests", type=int, default=1000, help="requests per rate tried")
-    p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO (s) of goodput")
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="TTFT SLO of goodput")
     p.add_argument("--factors", type=float, nargs="+", default=[0.75, 1.0, 1.25, 1.5],
                    help="rates tried, as multiples of fixed 128's capacity")
     _seed_json(p, "sim_slo_goodput.json")
@@ -275,8 +275,8 @@ def _add_autoscale(sub: Any) -> None:
     p.add_argument("--per-replica-rps", type=float, help="replica capacity (default: found by bisection)")
     p.add_argument("--peak", type=float, default=24.0)
     p.add_argument("--low", type=float, default=4.0)
-    p.add_argument("--duration", type=float, default=1800.0)
-    p.add_argument("--startup", type=float, default=60.0, help="replica start-up delay (s)")
+    p.add_argument("--duration-s", type=float, default=1800.0)
+    p.add_argument("--startup-s", type=float, default=60.0, help="replica start-up delay")
     _seed_json(p, "sim_autoscale.json")
     p.add_argument("--csv", type=Path, default=DOCS / "sim_autoscale_timeline.csv")
     p.set_defaults(fn=cmd_autoscale)
