@@ -109,9 +109,9 @@ def run_policy(args: argparse.Namespace, policy: str, mix: MixSpec, pool: ChatPr
             label = f"{policy} @ {rps:g} req/s"
 
             def tick(elapsed: float, label: str = label) -> None:
-                bar.set_postfix_str(f"{label}: {elapsed:.0f}/{args.duration + args.drain:.0f} s")
+                bar.set_postfix_str(f"{label}: {elapsed:.0f}/{args.duration_s + args.drain_s:.0f} s")
 
-            samples = run_locust(base, args.runs_dir, duration_s=args.duration, drain_s=args.drain,
+            samples = run_locust(base, args.runs_dir, duration_s=args.duration_s, drain_s=args.drain_s,
                                  mix=point_mix, ttft_slo_ms=args.ttft_slo_ms,
                                  tbt_slo_ms=args.tbt_slo_ms, model=args.model,
                                  prefix=f"{policy}_{rps:g}", quiet=True, tick=tick)
@@ -151,8 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated; also {SLO_POLICY} (stall_free, budget from the TBT SLO)")
     p.add_argument("--rates", help="comma-separated offered req/s (default: 0.2,0.4,0.6,0.8; quick: 0.3,0.8)")
-    p.add_argument("--duration", type=float, help="arrival window per point, s (default 60; quick 25)")
-    p.add_argument("--drain", type=float, default=30.0, help="at most this long for open requests, s")
+    p.add_argument("--duration-s", type=float, help="arrival window per point (default 60; quick 25)")
+    p.add_argument("--drain-s", type=float, default=30.0, help="at most this long for open requests")
     p.add_argument("--chunk", type=int, default=128, help="stall_free token budget per pass (MBP)")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity (MBT), every policy")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -175,8 +175,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rates is None:
         args.rates = "0.3,0.8" if args.quick else "0.2,0.4,0.6,0.8"
     args.rates = [float(x) for x in args.rates.split(",")]
-    if args.duration is None:
-        args.duration = 25.0 if args.quick else 60.0
+    if args.duration_s is None:
+        args.duration_s = 25.0 if args.quick else 60.0
     args.policies = args.policies.split(",")
     if unknown := set(args.policies) - {*POLICIES, SLO_POLICY}:
         p.error(f"--policies: unknown {sorted(unknown)}; choose from {', '.join((*POLICIES, SLO_POLICY))}")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = {"model": args.model, "prompts": mix.prompts,
               "real_prompt_lens": pool.summary() if pool else None,
               "prefix_caching": args.prefix_caching, "policies": args.policies, "rates": args.rates,
-              "duration_s": args.duration, "drain_s": args.drain, "chunk_mbp": args.chunk,
+              "duration_s": args.duration_s, "drain_s": args.drain_s, "chunk_mbp": args.chunk,
               "whole_prompt_mbp": whole_prompt_mbp(mix, pool), "kv_tokens": args.kv_tokens,
               "max_num_seqs": args.max_num_seqs, "torch_threads": args.threads,
               "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms,
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows: list[dict[str, Any]] = []
     print(f"sweep: {args.model}, {mix.prompts} prompts, policies {args.policies}, rates {args.rates} "
-          f"req/s, {args.duration:g} s per point; long prompts {mix.long_share:.0%} of requests")
+          f"req/s, {args.duration_s:g} s per point; long prompts {mix.long_share:.0%} of requests")
     print(HEADER)
     with tqdm(total=len(args.policies) * len(args.rates), desc="sweep", unit="point") as bar:
         for policy in args.policies:
