@@ -76,14 +76,22 @@ class TokenLoadRouter(Router):
         self.grace = tuning.reflect_grace_s
         self.loads: dict[str, ReplicaLoad] = {}
         self._sent: dict[str, deque[tuple[float, str]]] = {}
+        self._by_id: dict[str, SimReplica] = {}
 
     def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
                prompt: Sequence[int] | None = None) -> SimReplica:
         in_flight, in_flight_kv = self.book.unreflected(self.loads)
-        by_id = {r.replica_id: r for r in replicas}
-        ranked = self.rank(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=list(by_id),
+        ranked = self.rank(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=_Ids(replicas),
                            in_flight_kv=in_flight_kv, rng=self.rng, sample_size=self.tuning.sample_size)
-        return by_id[ranked[0]]
+        return self._replica(ranked[0], replicas)
+
+    def _replica(self, replica_id: str, replicas: Sequence[SimReplica]) -> SimReplica:
+        """The replica of an id the ranking returned (ids are never reused: a hit is right)."""
+        r = self._by_id.get(replica_id)
+        if r is None:
+            self._by_id = {r.replica_id: r for r in replicas}
+            r = self._by_id[replica_id]
+        return r
 
     def routed(self, request_id: str, replica: SimReplica, cost: RequestCost, now: float) -> None:
         self.book.tentative(request_id, replica.replica_id, cost, now)
@@ -103,6 +111,22 @@ class TokenLoadRouter(Router):
         self.loads.pop(replica.replica_id, None)
         self.book.forget_replica(replica.replica_id)
         self._sent.pop(replica.replica_id, None)
+
+
+class _Ids(Sequence[str]):
+    """The replicas' ids as a sequence, without building a list per decision (the ranking draws
+    a sample of them; only a failed filter scans further)."""
+
+    def __init__(self, replicas: Sequence[SimReplica]) -> None:
+        self.replicas = replicas
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - int or slice, as Sequence has it
+        if isinstance(i, slice):
+            return [r.replica_id for r in self.replicas[i]]
+        return self.replicas[i].replica_id
 
 
 class TtftRouter(TokenLoadRouter):
