@@ -52,7 +52,7 @@ loadtest: $(STAMP)
 	$(BIN)/python -m loadtests.load.loadtest --host http://127.0.0.1:8000 --duration 60s --rps 2 --out loadtests/out/ $(LOADTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m loadtests.bench_engine --quick
+	$(BIN)/python -m loadtests.bench.engine --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -40,7 +40,7 @@ from replicas.histogram import NUM_BINS
 DEFAULT_CONTROLLER_NAME = "stallfree_controller"
 DEFAULT_NAMESPACE = "stallfree"
 # Reports a second the actor is asked to absorb at most: half of what it was measured to take
-# through node relays of 8 replicas (loadtests/bench_fleet.py; Ray's cost per call dominates), so
+# through node relays of 8 replicas (loadtests/bench/fleet.py; Ray's cost per call dominates), so
 # a fleet beyond 500 replicas reports less often rather than later.
 DEFAULT_MAX_REPORTS_PER_S = 5_000.0
 

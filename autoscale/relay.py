@@ -2,7 +2,7 @@
 with the nodes, not the replicas.
 
 A Ray actor call costs the controller a fixed few hundred microseconds whatever it carries
-(loadtests/bench_fleet.py), so 1,000 replicas at 10 Hz, one call a report, is more than one
+(loadtests/bench/fleet.py), so 1,000 replicas at 10 Hz, one call a report, is more than one
 core absorbs. Each node runs a `NodeRelay` (named after the controller and the node, found or
 created by the node's first reporter); its replicas' reporters send to it, and every `flush_s`
 (or the longer report period the controller asks of a large fleet, so a batch still holds each

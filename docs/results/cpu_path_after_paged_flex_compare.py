@@ -5,7 +5,7 @@ R = (1, 2)
 def load(kind, side): return [json.load(open(f"/tmp/ab/{kind}_{side}_{r}.json")) for r in R]
 out = {"machine": "shared 2-core x86_64 CPU VM, no GPU; torch 2.13.0+cpu; runs alternated before/after, nothing else ran",
        "before": "50faf31", "after": sys.argv[1],
-       "commands": ["python -m loadtests.bench_engine --quick --json PATH", "python -m loadtests.bench.decode --json PATH"],
+       "commands": ["python -m loadtests.bench.engine --quick --json PATH", "python -m loadtests.bench.decode --json PATH"],
        "engine": {}, "decode": {}}
 b, a = load("engine", "before"), load("engine", "after")
 for i, row in enumerate(b[0]["rows"]):

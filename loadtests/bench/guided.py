@@ -3,7 +3,7 @@
     python -m loadtests.bench.guided [--model embedded:mid] [--repeats 3] [--json PATH]
     python -m loadtests.bench.guided --quick        # embedded:tiny, one repeat: a smoke run
 
-The quick `chat` workload of `bench_engine` (mixed heavy-tailed lengths, all at t=0, greedy)
+The quick `chat` workload of `bench.engine` (mixed heavy-tailed lengths, all at t=0, greedy)
 under stall_free, the same requests in every run; only `SamplingParams.guided` differs. The
 schema is an array of order records (enums, integer ranges, a bounded string, a decimal, a
 nested array) with more items than any request has tokens, so a constrained request never
@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 
-from loadtests.bench_engine import kv_capacity, run_engine, summarize
+from loadtests.bench.engine import kv_capacity, run_engine, summarize
 from loadtests.bench.logprobs import SHARES, run_shares  # noqa: F401 - SHARES re-exported (its test reads it here)
 from loadtests.harness.report import OMIT, bench_parser, report
 from replicas import Engine, EngineConfig, SamplingParams

@@ -2,7 +2,7 @@
 
     python -m loadtests.bench.logprobs [--model embedded:mid] [--repeats 3] [--json PATH]
 
-The quick `chat` workload of `bench_engine` (mixed heavy-tailed lengths, all at t=0) under
+The quick `chat` workload of `bench.engine` (mixed heavy-tailed lengths, all at t=0) under
 stall_free, the same requests in every run; only `SamplingParams.logprobs` differs. Runs are
 interleaved over repeats and medians reported (a noisy shared machine: read the ratios).
 """
@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from loadtests.bench_engine import build_workloads, kv_capacity, run_engine, summarize
+from loadtests.bench.engine import build_workloads, kv_capacity, run_engine, summarize
 from loadtests.harness.report import OMIT, bench_parser, load_bench_model, report
 from loadtests.harness.workloads import Workload
 from replicas import Engine, EngineConfig, SamplingParams

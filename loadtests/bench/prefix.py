@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from loadtests.bench_engine import Trace, run_engine, summarize
+from loadtests.bench.engine import Trace, run_engine, summarize
 from loadtests.harness.report import bench_parser, load_bench_model, report
 from loadtests.harness.workloads import Conversation, multi_turn_conversations, shared_prefix_workload
 from replicas import Engine, EngineConfig, SamplingParams

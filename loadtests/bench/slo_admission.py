@@ -2,7 +2,7 @@
 
     python -m loadtests.bench.slo_admission [--quick] [--slo-ms 80] [--repeats 3] [--json PATH]
 
-bench_engine's chat workload (heavy-tailed prompts and outputs, every request at t=0, so the
+bench.engine's chat workload (heavy-tailed prompts and outputs, every request at t=0, so the
 running set would grow to max_num_seqs at once) on stall_free: with a fixed budget and no SLO,
 with the SLO budget alone (`slo_admission` off), and with the SLO budget and SLO admission. The
 SLO is set where all the requests decoding together overrun it. What to read: the share of
@@ -21,7 +21,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from loadtests.bench_engine import _greedy, build_workloads, kv_capacity, median_row, run_engine, summarize
+from loadtests.bench.engine import _greedy, build_workloads, kv_capacity, median_row, run_engine, summarize
 from loadtests.harness.report import bench_parser, load_bench_model, report
 from replicas import Engine, EngineConfig
 

@@ -2,7 +2,7 @@
 
     python -m loadtests.bench.slo_budget [--quick] [--slos 150,400] [--json PATH]
 
-The long_prompt workload of `bench_engine` (short requests decoding while long prompts arrive)
+The long_prompt workload of `bench.engine` (short requests decoding while long prompts arrive)
 under stall_free with fixed budgets (max_batch_prefill_tokens 128 ... 2048) and with the SLO
 budget (`tbt_slo_ms` set, ceiling 2048, no other tuning) at each SLO. For each SLO the target:
 the SLO budget's p99 TBT within the SLO, and its long prompts' TTFT within 10% of the best fixed
@@ -19,7 +19,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from loadtests.bench_engine import _greedy, build_workloads, kv_capacity, run_engine, summarize
+from loadtests.bench.engine import _greedy, build_workloads, kv_capacity, run_engine, summarize
 from loadtests.harness.report import bench_parser, load_bench_model, report
 from replicas import Engine, EngineConfig
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loadtests import bench_routing as br
+from loadtests.bench import routing as br
 
 pytestmark = pytest.mark.unit
 
@@ -74,9 +74,9 @@ def test_result_doc_is_json_and_flags_the_target():
 
 def test_parse_args_quick_defaults():
     args = br.parse_args(["--quick"])
-    assert (args.duration, args.drain, args.routers) == (30.0, 20.0, ["token_load", "power_of_two"])
+    assert (args.duration_s, args.drain_s, args.routers) == (30.0, 20.0, ["token_load", "power_of_two"])
     full = br.parse_args([])
-    assert full.duration == 90.0 and str(full.json) == "loadtests/out/bench_routing.json"
+    assert full.duration_s == 90.0 and str(full.json) == "loadtests/out/bench_routing.json"
 
 
 def test_app_args_are_valid_for_both_routers():

@@ -2,8 +2,8 @@
 candidate (the old rule) against ranking a random sample of `RouterTuning.sample_size` (the
 rule Serve runs now), in one process, without Ray.
 
-    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench_routing_cost            # N = 64 and 1,000
-    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench_routing_cost --quick    # fewer repeats
+    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench.routing_cost            # N = 64 and 1,000
+    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench.routing_cost --quick    # fewer repeats
 
 The view is the router's: a load report per replica (token loads and KV free vary; every
 replica has KV room), the keys Serve names replicas by, tokens routed to a few replicas not yet
@@ -135,7 +135,7 @@ TARGET_US = 50.0
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = bench_parser("loadtests.bench_routing_cost", __doc__, model=False,
+    p = bench_parser("loadtests.bench.routing_cost", __doc__, model=False,
                      json_path="loadtests/out/bench_routing_cost.json", quick="5 repeats instead of 15")
     p.add_argument("--replicas", type=int, nargs="+", default=[64, 1000])
     p.add_argument("--calls", type=int, default=2000, help="decisions per batch (the full ranking: a tenth)")

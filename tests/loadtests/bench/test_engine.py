@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench_engine import (POISSON_RATE, WORKLOADS, Trace, build_workloads, check_targets,
+from loadtests.bench.engine import (POISSON_RATE, WORKLOADS, Trace, build_workloads, check_targets,
                                     kv_capacity, main, summarize)
 from loadtests.harness.workloads import ChatPromptPool, long_prompt_workload
 from replicas.model_files import load_tokenizer

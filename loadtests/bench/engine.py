@@ -1,8 +1,8 @@
 """Engine benchmark: HF baselines and the three scheduling policies, side by side in one run.
 
-    python -m loadtests.bench_engine [--quick] [--json PATH] [--model embedded:mid]
-    python -m loadtests.bench_engine --model embedded:smollm2 --quick --poisson-rate 2.5  # ~15 min
-    python -m loadtests.bench_engine --model embedded:smollm2 --poisson-rate 1.75        # ~1 hour
+    python -m loadtests.bench.engine [--quick] [--json PATH] [--model embedded:mid]
+    python -m loadtests.bench.engine --model embedded:smollm2 --quick --poisson-rate 2.5  # ~15 min
+    python -m loadtests.bench.engine --model embedded:smollm2 --poisson-rate 1.75        # ~1 hour
 
 On a real model (embedded:smollm2, SmolLM2-135M-Instruct) chat and chat_poisson send real chat
 prompts (`--prompts real`, the default on any model but the random-weight embedded:tiny/mid):
@@ -424,7 +424,7 @@ def format_targets(targets: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = bench_parser("loadtests.bench_engine", __doc__, quick="smaller workloads (a few minutes)",
+    p = bench_parser("loadtests.bench.engine", __doc__, quick="smaller workloads (a few minutes)",
                      threads=2, repeats=1)
     p.add_argument("--prompts", choices=PROMPT_SOURCES,
                    help="chat and chat_poisson prompts: random ids, or real chat prompts in the model's "
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
                 workload_header(w, kv_capacity(w, args.block_size), args.max_num_seqs), wrows))
     targets = check_targets(rows)
     text = "\n".join(header) + "\n\n" + "\n\n".join(tables) + "\n\n" + format_targets(targets)
-    result = {"command": " ".join(["python -m loadtests.bench_engine", *(argv if argv is not None else sys.argv[1:])]),
+    result = {"command": " ".join(["python -m loadtests.bench.engine", *(argv if argv is not None else sys.argv[1:])]),
               "config": {**vars(args), "real_prompt_lens": pool.summary() if pool else None,
                          "hf_batch": HF_BATCH, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version(),

@@ -1,8 +1,8 @@
 """The control plane at fleet size: what the controller, its snapshots and a routing decision cost
 at N replicas, each reporting at 10 Hz with ~100 TBT gaps a report.
 
-    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench_fleet            # N = 100 and 1,000
-    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench_fleet --quick    # no Ray actor part
+    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench.fleet            # N = 100 and 1,000
+    flock /tmp/bench.lock .venv/bin/python -m loadtests.bench.fleet --quick    # no Ray actor part
 
 In one process, without Ray (the actor's own work; a fake clock steps 0.1 s a round):
 `LoadBook.report()` per report, the router's snapshot (`with_tbt=False`), the autoscaler's
@@ -251,7 +251,7 @@ def table(result: dict[str, Any], before: dict[str, Any] | None) -> str:
 
 
 def main() -> None:
-    p = bench_parser("loadtests.bench_fleet", __doc__, model=OMIT, json_path="loadtests/out/bench_fleet.json",
+    p = bench_parser("loadtests.bench.fleet", __doc__, model=OMIT, json_path="loadtests/out/bench_fleet.json",
                      quick="skip the Ray actor part", repeats=20,
                      repeats_help="timed repetitions of each snapshot (a quarter of it at N >= 1,000); medians")
     p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000])

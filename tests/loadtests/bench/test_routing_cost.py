@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loadtests import bench_routing_cost as brc
+from loadtests.bench import routing_cost as brc
 from loadtests.sim import routing_scale as rs
 
 pytestmark = pytest.mark.unit

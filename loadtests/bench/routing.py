@@ -1,7 +1,7 @@
 """Token-load routing against Serve's default power-of-two router, same workload, one run.
 
-    python -m loadtests.bench_routing            # 90 s per router (about 6-7 minutes)
-    python -m loadtests.bench_routing --quick    # 30 s per router (about 3-4 minutes)
+    python -m loadtests.bench.routing            # 90 s per router (about 6-7 minutes)
+    python -m loadtests.bench.routing --quick    # 30 s per router (about 3-4 minutes)
 
 For each router it starts a private Ray + Serve (`serve_local` in a subprocess, with a Ray
 metrics export port) with `--replicas` replicas of the embedded model, warms it up, drives it
@@ -99,8 +99,8 @@ def run_router(args: argparse.Namespace, router: str, mix: MixSpec) -> dict[str,
             warm_up(base, mix, args.model)
         time.sleep(2.0)  # let the warm-up's counters reach the export
         before = scrape(metrics_port)
-        print(f"{router}: {args.rps:g} req/s for {args.duration:g} s ...", flush=True)
-        samples = run_locust(base, args.runs_dir, duration_s=args.duration, drain_s=args.drain,
+        print(f"{router}: {args.rps:g} req/s for {args.duration_s:g} s ...", flush=True)
+        samples = run_locust(base, args.runs_dir, duration_s=args.duration_s, drain_s=args.drain_s,
                              mix=mix, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms,
                              model=args.model, prefix=router, quiet=True)
         _, reqs = load_samples(samples)
@@ -150,15 +150,15 @@ def result_doc(config: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = bench_parser("loadtests.bench_routing", __doc__, model="embedded:tiny", seed=BENCH_MIX.seed,
+    p = bench_parser("loadtests.bench.routing", __doc__, model="embedded:tiny", seed=BENCH_MIX.seed,
                      json_path="loadtests/out/bench_routing.json", quick="30 s per router (about 3-4 minutes)")
     p.add_argument("--runs-dir", type=Path, default=Path("loadtests/out/bench_routing"))
     p.add_argument("--routers", default=",".join(ROUTERS),
                    help="comma-separated: token_load, ttft, power_of_two")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--rps", type=float, default=7.0, help="offered requests/s (Poisson)")
-    p.add_argument("--duration", type=float, help="arrival window per router, s (default 90; quick 30)")
-    p.add_argument("--drain", type=float, help="at most this long for open requests, s (default 30; quick 20)")
+    p.add_argument("--duration-s", type=float, help="arrival window per router (default 90; quick 30)")
+    p.add_argument("--drain-s", type=float, help="at most this long for open requests (default 30; quick 20)")
     p.add_argument("--long-share", type=float, default=BENCH_MIX.long_share)
     p.add_argument("--chunk", type=int, default=256, help="max_batch_prefill_tokens")
     p.add_argument("--kv-tokens", type=int, default=16384, help="max_batch_total_tokens per replica")
@@ -166,10 +166,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttft-slo-ms", type=float, default=TTFT_SLO_MS)
     p.add_argument("--tbt-slo-ms", type=float, default=TBT_SLO_MS)
     args = p.parse_args(argv)
-    if args.duration is None:
-        args.duration = 30.0 if args.quick else 90.0
-    if args.drain is None:
-        args.drain = 20.0 if args.quick else 30.0
+    if args.duration_s is None:
+        args.duration_s = 30.0 if args.quick else 90.0
+    if args.drain_s is None:
+        args.drain_s = 20.0 if args.quick else 30.0
     args.routers = args.routers.split(",")
     if unknown := set(args.routers) - set(SERVE_ROUTERS):
         p.error(f"--routers: unknown {sorted(unknown)}; choose from {', '.join(SERVE_ROUTERS)}")
@@ -180,13 +180,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     mix = dataclasses.replace(BENCH_MIX, rps=args.rps, long_share=args.long_share, seed=args.seed)
     config = {"model": args.model, "replicas": args.replicas, "routers": args.routers,
-              "rps": args.rps, "duration_s": args.duration, "drain_s": args.drain,
+              "rps": args.rps, "duration_s": args.duration_s, "drain_s": args.drain_s,
               "chunk_mbp": args.chunk, "kv_tokens": args.kv_tokens,
               "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms,
               "mix": {k: v for k, v in mix.to_dict().items() if k != "avoid_ids"},
               "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(f"bench_routing: {args.replicas} x {args.model}, {args.rps:g} req/s, {args.duration:g} s "
+    print(f"bench_routing: {args.replicas} x {args.model}, {args.rps:g} req/s, {args.duration_s:g} s "
           f"per router, long prompts {mix.long_share:.0%}; routers {args.routers}", flush=True)
     rows: list[dict[str, Any]] = []
     args.json.parent.mkdir(parents=True, exist_ok=True)

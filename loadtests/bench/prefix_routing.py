@@ -1,7 +1,7 @@
 """Prefix-aware routing on real replicas: multi-turn chat against `prefix`, `token_load` and
 `power_of_two`, the same conversations for each.
 
-    python -m loadtests.bench_prefix_routing [--replicas 2] [--conversations 12] [--turns 4]
+    python -m loadtests.bench.prefix_routing [--replicas 2] [--conversations 12] [--turns 4]
 
 For each router it starts a private Ray + Serve (`serve_local`) with `--replicas` replicas,
 then drives `--conversations` conversations at once, closed-loop: each turn is a streaming
@@ -104,7 +104,7 @@ def run_router(args: argparse.Namespace, router: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = bench_parser("loadtests.bench_prefix_routing", __doc__)
+    p = bench_parser("loadtests.bench.prefix_routing", __doc__)
     p.add_argument("--routers", default=",".join(ROUTERS))
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--conversations", type=int, default=12)
