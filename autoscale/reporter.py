@@ -33,6 +33,7 @@ from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, cu
                                   get_or_create_controller)
 from autoscale.load import ReportThrottle, TbtWindow
 from autoscale.relay import get_or_create_relay
+from autoscale.scaling import DEFAULT_WINDOW_S
 from replicas.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
@@ -57,7 +58,7 @@ class LoadReporter:
     def __init__(self, replica_id: str | None = None, *, controller: Any = None,
                  controller_name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,
                  interval_s: float = 0.1, min_interval_s: float = 0.02, change_tokens: int = 256,
-                 change_fraction: float = 0.25, heartbeat_s: float = 1.0, tbt_window_s: float = 30.0,
+                 change_fraction: float = 0.25, heartbeat_s: float = 1.0, tbt_window_s: float = DEFAULT_WINDOW_S,
                  relay: bool = True, clock: Callable[[], float] = time.time,
                  send: Callable[[str, ReplicaLoad], float | None] | None = None) -> None:
         """`send(replica_id, load)` replaces the controller (tests, a relay); like the

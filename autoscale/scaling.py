@@ -41,6 +41,7 @@ from autoscale.load import ClusterSnapshot
 
 
 AutoscaleBy = Literal["tbt_slo", "ongoing_requests"]
+DEFAULT_WINDOW_S = 30.0  # the TBT window: the policy's, and a replica's own for Serve's metrics
 
 
 @pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -55,7 +56,7 @@ class ScalingConfig:
         "scale against engine.tbt_slo_ms (needs it), or Serve's default request-count policy")
     target_ongoing_requests: float = Field(32.0, gt=0, description=
         "by ongoing_requests: Serve's target per replica")
-    window_s: float = Field(30.0, gt=0, description="sliding window of TBT gaps the p99 is taken over")
+    window_s: float = Field(DEFAULT_WINDOW_S, gt=0, description="sliding window of TBT gaps the p99 is taken over")
     upscale_margin: float = Field(1.0, gt=0, description="scale up when p99 TBT > SLO x this")
     downscale_margin: float = Field(0.7, gt=0, description=
         "scale down only when the remaining replicas keep p99 TBT under SLO x this (and queue and "
