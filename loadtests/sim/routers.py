@@ -77,10 +77,15 @@ class TokenLoadRouter(Router):
         self.loads: dict[str, ReplicaLoad] = {}
         self._sent: dict[str, deque[tuple[float, str]]] = {}
         self._by_id: dict[str, SimReplica] = {}
+        # What no report shows yet, kept as sends come and go: `reported` completes every send a
+        # report reflects, so every entry the book holds counts (a view over no loads: O(1) a
+        # change, no sweep per decision; a view over `self.loads`, which reports change in place,
+        # would judge a send's removal by a newer report than its addition).
+        self._in_flight = self.book.view({})
 
     def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
                prompt: Sequence[int] | None = None) -> SimReplica:
-        in_flight, in_flight_kv = self.book.unreflected(self.loads)
+        in_flight, in_flight_kv = self._in_flight
         ranked = self.rank(cost.tokens, cost.kv_tokens, self.loads, in_flight, candidates=_Ids(replicas),
                            in_flight_kv=in_flight_kv, rng=self.rng, sample_size=self.tuning.sample_size)
         return self._replica(ranked[0], replicas)
@@ -154,7 +159,7 @@ class PrefixRouter(TokenLoadRouter):
 
     def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
                prompt: Sequence[int] | None = None) -> SimReplica:
-        in_flight, in_flight_kv = self.book.unreflected(self.loads)
+        in_flight, in_flight_kv = self._in_flight
         by_id = {r.replica_id: r for r in replicas}
         hashes = block_hashes(prompt, replicas[0].blocks.block_size) if prompt is not None and replicas else []
         hint = self.hints.lookup(hashes) if hashes else None
@@ -181,7 +186,7 @@ class PrefillBacklogRouter(TokenLoadRouter):
 
     def choose(self, cost: RequestCost, replicas: Sequence[SimReplica], now: float,
                prompt: Sequence[int] | None = None) -> SimReplica:
-        in_flight, in_flight_kv = self.book.unreflected(self.loads)
+        in_flight, in_flight_kv = self._in_flight
         backlog = {k: replace(v, running_tokens=0) for k, v in self.loads.items()}
         by_id = {r.replica_id: r for r in replicas}
         ranked = choose_replica(cost.tokens, cost.kv_tokens, backlog, in_flight, candidates=list(by_id),
