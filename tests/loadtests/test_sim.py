@@ -241,3 +241,30 @@ def test_prefix_router_keeps_each_conversation_where_its_history_is_cached():
     assert len(homes) == 8 and all(len(h) == 1 for h in homes.values())
     assert hit_rate > results["round_robin"][1] + 0.2
     assert any(len(h) > 1 for h in results["round_robin"][0].values())
+
+
+@pytest.mark.parametrize("router", ["token_load", "prefix"])
+def test_router_adapters_live_in_flight_view_equals_a_sweep_of_the_book(router):
+    """The adapters read the book's live view over no loads; a sweep of the book against the
+    latest reports (what production's `unreflected` computes) routes every request the same."""
+    import loadtests.sim.routers as routers
+
+    class Sweep:  # unpacks to book.unreflected(loads) at each decision
+        def __init__(self, r):
+            self.r = r
+
+        def __iter__(self):
+            return iter(self.r.book.unreflected(self.r.loads))
+
+    spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 512)
+    trace = make_trace("sharegpt", "poisson", n=600, rate=20.0, seed=5)
+
+    def run(sweep: bool) -> dict:
+        sim = Simulator(SimConfig(spec, 8, router=router, scaling=ScalingConfig(min_replicas=1, max_replicas=12)),
+                        trace)
+        if sweep:
+            sim.router._in_flight = Sweep(sim.router)
+        s = sim.run().summary
+        return {k: v for k, v in s.items() if "cpu" not in k and "wall" not in k}
+
+    assert run(sweep=False) == run(sweep=True)
