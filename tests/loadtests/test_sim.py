@@ -247,8 +247,6 @@ def test_prefix_router_keeps_each_conversation_where_its_history_is_cached():
 def test_router_adapters_live_in_flight_view_equals_a_sweep_of_the_book(router):
     """The adapters read the book's live view over no loads; a sweep of the book against the
     latest reports (what production's `unreflected` computes) routes every request the same."""
-    import loadtests.sim.routers as routers
-
     class Sweep:  # unpacks to book.unreflected(loads) at each decision
         def __init__(self, r):
             self.r = r
