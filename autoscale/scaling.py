@@ -220,8 +220,8 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
     if not tbt_slo_s > 0:
         raise ValueError(f"tbt_slo_s must be > 0, got {tbt_slo_s!r}")
     lo, hi = cfg.min_replicas, cfg.upper
-    refusing_since, capacity, persist = _refusals(snapshot, current, state, now, cfg)
     decided = state.decided_s if state.reason == "settling" else state.last_change_s
+    refusing_since, capacity, persist = _refusals(snapshot, current, state, now, cfg, decided)
     if target is not None and target != current:
         # A change is settling: hold its target, the cool-downs start once it lands. Only the
         # refused demand may raise it: its need is the whole demand over the capacity, so the
@@ -253,7 +253,7 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
 
 
 def _refusals(snapshot: ClusterSnapshot, current: int, state: ScalingState, now: float,
-              cfg: ScalingConfig) -> tuple[float | None, float | None, bool]:
+              cfg: ScalingConfig, decided: float | None) -> tuple[float | None, float | None, bool]:
     """(when this spell of refusals began, a replica's capacity in tokens/s, whether the
     refusals persist). While refusing, replicas are saturated: what one serves is its capacity,
     the best seen this spell (a window that spans replicas landing divides their work by too
@@ -268,6 +268,5 @@ def _refusals(snapshot: ClusterSnapshot, current: int, state: ScalingState, now:
     if snapshot.served_tps > 0:
         measured = snapshot.served_tps / max(current, 1)
         capacity = max(measured, capacity or 0.0) if spell else measured
-    decided = state.decided_s if state.reason == "settling" else state.last_change_s
     persist = now - max(since, decided if decided is not None else -math.inf) >= cfg.refusal_persist_s
     return since, capacity, persist

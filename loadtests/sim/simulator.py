@@ -277,12 +277,15 @@ class Simulator:
         req = Request(str(i), ids, sp, 0, ta)
         cost = RequestCost(plen, plen + olen)
         r = self.router.choose(cost, self.routable, ta, ids)
+        demand = self.demand if self.scaler is not None else None  # only the scaler reads it
         if self.cfg.shed and not admits(r.scheduler.num_waiting_tokens, plen, queue_bound(
                 self.cfg.max_queued_tokens, r.prefill_tps, self.cfg.queue_timeout_s)):
             self.rec.rejected[i] = True
-            self.demand.add(ta, refused=plen + olen)
+            if demand is not None:
+                demand.add(ta, refused=plen + olen)
             return
-        self.demand.add(ta, served=plen + olen)
+        if demand is not None:
+            demand.add(ta, served=plen + olen)
         r.add(req)
         self.router.routed(req.request_id, r, cost, ta)
         if r.batch is None:
