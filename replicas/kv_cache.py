@@ -38,9 +38,11 @@ class BlockManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key  # whatever else changes the KV (model, adapter)
-        # The free pool, in reuse order: plain free blocks first, then cached-free ones from the
-        # least recently freed. Values unused (an ordered set).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The free pool, in reuse order: plain free blocks first (a stack: the next one is last,
+        # so a request's blocks are taken and given back in bulk), then cached-free ones from the
+        # least recently freed (an ordered set). A block in the pool never changes kind.
+        self._plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._cached: dict[int, int] = {}  # block hash -> block
@@ -63,12 +65,12 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks a new allocation may take: plain free and cached-free (reclaimable)."""
-        return len(self._free)
+        return len(self._plain) + len(self._cached_free)
 
     @property
     def num_used(self) -> int:
         """Blocks some request references."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -101,7 +103,7 @@ class BlockManager:
 
     def can_allocate(self, request_id: str, num_tokens: int, reserve: int = 0,
                      prefix: Sequence[int] = ()) -> bool:
-        return self.num_new_blocks(request_id, num_tokens, prefix) + reserve <= len(self._free)
+        return self.num_new_blocks(request_id, num_tokens, prefix) + reserve <= self.num_free
 
     def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         """Grow the request's table to cover `num_tokens`; all or nothing. `prefix` (cached
@@ -109,15 +111,16 @@ class BlockManager:
         table = self._tables.get(request_id)
         if table is not None and len(table) * self.block_size >= num_tokens:
             return True  # already covered: most decode steps
-        if self.num_new_blocks(request_id, num_tokens, () if table else prefix) > len(self._free):
+        if self.num_new_blocks(request_id, num_tokens, () if table else prefix) > self.num_free:
             return False
         if table is None:
             table = self._tables[request_id] = []
             for b in prefix:
                 self._ref(b)
                 table.append(b)
-        while len(table) * self.block_size < num_tokens:
-            table.append(self._take_free())
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > 0:
+            self._take(table, need)
         return True
 
     def free(self, request_id: str) -> int:
@@ -125,12 +128,15 @@ class BlockManager:
         whose last reference goes return to the pool (cached ones stay findable)."""
         table = self._tables.pop(request_id, [])
         self._registered.pop(request_id, None)
+        refs, hash_of, plain, cached_free = self._refs, self._hash_of, self._plain, self._cached_free
         for b in reversed(table):  # tail first: the shared prefix is reclaimed last
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free[b] = None
-                if b not in self._hash_of:
-                    self._free.move_to_end(b, last=False)  # nothing cached: reuse first
+            left = refs[b] - 1
+            refs[b] = left
+            if left == 0:
+                if b in hash_of:
+                    cached_free[b] = None  # cached: reclaimed after every plain block, oldest first
+                else:
+                    plain.append(b)  # nothing cached: reused first
         return len(table)
 
     def reserve(self) -> int:
@@ -141,7 +147,7 @@ class BlockManager:
         if self._tables or self.num_blocks < 2:
             raise RuntimeError("reserve a block before any allocation, and leave at least one")
         block = self.num_blocks - 1
-        del self._free[block]
+        self._plain.remove(block)
         self._refs.pop()
         self.num_blocks -= 1
         return block
@@ -156,18 +162,33 @@ class BlockManager:
 
     def _ref(self, block: int) -> None:
         if self._refs[block] == 0:
-            del self._free[block]
+            if block in self._cached_free:
+                del self._cached_free[block]
+            else:
+                self._plain.remove(block)
         self._refs[block] += 1
 
-    def _take_free(self) -> int:
-        block, _ = self._free.popitem(last=False)
-        if (h := self._hash_of.pop(block, None)) is not None:  # reclaim a cached-free block
+    def _take(self, table: list[int], count: int) -> None:
+        """Append `count` blocks from the pool (the caller checked there are) to `table`, in
+        reuse order: plain free blocks at once, then cached-free ones reclaimed one by one."""
+        plain, refs = self._plain, self._refs
+        k = min(count, len(plain))
+        if k:
+            taken = plain[-k:]
+            del plain[-k:]
+            taken.reverse()
+            for b in taken:
+                refs[b] = 1
+            table += taken
+        for _ in range(count - k):  # reclaim cached-free blocks, least recently freed first
+            block, _ = self._cached_free.popitem(last=False)
+            h = self._hash_of.pop(block)
             del self._cached[h]
             self._counts.remove(h)
             self.evictions += 1
             self.version += 1
-        self._refs[block] = 1
-        return block
+            refs[block] = 1
+            table.append(block)
 
     # ---- the prefix cache ------------------------------------------------------------------
 
@@ -245,11 +266,14 @@ class BlockManager:
                 counts[b] += 1
         assert counts == self._refs, "refcounts match the tables"
         assert all(r >= 0 for r in self._refs), "refcounts are never negative"
-        assert not referenced & self._free.keys(), "no block is both free and referenced"
-        assert len(referenced) + len(self._free) == self.num_blocks, "used + free == total"
+        free = set(self._plain) | self._cached_free.keys()
+        assert len(free) == self.num_free, "a block is in the pool once"
+        assert not referenced & free, "no block is both free and referenced"
+        assert len(referenced) + len(free) == self.num_blocks, "used + free == total"
         used = sum(1 for r in self._refs if r > 0)
-        cached_free = sum(1 for b in self._free if b in self._hash_of)
-        plain_free = sum(1 for b in self._free if b not in self._hash_of)
-        assert all(self._refs[b] == 0 for b in self._free), "free blocks have no reference"
+        cached_free = sum(1 for b in free if b in self._hash_of)
+        plain_free = sum(1 for b in free if b not in self._hash_of)
+        assert cached_free == len(self._cached_free), "the pool's plain blocks are uncached, the others cached"
+        assert all(self._refs[b] == 0 for b in free), "free blocks have no reference"
         assert used + cached_free + plain_free == self.num_blocks, "used + cached-free + free == total"
         assert {b: h for h, b in self._cached.items()} == self._hash_of, "one block per hash"
