@@ -123,6 +123,21 @@ class BlockManager:
             self._take(table, need)
         return True
 
+    def append_blocks(self, request_ids: Sequence[str]) -> bool:
+        """One more block at the end of each request's table, in order (decodes that crossed a
+        block boundary: what `allocate` gives each of them); all or nothing."""
+        if len(request_ids) > self.num_free:
+            return False
+        tables, plain, refs = self._tables, self._plain, self._refs
+        for rid in request_ids:
+            if plain:
+                b = plain.pop()
+                refs[b] = 1
+                tables[rid].append(b)
+            else:
+                self._take(tables[rid], 1)
+        return True
+
     def free(self, request_id: str) -> int:
         """Drop every reference the request holds; returns how many blocks it held. Blocks
         whose last reference goes return to the pool (cached ones stay findable)."""

@@ -121,11 +121,10 @@ class DecodeSet:
         bucket = self.buckets[j % self.bs]
         if bucket:
             due = [m for m in bucket if m.next_block == j]
-            if len(due) > self.blocks.num_free:
+            # Each crosses a block boundary this pass: one block each, in running order.
+            if due and not self.blocks.append_blocks([m.req.request_id for m in due]):
                 return None
-            allocate = self.blocks.allocate
             for m in due:
-                allocate(m.req.request_id, m.start + 1 + j)
                 m.next_block += self.bs
         n = len(self.members)
         prefills: list = []
