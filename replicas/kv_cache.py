@@ -12,7 +12,8 @@ reclaimed only when a new block is needed and no plain free block is left: least
 first, and a request's blocks are freed last block first, so a shared prefix outlives its tails.
 
 Invariant (`check()`): used + cached-free + free == total; a block is referenced (refcount > 0)
-or in the free pool, never both; a hash names at most one block.
+or in the free pool, never both; a hash names at most one block; only cached blocks are shared
+(a prefix is blocks `cached_prefix` found).
 """
 
 from __future__ import annotations
@@ -144,6 +145,11 @@ class BlockManager:
         table = self._tables.pop(request_id, [])
         self._registered.pop(request_id, None)
         refs, hash_of, plain, cached_free = self._refs, self._hash_of, self._plain, self._cached_free
+        if not hash_of:  # nothing cached, so nothing shared: every block goes back, the first on top
+            for b in table:
+                refs[b] = 0
+            plain += reversed(table)
+            return len(table)
         for b in reversed(table):  # tail first: the shared prefix is reclaimed last
             left = refs[b] - 1
             refs[b] = left
@@ -290,5 +296,6 @@ class BlockManager:
         plain_free = sum(1 for b in free if b not in self._hash_of)
         assert cached_free == len(self._cached_free), "the pool's plain blocks are uncached, the others cached"
         assert all(self._refs[b] == 0 for b in free), "free blocks have no reference"
+        assert all(b in self._hash_of for b, r in enumerate(self._refs) if r > 1), "only cached blocks are shared"
         assert used + cached_free + plain_free == self.num_blocks, "used + cached-free + free == total"
         assert {b: h for h, b in self._cached.items()} == self._hash_of, "one block per hash"

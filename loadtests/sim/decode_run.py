@@ -34,12 +34,13 @@ TRIM_PASSES = 1024  # pass end times kept before every member is brought up to d
 
 class Member:
     """A request in the set: up to date as of pass `base`; at pass j its computed tokens are
-    `start + j` and its tokens `start + 1 + j`; it needs a new block at pass `next_block`."""
+    `start + j` and its tokens `start + 1 + j`; it needs its first new block at pass
+    `next_block`, then one every `block_size` passes."""
 
-    __slots__ = ("req", "key", "base", "start", "next_block", "finish")
+    __slots__ = ("req", "rid", "key", "base", "start", "next_block", "finish")
 
     def __init__(self, req: Request, key: tuple[float, float], base: int, next_block: int) -> None:
-        self.req, self.key, self.base = req, key, base
+        self.req, self.rid, self.key, self.base = req, req.request_id, key, base
         self.start = req.num_computed_tokens - base
         self.next_block = next_block
         self.finish = base + req.params.max_tokens - len(req.output_token_ids) - 1  # its last token's pass
@@ -58,7 +59,12 @@ class DecodeSet:
         self.last_end: float | None = None
         self.context = 0  # sum of the members' computed tokens before the next pass
         self.max_start: int | None = None  # max of the members' `start`
-        self.buckets: list[list[Member]] = [[] for _ in range(self.bs)]  # by next_block % bs, in running order
+        # The members that take a block at every pass j with j % bs == k, in running order (and
+        # their request ids, for the block manager); a member waits in `first_block` until its
+        # first such pass.
+        self.buckets: list[list[Member]] = [[] for _ in range(self.bs)]
+        self.bucket_ids: list[list[str]] = [[] for _ in range(self.bs)]
+        self.first_block: dict[int, list[Member]] = {}
         self.finishing: dict[int, list[Member]] = {}  # pass -> members that get their last token then
         self.joined: list[Member] = []  # members whose first pass in the set is the next one
         self.prefilling: list[Request] = []
@@ -84,7 +90,7 @@ class DecodeSet:
         self.context += req.num_computed_tokens
         if self.max_start is None or m.start > self.max_start:
             self.max_start = m.start
-        bisect.insort(self.buckets[m.next_block % self.bs], m, key=_key)
+        self.first_block.setdefault(m.next_block, []).append(m)
         bisect.insort(self.finishing.setdefault(m.finish, []), m, key=_key)
         self.joined.append(m)
 
@@ -92,7 +98,12 @@ class DecodeSet:
         """`m` (up to date) leaves the set."""
         del self.members[m.req.request_id]
         self.context -= m.req.num_computed_tokens
-        self.buckets[m.next_block % self.bs].remove(m)
+        if m.next_block >= self.passes:  # its first block is still ahead
+            self.first_block[m.next_block].remove(m)
+        else:
+            k = m.next_block % self.bs
+            i = self.buckets[k].index(m)
+            del self.buckets[k][i], self.bucket_ids[k][i]
         if m.start == self.max_start:
             self.max_start = max((x.start for x in self.members.values()), default=None)
 
@@ -118,14 +129,18 @@ class DecodeSet:
         prompt chunks; returns (the chunks, the decode features (P, D, C, S, A, X) as
         `batch_features` counts them), or None where the scheduler would preempt."""
         j = self.passes
-        bucket = self.buckets[j % self.bs]
-        if bucket:
-            due = [m for m in bucket if m.next_block == j]
-            # Each crosses a block boundary this pass: one block each, in running order.
-            if due and not self.blocks.append_blocks([m.req.request_id for m in due]):
-                return None
-            for m in due:
-                m.next_block += self.bs
+        k = j % self.bs
+        first = self.first_block.pop(j, None)
+        if first:  # from now on in their bucket (a set the scheduler would preempt is dropped whole)
+            bucket, ids = self.buckets[k], self.bucket_ids[k]
+            for m in first:
+                i = bisect.bisect_right(bucket, m.key, key=_key)
+                bucket.insert(i, m)
+                ids.insert(i, m.rid)
+        # Every member of the bucket crosses a block boundary this pass: a block each, in running order.
+        ids = self.bucket_ids[k]
+        if ids and not self.blocks.append_blocks(ids):
+            return None
         n = len(self.members)
         prefills: list = []
         sch = self.sch

@@ -10,7 +10,6 @@ values). Its latencies are read off its token times when it finishes.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -159,7 +158,11 @@ class SimReplica:
         """Schedule the next pass at `now`; returns when it ends (None: nothing to run)."""
         if self.slo_budget is not None:
             self.slo_budget.reset()
-        started = self._decode_set_pass() if self.decode_runs else None
+        ds = self.decodes
+        if ds is not None and self.hybrid:  # the set plays every pass it can: the common case
+            started = ds.start_pass()
+        else:
+            started = self._decode_set_pass() if self.decode_runs else None
         if started is not None:
             prefills, f = started
             if prefills:  # the chunks' features added to the decodes' (as batch_features counts them)
@@ -215,11 +218,13 @@ class SimReplica:
         if batch is DECODE_SET_PASS:
             ds, prefills = self.decodes, self.set_prefills
             got = sch.advance(SchedulerOutput(prefills=prefills), [0] * sum(1 for q in prefills if q.samples),
-                              now) if prefills else []
-            sch.num_running_tokens += ds.size  # every member decoded a token
+                              now) if prefills else None
+            sch.num_running_tokens += len(ds.members)  # every member decoded a token
             for req in ds.end_pass(now, self.pending_tbt):  # members that got their last token
                 sch.finish(req, FINISHED)
                 self._finished(req, now)
+            if got is None:
+                return
             for req in self._postprocess(got, now):  # prompts completed: they decode from now on
                 ds.prefilling.remove(req)
                 if req.status == RequestStatus.RUNNING:
@@ -286,8 +291,12 @@ class SimReplica:
         if self.pending_tbt is not None:
             tbt, self.pending_tbt = self.pending_tbt, LogHistogram()
             self.window.add(tbt, now)
-        load = dataclasses.replace(self.scheduler.load(), replica_id=self.replica_id,
-                                   tbt_histogram=tbt or None, timestamp=now, prefill_tps=self.prefill_tps)
+        load = self.scheduler.counts().report(prefill_tps=self.prefill_tps)
+        # A fresh record no one holds yet, completed in place as the reporter completes its copy
+        # (`dataclasses.replace` would build it a second time).
+        object.__setattr__(load, "replica_id", self.replica_id)
+        object.__setattr__(load, "tbt_histogram", tbt or None)
+        object.__setattr__(load, "timestamp", now)
         self.last_report, self.last_report_t = load, now
         self.last_report_tokens = load.token_load
         return load

@@ -251,8 +251,11 @@ class Simulator:
     def _pass_ended(self, r: SimReplica, t: float) -> None:
         """Finish `r`'s pass, report if due, and start its next pass (or report it idle)."""
         r.finish_iteration(t)
-        if self._reports:
-            self._maybe_report(r, t)
+        if self._reports and r.stop_t is None:  # the due check inline: it runs after every pass
+            sch = r.scheduler
+            prev = r.last_report_tokens
+            if self.cfg.report.due(t - r.last_report_t, sch.num_running_tokens + sch.num_waiting_tokens - prev, prev):
+                self.router.reported(r, r.report(t), t)
         if r.scheduler.has_unfinished():
             end = r.start_iteration(t)
             if end is not None:
