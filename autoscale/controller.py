@@ -27,22 +27,27 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 
 from autoscale.demand import DemandCounts, DemandLog
-from autoscale.load import ClusterSnapshot, LogHistogram, ReplicaLoad, TbtWindow, fleet_interval
+from autoscale.load import ClusterSnapshot, LogHistogram, ReplicaLoad, TbtWindow, fleet_interval, relay_hubs
 from replicas.histogram import NUM_BINS
 
 DEFAULT_CONTROLLER_NAME = "stallfree_controller"
 DEFAULT_NAMESPACE = "stallfree"
-# Reports a second the actor is asked to absorb at most: half of what it was measured to take
-# through node relays of 8 replicas (loadtests/bench/fleet.py; Ray's cost per call dominates), so
-# a fleet beyond 500 replicas reports less often rather than later.
-DEFAULT_MAX_REPORTS_PER_S = 5_000.0
+# Reports a second the actor is asked to absorb at most: 1,000 replicas at 10 Hz, which through
+# the relays' hubs cost it a tenth of a core (loadtests/bench/fleet.py). A larger fleet reports less
+# often rather than later.
+DEFAULT_MAX_REPORTS_PER_S = 10_000.0
+# Relay flushes a second the actor (or a hub relay) takes at most: a Ray call costs an actor about
+# 0.4 ms of CPU when calls come paced (loadtests/bench/fleet.py), so this is a fifth of a core.
+# Beyond it the node relays flush through hub relays (`autoscale.relay`, `load.relay_hubs`).
+DEFAULT_MAX_RELAY_CALLS_PER_S = 500.0
 
 
 def replica_key(replica_id: Any) -> str:
@@ -75,16 +80,20 @@ class LoadBook:
 
     def __init__(self, window_s: float = 120.0, stale_after_s: float = 2.0, slice_s: float = 1.0,
                  max_reports_per_s: float = DEFAULT_MAX_REPORTS_PER_S,
+                 max_relay_calls_per_s: float = DEFAULT_MAX_RELAY_CALLS_PER_S,
                  clock: Callable[[], float] = time.time) -> None:
         """`window_s` is the retention (snapshots may ask for less), in slices of `slice_s`."""
         if stale_after_s <= 0:
             raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
         if max_reports_per_s <= 0:
             raise ValueError(f"max_reports_per_s must be > 0, got {max_reports_per_s}")
+        if max_relay_calls_per_s <= 0:
+            raise ValueError(f"max_relay_calls_per_s must be > 0, got {max_relay_calls_per_s}")
         self.window_s = window_s  # retention; a snapshot may ask for a shorter window
         self.stale_after_s = stale_after_s
         self.slice_s = slice_s
         self.max_reports_per_s = max_reports_per_s
+        self.max_relay_calls_per_s = max_relay_calls_per_s
         self._clock = clock
         self._loads: dict[str, ReplicaLoad] = {}  # as reported, less the TBT histogram
         self._plain: dict[str, ReplicaLoad] = {}  # the same less the prefix sketch
@@ -92,6 +101,8 @@ class LoadBook:
         self._deployment: dict[str, str] = {}  # replica -> deployment_key
         self._tbt: dict[str, TbtWindow] = {}  # per deployment
         self._demand: dict[str, DemandLog] = {}  # per deployment: served and refused (autoscale.demand)
+        # Node relay flushes, through hubs or not: per whole second of the clock, the last full one's.
+        self._calls_second, self._calls_counted, self.relay_calls_per_s = 0, 0, 0.0
 
     def report(self, replica_id: str, load: ReplicaLoad) -> float:
         """Record one replica's load; its TBT histogram joins its deployment's window at receive
@@ -108,25 +119,43 @@ class LoadBook:
             log = self._demand[deployment] = DemandLog(self.window_s, start_t=now)
         log.report(source, now, counts)
 
-    def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]]) -> float:
-        """`report` for several replicas in one call (a node's); the same reply."""
+    def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]],
+                    tbt: Mapping[str, LogHistogram] | None = None, calls: int = 1) -> tuple[float, int]:
+        """`report` for several replicas in one call: a relay's flush. The relay sends the TBT
+        gaps of all of them merged per deployment (`deployment_key` -> histogram) in `tbt`, rather
+        than one histogram in each load, and `calls` is the node relays' flushes the call stands
+        for (a hub relay's merges several). Returns the report period, as `report`, and how many
+        hub relays the node relays should flush through (`load.relay_hubs`)."""
         now = self._clock()
         for replica_id, load in reports:
             self._record(replica_id, load, now)
-        return fleet_interval(len(self._loads), self.max_reports_per_s)
+        for deployment, hist in (tbt or {}).items():
+            if hist:
+                self._window(deployment).add(hist, now)
+        self._count_calls(calls, now)
+        return (fleet_interval(len(self._loads), self.max_reports_per_s),
+                relay_hubs(self.relay_calls_per_s, self.max_relay_calls_per_s))
+
+    def _count_calls(self, calls: int, now: float) -> None:
+        second = math.floor(now)
+        if second != self._calls_second:  # a new second: the last one's count is the rate
+            self.relay_calls_per_s = self._calls_counted if second == self._calls_second + 1 else 0.0
+            self._calls_second, self._calls_counted = second, 0
+        self._calls_counted += calls
+
+    def _window(self, deployment: str) -> TbtWindow:
+        window = self._tbt.get(deployment)
+        if window is None:
+            window = self._tbt[deployment] = TbtWindow(self.window_s, self.slice_s)
+        return window
 
     def _record(self, replica_id: str, load: ReplicaLoad, now: float) -> None:
-        hist = load.tbt_histogram
-        if hist:
-            deployment = self._deployment.get(replica_id)
-            if deployment is None:
-                deployment = self._deployment[replica_id] = deployment_key(replica_id)
-            window = self._tbt.get(deployment)
-            if window is None:
-                window = self._tbt[deployment] = TbtWindow(self.window_s, self.slice_s)
-            window.add(hist, now)
-        if hist is not None or load.replica_id != replica_id:
-            load = _with(load, replica_id=replica_id, tbt_histogram=None)
+        deployment = self._deployment.get(replica_id)
+        if deployment is None:
+            deployment = self._deployment[replica_id] = deployment_key(replica_id)
+        if load.tbt_histogram:
+            self._window(deployment).add(load.tbt_histogram, now)
+        load = without_tbt(load, replica_id)
         self._loads[replica_id] = load
         self._plain[replica_id] = load if load.prefix_sketch is None else _with(load, prefix_sketch=None)
         self._last_seen[replica_id] = now
@@ -175,8 +204,7 @@ class LoadBook:
         start = now - min(window_s or self.window_s, self.window_s)
         since = start if since is None else max(since, start)
         dense = [0] * NUM_BINS
-        deployments = self._tbt if replica_ids is None else {self._deployment[r] for r in loads
-                                                             if r in self._deployment}
+        deployments = self._tbt if replica_ids is None else {self._deployment[r] for r in loads}
         served = refused = 0.0
         for deployment in self._demand if replica_ids is None else {deployment_key(r) for r in loads}:
             if (log := self._demand.get(deployment)) is not None:
@@ -190,6 +218,13 @@ class LoadBook:
                     del self._tbt[deployment]
         snap = ClusterSnapshot.build(loads, LogHistogram.from_dense(dense), tbt_slo_s, now)
         return dataclasses.replace(snap, served_tps=served, refused_tps=refused) if served or refused else snap
+
+
+def without_tbt(load: ReplicaLoad, replica_id: str) -> ReplicaLoad:
+    """`load` as it is kept: under `replica_id`, without its TBT histogram (kept apart)."""
+    if load.tbt_histogram is not None or load.replica_id != replica_id:
+        return _with(load, replica_id=replica_id, tbt_histogram=None)
+    return load
 
 
 def _with(load: ReplicaLoad, **changes: Any) -> ReplicaLoad:

@@ -24,7 +24,7 @@ from replicas.histogram import NUM_BINS, LogHistogram
 from replicas.protocol import ReplicaLoad
 
 __all__ = ["ClusterSnapshot", "LogHistogram", "ReplicaLoad", "ReportThrottle", "TbtWindow", "fleet_interval",
-           "percentile"]
+           "percentile", "relay_hubs"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,15 @@ class ReportThrottle:
 def fleet_interval(num_replicas: int, max_reports_per_s: float) -> float:
     """The report period that keeps `num_replicas` within the controller's report budget."""
     return num_replicas / max_reports_per_s
+
+
+def relay_hubs(relay_calls_per_s: float, max_calls_per_s: float) -> int:
+    """How many hub relays the node relays' flushes go through, so that neither the controller nor
+    a hub takes more than `max_calls_per_s` of them: none while they fit the controller's budget.
+    (The hubs' own calls, one per hub per flush, are few: 10 a second each.)"""
+    if relay_calls_per_s <= max_calls_per_s:
+        return 0
+    return math.ceil(relay_calls_per_s / max_calls_per_s)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

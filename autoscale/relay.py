@@ -1,14 +1,26 @@
-"""One node's load reports batched into one controller call: the controller's intake then grows
-with the nodes, not the replicas.
+"""One node's load reports batched into one controller call, and, in a large fleet, the nodes'
+batches merged again by a few hub relays: the controller's intake grows with neither the replicas
+nor the nodes.
 
-A Ray actor call costs the controller a fixed few hundred microseconds whatever it carries
+A Ray actor call costs the controller a fixed few hundred microseconds of CPU whatever it carries
 (loadtests/bench/fleet.py), so 1,000 replicas at 10 Hz, one call a report, is more than one
 core absorbs. Each node runs a `NodeRelay` (named after the controller and the node, found or
 created by the node's first reporter); its replicas' reporters send to it, and every `flush_s`
 (or the longer report period the controller asks of a large fleet, so a batch still holds each
-of the node's replicas once) it forwards what came in as one `report_many`. Between two flushes a
-replica's newer load replaces its older one and their TBT histograms add up, so no gap is lost.
-The relay answers each report with the period the controller last asked for.
+of the node's replicas once) it forwards what came in as one `report_many`: the newest load of
+each replica, and the TBT gaps of all of them merged into one histogram per deployment, the form
+the controller keeps them in (a report's own histogram is most of what the controller would
+otherwise unpickle and add, per report). No gap is lost or counted twice; a replica that leaves
+before the flush leaves its gaps in (they were served). The relay answers each report with the
+period the controller last asked for.
+
+Node relays are many in a large fleet (125 of 8 replicas each for 1,000), and 1,250 flushes a
+second are themselves over half a core of calls. So the controller's reply to a flush also says how
+many hubs to flush through (`load.relay_hubs`: none while the flushes fit its budget of
+`max_relay_calls_per_s`). A node relay then flushes to the hub its node hashes to (`hub_index`),
+a `NodeRelay` with no node, created by the first relay that needs it. A hub merges the flushes the
+same way (newest load per replica, gaps per deployment) and forwards them every `flush_s`, so
+the controller takes ten calls a second per hub, and a report arrives at most one flush later.
 
 `ReportRelay` is the bookkeeping (pure, tested without Ray); `NodeRelay` is the actor around it.
 Its flush loop stops when nothing has come in for `idle_s` (the next report starts it again), so
@@ -18,97 +30,152 @@ a relay whose replicas are gone costs nothing.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 
+from autoscale.controller import deployment_key, get_or_create_controller, without_tbt
+from replicas.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
 logger = logging.getLogger(__name__)
 
 
 class ReportRelay:
-    """Reports gathered since the last flush, at most one per replica."""
+    """Reports gathered since the last flush: at most one load per replica, TBT gaps per
+    deployment, and the controller's last reply."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, ReplicaLoad] = {}
-        self.interval_s = 0.0  # the period the controller last asked for
+        self._pending: dict[str, ReplicaLoad] = {}  # without their histograms
+        self._tbt: dict[str, LogHistogram] = {}  # deployment_key -> the gaps since the last flush
+        self._calls = 0  # node relays' flushes merged in (a hub's)
+        self.interval_s = 0.0  # the report period the controller last asked for
+        self.hubs: int | None = None  # the hubs it last asked node relays to go through (None: not heard yet)
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._tbt)
 
     def add(self, replica_id: str, load: ReplicaLoad) -> float:
-        """Keep `load` for the next flush (its TBT gaps added to any not yet forwarded)."""
-        older = self._pending.get(replica_id)
-        if older is not None and older.tbt_histogram:
-            gaps = older.tbt_histogram  # the relay's own copy: it may grow
-            if load.tbt_histogram:
-                gaps.merge(load.tbt_histogram)
-            load = dataclasses.replace(load, tbt_histogram=gaps)
-        self._pending[replica_id] = load
+        """Keep `load` for the next flush, its TBT gaps added to its deployment's."""
+        if load.tbt_histogram:
+            self._merge(deployment_key(replica_id), load.tbt_histogram)
+        self._pending[replica_id] = without_tbt(load, replica_id)
         return self.interval_s
 
+    def add_many(self, reports: Sequence[tuple[str, ReplicaLoad]], tbt: Mapping[str, LogHistogram],
+                 calls: int) -> tuple[float, int | None]:
+        """A node relay's flush, as `LoadBook.report_many` takes it (this relay is a hub)."""
+        for replica_id, load in reports:
+            self._pending[replica_id] = without_tbt(load, replica_id)
+        for deployment, hist in tbt.items():
+            self._merge(deployment, hist)
+        self._calls += calls
+        return self.interval_s, self.hubs
+
+    def _merge(self, deployment: str, hist: LogHistogram) -> None:
+        gaps = self._tbt.get(deployment)
+        if gaps is None:
+            self._tbt[deployment] = hist.copy()  # the relay's own: it grows
+        else:
+            gaps.merge(hist)
+
     def discard(self, replica_id: str) -> None:
+        """Forget the replica's load; its gaps stay (they were served)."""
         self._pending.pop(replica_id, None)
 
-    def take(self) -> list[tuple[str, ReplicaLoad]]:
-        """What to forward now; the relay starts over empty."""
-        batch, self._pending = list(self._pending.items()), {}
-        return batch
+    def take(self) -> tuple[list[tuple[str, ReplicaLoad]], dict[str, LogHistogram], int]:
+        """What to forward now, as `LoadBook.report_many`'s arguments (one flush, or those a hub
+        merged); the relay starts over empty."""
+        batch, tbt, calls = list(self._pending.items()), self._tbt, self._calls or 1
+        self._pending, self._tbt, self._calls = {}, {}, 0
+        return batch, tbt, calls
+
+    def took_reply(self, reply: tuple[float, int | None]) -> None:
+        """The upstream's reply to a flush: the report period, and the hubs (a hub that has not
+        heard from the controller yet says None: keep what we knew)."""
+        interval_s, hubs = reply
+        self.interval_s = interval_s
+        if hubs is not None:
+            self.hubs = hubs
 
 
 def relay_name(controller_name: str, node_id: str) -> str:
     return f"{controller_name}.relay.{node_id}"
 
 
+def hub_name(controller_name: str, index: int) -> str:
+    return f"{controller_name}.relay.hub{index}"
+
+
+def hub_index(node_id: str, hubs: int) -> int:
+    """The hub a node's relay flushes through, of `hubs` (stable for a given count)."""
+    return zlib.crc32(node_id.encode()) % hubs
+
+
 @ray.remote(num_cpus=0, max_restarts=-1)
 class NodeRelay:
-    """`ReportRelay` as an async actor on one node, flushing to the controller every `flush_s`."""
+    """`ReportRelay` as an async actor, flushing every `flush_s`: a node's (`node_id`), which
+    flushes to the controller or, when the controller asks for hubs, to the hub its node hashes
+    to; or a hub (`node_id` None), which flushes to the controller."""
 
-    def __init__(self, controller_name: str, namespace: str, flush_s: float = 0.1, idle_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.controller_name, self.namespace = controller_name, namespace
+    def __init__(self, controller_name: str, namespace: str, node_id: str | None, flush_s: float = 0.1,
+                 idle_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.controller_name, self.namespace, self.node_id = controller_name, namespace, node_id
         self.flush_s, self.idle_s = flush_s, idle_s
         self._clock = clock
         self._relay = ReportRelay()
-        self._controller: Any = None
+        self._upstream: tuple[int, Any] | None = None  # (hub index, -1 for the controller; its handle)
         self._loop: asyncio.Task[None] | None = None
         self._last_report = clock()
 
     async def report(self, replica_id: str, load: ReplicaLoad) -> float:
         """Take one replica's report; returns the fleet's report period."""
-        if self._loop is None or self._loop.done():
-            self._loop = asyncio.get_running_loop().create_task(self._flush_loop())
-        self._last_report = self._clock()
+        self._wake()
         return self._relay.add(replica_id, load)
+
+    async def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]], tbt: Mapping[str, LogHistogram],
+                          calls: int = 1) -> tuple[float, int | None]:
+        """Take a node relay's flush (a hub's intake); the controller's last reply."""
+        self._wake()
+        return self._relay.add_many(reports, tbt, calls)
 
     async def remove(self, replica_id: str) -> None:
         """The replica is going: drop what it left here and tell the controller."""
         self._relay.discard(replica_id)
-        await self._handle().remove.remote(replica_id)
+        await get_or_create_controller(self.controller_name, self.namespace).remove.remote(replica_id)
+
+    def _wake(self) -> None:
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.get_running_loop().create_task(self._flush_loop())
+        self._last_report = self._clock()
 
     def _handle(self) -> Any:
-        if self._controller is None:
-            from autoscale.controller import get_or_create_controller
-
-            self._controller = get_or_create_controller(self.controller_name, self.namespace)
-        return self._controller
+        """Where a flush goes now: the controller, or this node's hub."""
+        hubs = self._relay.hubs
+        index = -1 if self.node_id is None or not hubs else hub_index(self.node_id, hubs)
+        if self._upstream is None or self._upstream[0] != index:
+            if index < 0:
+                handle = get_or_create_controller(self.controller_name, self.namespace)
+            else:
+                handle = get_or_create_hub(self.controller_name, self.namespace, index)
+            self._upstream = (index, handle)
+        return self._upstream[1]
 
     async def _flush_loop(self) -> None:
         while self._relay or self._clock() - self._last_report < self.idle_s:
             await asyncio.sleep(max(self.flush_s, self._relay.interval_s))
-            batch = self._relay.take()
-            if not batch:
+            if not self._relay:
                 continue
+            batch, tbt, calls = self._relay.take()
             try:
-                self._relay.interval_s = await self._handle().report_many.remote(batch)
-            except Exception as exc:  # the controller restarts or is re-created: look it up again
+                self._relay.took_reply(await self._handle().report_many.remote(batch, tbt, calls))
+            except Exception as exc:  # the controller or hub restarts or is re-created: look it up again
                 logger.debug("relay flush failed: %r", exc)
-                self._controller = None
+                self._upstream = None
 
 
 def get_or_create_relay(controller_name: str, namespace: str) -> Any:
@@ -119,4 +186,10 @@ def get_or_create_relay(controller_name: str, namespace: str) -> Any:
     return NodeRelay.options(name=relay_name(controller_name, node_id), namespace=namespace, get_if_exists=True,
                              lifetime="detached",
                              scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-                             ).remote(controller_name, namespace)
+                             ).remote(controller_name, namespace, node_id)
+
+
+def get_or_create_hub(controller_name: str, namespace: str, index: int) -> Any:
+    """Hub relay `index` for `controller_name`, created (on any node, hubs spread) if none is yet."""
+    return NodeRelay.options(name=hub_name(controller_name, index), namespace=namespace, get_if_exists=True,
+                             lifetime="detached", scheduling_strategy="SPREAD").remote(controller_name, namespace, None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 __all__ = ["EDGES", "GAMMA", "HIGHEST", "LOWEST", "NUM_BINS", "OVERFLOW", "RELATIVE_ERROR", "LogHistogram",
            "bin_index", "edge_subset"]
@@ -88,8 +88,8 @@ class LogHistogram:
         for b, c in self.counts.items():
             dense[b] += c
 
-    def __reduce__(self) -> tuple[type, tuple[dict[int, int]]]:
-        return LogHistogram, (self.counts,)  # pickled as its sparse counts only
+    def __reduce__(self) -> tuple[Callable[[dict[int, int]], LogHistogram], tuple[dict[int, int]]]:
+        return _unpickle, (self.counts,)  # pickled as its sparse counts only
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LogHistogram) and self.counts == other.counts
@@ -169,3 +169,11 @@ class LogHistogram:
         if b == OVERFLOW or x < EDGES[min(b, OVERFLOW - 1)]:
             b -= 1  # x's own bin reaches above x
         return sum(c for i, c in self.counts.items() if i <= b)
+
+
+def _unpickle(counts: dict[int, int]) -> LogHistogram:
+    """A pickled `LogHistogram` back: its counts as they were (no zeros to drop), without
+    `__init__`'s copy, a third of what a controller spends per report it unpickles."""
+    h = LogHistogram.__new__(LogHistogram)
+    h.counts, h.count = counts, sum(counts.values())
+    return h

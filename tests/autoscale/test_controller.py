@@ -90,11 +90,39 @@ def test_tbt_is_kept_per_deployment():
 def test_report_replies_the_period_the_fleet_affords():
     book = LoadBook(max_reports_per_s=1000.0, clock=Clock())
     assert book.report("a", report(1, 0, [])) == pytest.approx(0.001)
-    replies = book.report_many([(f"r{i}", report(1, 0, [0.01])) for i in range(199)])
-    assert replies == pytest.approx(0.2)  # 200 replicas at 1,000 reports/s: every 0.2 s
+    interval_s, hubs = book.report_many([(f"r{i}", report(1, 0, [0.01])) for i in range(199)])
+    assert interval_s == pytest.approx(0.2) and hubs == 0  # 200 replicas at 1,000 reports/s: every 0.2 s
     assert book.snapshot(["r5"]).replicas["r5"].replica_id == "r5" and book.snapshot().num_tbt_samples == 199
     with pytest.raises(ValueError):
         LoadBook(max_reports_per_s=0.0)
+
+
+@pytest.mark.unit
+def test_relay_flushes_beyond_the_call_budget_go_through_hubs():
+    """The reply to a relay's flush names how many hubs the node relays should flush through:
+    none while the node relays' flushes (a hub's call counting those it merged) fit the budget,
+    then enough that no hub and not the controller takes more than the budget."""
+    clock = Clock()
+    book = LoadBook(max_relay_calls_per_s=50.0, clock=clock)
+    start = [100]
+
+    def second(flushes: int, calls_each: int = 1) -> int:
+        """`flushes` calls spread over the next whole second; the last reply's hubs."""
+        hubs = -1
+        for i in range(flushes):
+            clock.t = start[0] + i / flushes
+            _, hubs = book.report_many([], calls=calls_each)
+        start[0] += 1
+        return hubs
+
+    assert second(40) == 0 and second(40) == 0  # 40 a second: direct
+    assert second(120) == 0  # the second at 120 is counted when it is over
+    assert second(10, calls_each=12) == 3 and book.relay_calls_per_s == 120  # through 3 hubs, 40 each
+    assert second(10, calls_each=12) == 3  # the hubs' calls stand for the node relays' 120
+    start[0] += 5  # a silent spell: nothing to relay
+    assert second(1) == 0 and book.relay_calls_per_s == 0
+    with pytest.raises(ValueError):
+        LoadBook(max_relay_calls_per_s=0.0)
 
 
 @pytest.mark.unit
@@ -165,6 +193,58 @@ def test_actor_snapshot_from_reporters(controller, wait_until, relay: bool):
     # The controller's reply, read by the next poll: 1 or 2 replicas (a's going) over the budget.
     wait_until(lambda: b.maybe_report(load) or b.fleet_interval_s > 0, what="the reply read")
     assert 1 / DEFAULT_MAX_REPORTS_PER_S <= b.fleet_interval_s <= 2 / DEFAULT_MAX_REPORTS_PER_S
+
+
+@pytest.mark.serve
+def test_node_relay_flushes_through_a_hub_when_the_controller_asks(ray_serve, wait_until):
+    """A controller whose budget is below one relay flush a second asks for hubs: the node's relay
+    then flushes through one, created on demand, and every load and gap still arrives."""
+    import ray
+
+    from autoscale.relay import hub_name, relay_name
+    from autoscale.reporter import LoadReporter
+
+    name, namespace = f"ctl_{uuid.uuid4().hex[:8]}", "stallfree_test"
+    handle = get_or_create_controller(name, namespace, stale_after_s=600.0, window_s=600.0,
+                                      max_relay_calls_per_s=0.5)  # 1 flush a second: 2 hubs
+    clock = Clock()
+    rep = LoadReporter("app#D#a", controller_name=name, namespace=namespace, clock=clock, relay=True)
+    sent = [0]
+
+    def hub() -> str | None:
+        """Report one more gap and a new load; the hub that exists, once one does."""
+        clock.t += 1.0
+        sent[0] += 1
+        assert rep.maybe_report(ReplicaLoad(running_tokens=sent[0]), tbt=(sent[0], [0.01] * sent[0]))
+        for k in range(2):
+            try:
+                ray.get_actor(hub_name(name, k), namespace=namespace)
+                return hub_name(name, k)
+            except ValueError:
+                pass
+        return None
+
+    try:
+        used = wait_until(hub, what="a hub relay created")
+        hub()  # one report at least after the hub exists
+
+        def caught_up() -> bool:
+            snap = ray.get(handle.snapshot.remote())
+            return snap.token_load == sent[0] and snap.num_tbt_samples == sent[0]
+
+        wait_until(caught_up, what="every load and gap through the hub")
+        node_relay = ray.get_actor(relay_name(name, ray.get_runtime_context().get_node_id()), namespace=namespace)
+        assert ray.get(node_relay.__ray_call__.remote(lambda relay: relay._upstream[0])) in (0, 1)  # a hub's index
+    finally:
+        rep.stop()
+        kill_controller(name, namespace)
+        node = ray.get_runtime_context().get_node_id()
+        for actor in (relay_name(name, node), hub_name(name, 0), hub_name(name, 1)):
+            try:
+                ray.kill(ray.get_actor(actor, namespace=namespace), no_restart=True)
+            except ValueError:
+                pass
+    assert used in (hub_name(name, 0), hub_name(name, 1))
 
 
 @pytest.mark.serve

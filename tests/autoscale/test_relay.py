@@ -1,11 +1,12 @@
-"""A node relay forwards at most one report per replica per flush: the newest load, with every TBT
-gap that came in since the last flush, none lost and none counted twice."""
+"""A node relay forwards at most one report per replica per flush: the newest load, and every TBT
+gap that came in since the last flush merged per deployment, none lost and none counted twice."""
 
 from __future__ import annotations
 
 import pytest
 
-from autoscale.relay import ReportRelay, relay_name
+from autoscale.controller import DEFAULT_MAX_REPORTS_PER_S, LoadBook
+from autoscale.relay import ReportRelay, hub_index, hub_name, relay_name
 from replicas.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
@@ -16,24 +17,77 @@ def load(tokens: int, gaps: list[float]) -> ReplicaLoad:
     return ReplicaLoad(running_tokens=tokens, tbt_histogram=LogHistogram.of(gaps) or None)
 
 
-def test_newest_load_wins_and_gaps_add_up():
+def test_newest_load_wins_and_gaps_add_up_per_deployment():
     relay = ReportRelay()
-    relay.add("a", load(100, [0.01, 0.02]))
-    relay.add("a", load(200, []))
-    relay.add("b", load(50, [0.5]))
-    relay.add("a", load(300, [0.03]))
-    assert len(relay) == 2
-    batch = dict(relay.take())
-    assert batch["a"].running_tokens == 300 and batch["a"].tbt_histogram == LogHistogram.of([0.01, 0.02, 0.03])
-    assert batch["b"].tbt_histogram.count == 1
-    assert relay.take() == [] and len(relay) == 0
+    first = load(100, [0.01, 0.02])
+    relay.add("app#D#a", first)
+    relay.add("app#D#a", load(200, []))
+    relay.add("app#D#b", load(50, [0.5]))
+    relay.add("app#D#a", load(300, [0.03]))
+    relay.add("app#E#c", load(7, [0.2, 0.2]))
+    loads, tbt, calls = relay.take()
+    loads = dict(loads)
+    assert {r: x.running_tokens for r, x in loads.items()} == {"app#D#a": 300, "app#D#b": 50, "app#E#c": 7}
+    assert all(x.tbt_histogram is None and x.replica_id == r for r, x in loads.items())
+    assert tbt == {"app#D": LogHistogram.of([0.01, 0.02, 0.03, 0.5]), "app#E": LogHistogram.of([0.2, 0.2])}
+    assert first.tbt_histogram == LogHistogram.of([0.01, 0.02])  # the sender's histogram is not merged into
+    assert calls == 1 and relay.take() == ([], {}, 1) and len(relay) == 0
 
 
-def test_discard_and_the_reply_is_the_controllers_last_period():
+def test_the_controller_keeps_the_same_through_a_relay():
+    """A relay's batch gives the controller the loads and the TBT window that the same reports
+    sent one by one give."""
+    reports = [("app#D#a", load(100, [0.01, 0.02])), ("app#D#b", load(50, [0.5])), ("app#D#a", load(300, [0.03])),
+               ("app#E#c", load(7, [0.2, 0.2]))]
+    direct, relayed, relay = LoadBook(clock=lambda: 10.0), LoadBook(clock=lambda: 10.0), ReportRelay()
+    for replica_id, x in reports:
+        direct.report(replica_id, x)
+        relay.add(replica_id, x)
+    relayed.report_many(*relay.take())
+    for book_a, book_b in ((direct.snapshot(), relayed.snapshot()), (direct.snapshot(["app#E#c"]),
+                                                                     relayed.snapshot(["app#E#c"]))):
+        assert book_a == book_b
+    assert relayed.snapshot(["app#E#c"]).num_tbt_samples == 2 and relayed.snapshot().num_tbt_samples == 6
+
+
+def test_discard_keeps_the_gaps_and_the_reply_is_the_controllers_last_period():
     relay = ReportRelay()
-    assert relay.add("a", load(1, [0.1])) == 0.0
+    assert relay.add("app#D#a", load(1, [0.1])) == 0.0
     relay.interval_s = 0.2
-    assert relay.add("b", load(1, [])) == 0.2
-    relay.discard("a")
-    assert [r for r, _ in relay.take()] == ["b"]
-    assert relay_name("ctl", "node1") == "ctl.relay.node1"
+    assert relay.add("app#D#b", load(1, [])) == 0.2
+    relay.discard("app#D#a")
+    loads, tbt, _ = relay.take()
+    assert [r for r, _ in loads] == ["app#D#b"] and tbt == {"app#D": LogHistogram.of([0.1])}
+    assert relay_name("ctl", "node1") == "ctl.relay.node1" and hub_name("ctl", 2) == "ctl.relay.hub2"
+
+
+def test_a_hub_merges_node_relays_flushes_as_the_controller_would_take_them():
+    """Two node relays' flushes through a hub: the newest load per replica, the gaps per
+    deployment summed, the flushes counted; the controller's book ends as with no hub."""
+    node_a, node_b, hub = ReportRelay(), ReportRelay(), ReportRelay()
+    node_a.add("app#D#a", load(100, [0.01]))
+    node_b.add("app#D#b", load(50, [0.5, 0.02]))
+    assert hub.add_many(*node_a.take()) == (0.0, None)  # nothing heard from the controller yet
+    node_a.add("app#D#a", load(120, [0.03]))
+    hub.add_many(*node_a.take())
+    hub.add_many(*node_b.take())
+    loads, tbt, calls = hub.take()
+    assert calls == 3 and {r: x.running_tokens for r, x in loads} == {"app#D#a": 120, "app#D#b": 50}
+    assert tbt == {"app#D": LogHistogram.of([0.01, 0.03, 0.5, 0.02])}
+    book = LoadBook(clock=lambda: 10.0)
+    assert book.report_many(loads, tbt, calls) == (pytest.approx(2 / DEFAULT_MAX_REPORTS_PER_S), 0)
+    assert book.snapshot().num_tbt_samples == 4 and book.snapshot().token_load == 170
+
+
+def test_replies_carry_the_hubs_and_a_hub_that_has_not_heard_keeps_them():
+    relay = ReportRelay()
+    relay.took_reply((0.1, 3))
+    assert relay.interval_s == 0.1 and relay.hubs == 3
+    relay.took_reply((0.2, None))  # from a hub that has not heard from the controller yet
+    assert relay.interval_s == 0.2 and relay.hubs == 3
+    relay.took_reply((0.2, 0))
+    assert relay.hubs == 0
+    # Nodes spread over the hubs, each always to the same one.
+    picks = [hub_index(f"node{i:03d}", 4) for i in range(400)]
+    assert picks == [hub_index(f"node{i:03d}", 4) for i in range(400)]
+    assert all(60 <= picks.count(k) <= 140 for k in range(4))

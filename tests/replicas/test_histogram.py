@@ -106,7 +106,9 @@ def test_pickles_as_a_few_sparse_bins():
     hist = LogHistogram.of(gaps)
     blob = pickle.dumps(hist)
     back = pickle.loads(blob)
-    assert back == hist and back.count == 100
+    assert back == hist and back.count == 100 and back.quantiles((50, 99)) == hist.quantiles((50, 99))
+    back.add(0.5)
+    assert back.count == 101 and hist.count == 100  # its own counts
     assert len(blob) < len(pickle.dumps(tuple(gaps))) and len(blob) < 600
     assert LogHistogram().quantile(99) is None and not LogHistogram()
     with pytest.raises(ValueError):
