@@ -28,7 +28,7 @@ from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 FINISHED = RequestStatus.FINISHED_LENGTH
 # `SimReplica.batch` while a pass of the `DecodeSet` is in flight (its decodes are the set's,
-# its prompt chunks `SimReplica.set_prefills`).
+# its prompt chunks `SimReplica.set_prefills`, a prefill-only SchedulerOutput).
 DECODE_SET_PASS = SchedulerOutput()
 
 
@@ -124,7 +124,7 @@ class SimReplica:
         self.hybrid = (cfg.policy == "stall_free" and self.scheduler.prefill_budget is None
                        and self.scheduler.may_admit is None)
         self.decodes: DecodeSet | None = None
-        self.set_prefills: list[ScheduledSeq] = []  # the chunks of the set's pass in flight
+        self.set_prefills: SchedulerOutput | None = None  # the chunks of the set's pass in flight
         self.prompt_left = False  # the last full pass cut a prompt: some running request prefills
         self.num_requests = 0  # routed here and not finished (Serve's ongoing requests)
         self.num_iterations = 0
@@ -166,11 +166,15 @@ class SimReplica:
         if started is not None:
             prefills, f = started
             if prefills:  # the chunks' features added to the decodes' (as batch_features counts them)
-                f = tuple(x + y for x, y in zip(f, batch_features(SchedulerOutput(prefills=prefills))))
+                chunks = SchedulerOutput(prefills=prefills)
+                p, d, c, s, a, x = batch_features(chunks)
+                f = (f[0] + p, f[1] + d, f[2] + c, f[3] + s, f[4] + a, f[5] + x)
             elif not f[1]:
                 return None
+            else:
+                chunks = None
             batch = DECODE_SET_PASS
-            self.set_prefills = prefills
+            self.set_prefills = chunks
             self.num_run_passes += 1
         else:
             self.sync()
@@ -216,9 +220,8 @@ class SimReplica:
         batch, self.batch = self.batch, None
         sch = self.scheduler
         if batch is DECODE_SET_PASS:
-            ds, prefills = self.decodes, self.set_prefills
-            got = sch.advance(SchedulerOutput(prefills=prefills), [0] * sum(1 for q in prefills if q.samples),
-                              now) if prefills else None
+            ds, chunks = self.decodes, self.set_prefills
+            got = sch.advance(chunks, [0] * sum(1 for q in chunks.prefills if q.samples), now) if chunks else None
             sch.num_running_tokens += len(ds.members)  # every member decoded a token
             for req in ds.end_pass(now, self.pending_tbt):  # members that got their last token
                 sch.finish(req, FINISHED)
@@ -229,7 +232,7 @@ class SimReplica:
                 ds.prefilling.remove(req)
                 if req.status == RequestStatus.RUNNING:
                     ds.join(req)
-            for seq in prefills:  # a recomputed (preempted) request left its last token: it decodes it
+            for seq in chunks.prefills:  # a recomputed (preempted) request left its last token: it decodes it
                 if not seq.completes and not seq.request.is_prefilling:
                     ds.prefilling.remove(seq.request)
                     ds.join(seq.request)
@@ -269,7 +272,8 @@ class SimReplica:
         n = len(times)
         rec.e2e[i] = now - req.arrival_time
         if n > 1:
-            gaps = np.diff(np.array(times))
+            t = np.array(times, dtype=np.float64)  # the dtype given: no pass to find it
+            gaps = t[1:] - t[:-1]
             rec.add_gaps(gaps)
             rec.max_gap[i] = float(gaps.max())
             rec.mean_gap[i] = (times[-1] - times[0]) / (n - 1)  # TPOT
