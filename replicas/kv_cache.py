@@ -96,7 +96,8 @@ class BlockManager:
         """Free blocks a request takes so its table covers `num_tokens` tokens (with `prefix`:
         a table starting with those cached blocks, the idle ones among them counted as taken)."""
         have = len(self._tables.get(request_id, ())) or len(prefix)
-        return max(0, self.blocks_for(num_tokens) - have) + self.num_idle(prefix)
+        new = max(0, -(-num_tokens // self.block_size) - have)
+        return new + self.num_idle(prefix) if prefix else new
 
     def num_idle(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` nobody references (taking them shrinks the free pool)."""
