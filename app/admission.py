@@ -196,7 +196,7 @@ def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
     """A `Fetch` reading the controller actor's snapshot, kept to this app's engine replicas.
     `demand`: (source, counts(now)): the caller's demand counters ride along when they are due
     (`autoscale.demand`), sent without waiting for an answer."""
-    from autoscale.controller import deployment_key_of, get_or_create_controller
+    from autoscale.controller import deployment_key_of, get_or_create_controller, load_view
 
     handle: list[Any] = []
 
@@ -206,13 +206,14 @@ def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
         if demand is not None and (counts := demand[1](time.time())) is not None:
             handle[0].report_demand.remote(deployment_key_of(app_name, deployment), demand[0], counts)
         try:
-            ref = handle[0].snapshot.remote(None, with_tbt=False)
-            snap = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+            ref = handle[0].routing_view.remote(None if app_name is None else deployment_key_of(app_name, deployment))
+            snap = load_view(await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s))
         except Exception:
             handle.clear()  # look it up again next time (it may have restarted)
             raise
-        return {key: load for key, load in snap.replicas.items()
-                if _is_replica_of(key, app_name, deployment)}
+        if app_name is not None:  # the view holds that deployment's replicas only
+            return snap.replicas
+        return {key: load for key, load in snap.replicas.items() if _is_replica_of(key, app_name, deployment)}
 
     return fetch
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,6 +49,9 @@ DEFAULT_MAX_REPORTS_PER_S = 10_000.0
 # 0.4 ms of CPU when calls come paced (loadtests/bench/fleet.py), so this is a fifth of a core.
 # Beyond it the node relays flush through hub relays (`autoscale.relay`, `load.relay_hubs`).
 DEFAULT_MAX_RELAY_CALLS_PER_S = 500.0
+# How long one pickled routing view (`LoadBook.routing_view`) serves every router that asks: the
+# loads in it are themselves a report period (~0.1 s) old.
+DEFAULT_VIEW_MAX_AGE_S = 0.02
 
 
 def replica_key(replica_id: Any) -> str:
@@ -81,6 +85,7 @@ class LoadBook:
     def __init__(self, window_s: float = 120.0, stale_after_s: float = 2.0, slice_s: float = 1.0,
                  max_reports_per_s: float = DEFAULT_MAX_REPORTS_PER_S,
                  max_relay_calls_per_s: float = DEFAULT_MAX_RELAY_CALLS_PER_S,
+                 view_max_age_s: float = DEFAULT_VIEW_MAX_AGE_S,
                  clock: Callable[[], float] = time.time) -> None:
         """`window_s` is the retention (snapshots may ask for less), in slices of `slice_s`."""
         if stale_after_s <= 0:
@@ -94,6 +99,7 @@ class LoadBook:
         self.slice_s = slice_s
         self.max_reports_per_s = max_reports_per_s
         self.max_relay_calls_per_s = max_relay_calls_per_s
+        self.view_max_age_s = view_max_age_s
         self._clock = clock
         self._loads: dict[str, ReplicaLoad] = {}  # as reported, less the TBT histogram
         self._plain: dict[str, ReplicaLoad] = {}  # the same less the prefix sketch
@@ -101,6 +107,7 @@ class LoadBook:
         self._deployment: dict[str, str] = {}  # replica -> deployment_key
         self._tbt: dict[str, TbtWindow] = {}  # per deployment
         self._demand: dict[str, DemandLog] = {}  # per deployment: served and refused (autoscale.demand)
+        self._views: dict[tuple[str | None, bool], tuple[float, bytes]] = {}  # routing_view's: (when, what)
         # Node relay flushes, through hubs or not: per whole second of the clock, the last full one's.
         self._calls_second, self._calls_counted, self.relay_calls_per_s = 0, 0, 0.0
 
@@ -219,6 +226,39 @@ class LoadBook:
         snap = ClusterSnapshot.build(loads, LogHistogram.from_dense(dense), tbt_slo_s, now)
         return dataclasses.replace(snap, served_tps=served, refused_tps=refused) if served or refused else snap
 
+    def routing_view(self, deployment: str | None = None, with_sketches: bool = False) -> bytes:
+        """`snapshot(replicas, with_tbt=False, with_sketches=...)` over the live replicas of
+        `deployment` (a `deployment_key`; None: all), what a router or the door reads, pickled
+        (`load_view` reads it). The same bytes answer every caller that asks for the same
+        deployment within `view_max_age_s`.
+
+        Why bytes, and why by deployment: Ray pickles an actor's reply for each caller with
+        cloudpickle, in Python, object by object (about 3 ms for 1,000 loads), and a list of
+        1,000 replica ids to filter by costs a call another 0.3 ms. Every router refreshes its
+        view 20 times a second, so a fleet's routers would keep the controller busy pickling the
+        same loads again. Bytes travel as they are (loadtests/bench/fleet.py).
+        """
+        now = self._clock()
+        key = (deployment, with_sketches)
+        cached = self._views.get(key)
+        if cached is not None and now - cached[0] < self.view_max_age_s:
+            return cached[1]
+        self.drop_stale()
+        ids = None if deployment is None else sorted(r for r, d in self._deployment.items() if d == deployment)
+        blob = pickle.dumps(self.snapshot(ids, with_tbt=False, with_sketches=with_sketches),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        self._views = {k: v for k, v in self._views.items() if now - v[0] < self.view_max_age_s}
+        self._views[key] = (now, blob)
+        return blob
+
+
+def load_view(blob: bytes) -> ClusterSnapshot:
+    """A `LoadBook.routing_view` reply, read."""
+    snap = pickle.loads(blob)
+    if not isinstance(snap, ClusterSnapshot):
+        raise TypeError(f"a routing view holds a ClusterSnapshot, not {type(snap).__name__}")
+    return snap
+
 
 def without_tbt(load: ReplicaLoad, replica_id: str) -> ReplicaLoad:
     """`load` as it is kept: under `replica_id`, without its TBT histogram (kept apart)."""
@@ -238,8 +278,8 @@ def _with(load: ReplicaLoad, **changes: Any) -> ReplicaLoad:
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class LoadController(LoadBook):
-    """`LoadBook` as a named, detached Ray actor: `report`, `report_many`, `remove`, `snapshot`,
-    `replica_ids`."""
+    """`LoadBook` as a named, detached Ray actor: `report`, `report_many`, `report_demand`,
+    `remove`, `snapshot`, `routing_view`, `replica_ids`."""
 
 
 def get_or_create_controller(name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,

@@ -43,7 +43,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
+from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, deployment_key, get_or_create_controller,
+                                  load_view, replica_key)
 from autoscale.inflight import InFlightBook
 from autoscale.prefix_hints import PrefixHints
 from autoscale.router_tuning import RouterTuning
@@ -76,6 +77,7 @@ class TokenLoadRouter(RequestRouter):
         # are worked out once per change, not per request.
         self._candidates: list[RunningReplica] | None = None
         self._candidate_keys: list[str] = []
+        self._deployment: str | None = None  # the candidates' deployment_key, once seen
         self._by_key: dict[str, RunningReplica] = {}
         self._odd_call_logged = False
         self._controller: Any = None
@@ -101,10 +103,10 @@ class TokenLoadRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
+        keys, by_key = self._candidate_index(candidate_replicas)
         await self._refresh_if_stale(time.time())
         now = time.time()
         cost = self._cost(pending_request)
-        keys, by_key = self._candidate_index(candidate_replicas)
         loads = self._fresh_loads(now)
         if loads is not self._view_loads:  # a new snapshot (or none): the ledger's view of it
             self._in_flight = self._book.view(loads)
@@ -150,6 +152,7 @@ class TokenLoadRouter(RequestRouter):
             self._by_key = {self._key(r.replica_id): r for r in candidates}
             self._candidate_keys = list(self._by_key)
             self._candidates = candidates
+            self._deployment = deployment_key(self._candidate_keys[0])  # whose loads to fetch
         return self._candidate_keys, self._by_key
 
     def _key(self, replica_id: ReplicaID) -> str:
@@ -202,9 +205,9 @@ class TokenLoadRouter(RequestRouter):
         try:
             if self._controller is None:
                 self._controller = get_or_create_controller(self._controller_name, self._namespace)
-            ids = [self._key(r) for r in self.curr_replicas]
-            ref = self._controller.snapshot.remote(ids, with_tbt=False, with_sketches=self._by_prefix)
-            snap = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.tuning.snapshot_timeout_s)
+            ref = self._controller.routing_view.remote(self._deployment, self._by_prefix)
+            blob = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.tuning.snapshot_timeout_s)
+            snap = load_view(blob)
             self._loads = dict(snap.replicas)
             self._loads_at = time.time()
         except Exception as exc:  # controller gone or slow: keep routing on the local view

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autoscale.controller import DEFAULT_MAX_RELAY_CALLS_PER_S, LoadBook
+from autoscale.controller import DEFAULT_MAX_RELAY_CALLS_PER_S, LoadBook, deployment_key, load_view
 from autoscale.load import relay_hubs
 from autoscale.relay import ReportRelay
 from autoscale.routing import choose_replica
@@ -167,6 +167,20 @@ def bench_actor(n: int, seed: int, flood_reports: int, paced_s: float, senders: 
             wall, cpu = time.perf_counter() - t0, cpu_s() - c0
             out[f"flood_batch{batch}_reports_per_s"] = per * senders / wall
             out[f"flood_batch{batch}_actor_cpu_us_per_report"] = cpu / (per * senders) * 1e6
+        # What one router's refresh costs the actor: the snapshot over its replicas, as Ray
+        # pickles a reply; the deployment's routing view pickled for one router (each asks a
+        # view of its own: with and without the prefix sketches in turn); and the view as 16
+        # routers refreshing within its 20 ms share it.
+        calls, deployment = 192, deployment_key(keys[0])
+        for label, ask in (("snapshot", lambda i: ctl.snapshot.remote(keys, with_tbt=False)),
+                           ("routing_view_alone", lambda i: ctl.routing_view.remote(deployment, bool(i % 2))),
+                           ("routing_view_16_routers", lambda i: ctl.routing_view.remote(deployment))):
+            c0 = cpu_s()
+            for i in range(calls):
+                ray.get(ask(i))
+                if label == "routing_view_16_routers" and i % 16 == 15:
+                    time.sleep(0.025)  # the next round of refreshes finds the view aged out
+            out[f"router_{label}_actor_cpu_us_per_call"] = (cpu_s() - c0) / calls * 1e6
         # 10 Hz from every replica, a node's at a time, while the snapshots are asked: the node
         # relays' flushes straight to the controller, then through the hubs it asks for.
         hubs = relay_hubs(n / NODE_REPLICAS * REPORT_HZ, DEFAULT_MAX_RELAY_CALLS_PER_S)
@@ -204,7 +218,7 @@ def paced(ctl: Any, pool: list[Any], keys: list[str], seconds: float, route: str
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        ray.get(ctl.snapshot.remote(with_tbt=False))
+        load_view(ray.get(ctl.routing_view.remote(deployment_key(keys[0]))))
         lat["router"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ray.get(ctl.snapshot.remote(keys, WINDOW_S, None, TBT_SLO_S))
@@ -337,7 +351,7 @@ def table(result: dict[str, Any], before: dict[str, Any] | None) -> str:
         lines.append(f"LoadController actor, {actor['n']} replicas, {actor['senders']} sender actors:")
         for key, value in actor.items():
             if key not in ("n", "senders"):
-                lines.append(f"  {key}: {value:,.2f}" if key.endswith(("_share", "_x", "_per_report"))
+                lines.append(f"  {key}: {value:,.2f}" if key.endswith(("_share", "_x", "_per_report", "_per_call"))
                              else f"  {key}: {value:,.0f}" if key.endswith("_per_s") or not key.endswith("_s")
                              else f"  {key}: {value * 1e3:.2f} ms")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import pickle
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,17 +34,17 @@ class Pending:  # what the router reads of Serve's PendingRequest
 
 
 class Controller:
-    """Answers `snapshot.remote(...)` at once with fixed loads."""
+    """Answers `routing_view.remote(...)` at once with fixed loads."""
 
     def __init__(self, loads: dict[str, ReplicaLoad]) -> None:
-        self.snapshot = self
+        self.routing_view = self
         self.loads = loads
         self.calls = 0
 
-    def remote(self, ids: list[str], **_: Any) -> Any:
+    def remote(self, deployment: str, with_sketches: bool = False) -> Any:
         self.calls += 1
         done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(ClusterSnapshot(replicas=self.loads))
+        done.set_result(pickle.dumps(ClusterSnapshot(replicas=self.loads)))
         return type("Ref", (), {"future": lambda _self: done})()
 
 
