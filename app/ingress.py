@@ -32,7 +32,8 @@ from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
 from app.errors import RETRY_AFTER_OVERLOAD_S, OpenAIError, from_exception, install_handlers, replica_gone
 from app.proxy_door import CALLBACK_ENV, IMPORT_PATH, PASSED_HEADER
-from app.middleware import BodyLimitMiddleware, StatusCountMiddleware, StreamLimitMiddleware, arrival_time
+from app.middleware import (BodyLimitMiddleware, StatusCountMiddleware, StreamLimitMiddleware, arrival_time,
+                            is_client_retry)
 from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                          CompletionResponse, GenerationRequest, ModelCard, ModelList)
 from app.stream_limit import StreamLimit, limit_observer
@@ -193,7 +194,8 @@ class OpenAIIngress:
         ids = [await self._tokenizing(self.tokenizer.encode, p, add_special_tokens=False)
                if isinstance(p, str) else list(p) for p in prompts]
         meta = self._meta("cmpl", body)
-        gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens, arrived_at)
+        gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens, arrived_at,
+                                         is_client_retry(request))
         echoes = None  # each prompt's text, in front of its completions
         if body.echo:  # token ids are decoded once the replica has accepted them (in its vocabulary)
             echoes = [p if isinstance(p, str) else await self._tokenizing(
@@ -211,7 +213,8 @@ class OpenAIIngress:
         plan = body.tool_plan(self.args.tool_call_parser)  # InvalidRequestError -> 400
         ids = await self._tokenizing(self._render_chat, body)
         meta = self._meta("chatcmpl", body)
-        gen, outputs = await self._start(meta.request_id, [ids], body, body.requested_max_tokens, arrived_at)
+        gen, outputs = await self._start(meta.request_id, [ids], body, body.requested_max_tokens, arrived_at,
+                                         is_client_retry(request))
         if body.stream:
             return self._sse(gen, chat_events(meta, outputs, plan))
         return chat_response(meta, await self._collect(gen, outputs, meta.n), plan)
@@ -257,10 +260,12 @@ class OpenAIIngress:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _start(self, request_id: str, prompts: list[list[int]], body: GenerationRequest,
-                     max_tokens: int | None, arrived_at: float) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
+                     max_tokens: int | None, arrived_at: float,
+                     retry: bool = False) -> tuple[DeploymentResponseGenerator, AsyncIterator[Any]]:
         """Admit at the door, send to a replica, and wait for its first output (or refusal).
         `prompts`: each prompt's token ids; a batch goes to one replica in one call (vLLM's
         engine takes it whole too), one prompt as its ids alone (`protocol.prompt_batch`).
+        `retry`: the client says it is retrying this request (its demand was counted before).
 
         Nothing is committed to the client (no 200, no SSE headers) until the request has its
         first token, so a refusal found late (the queue deadline) is still a plain 429, and a
@@ -274,9 +279,9 @@ class OpenAIIngress:
             started = await self._send(request_id, prompts, params, body.priority, arrived_at, num_prompt_tokens)
         except OpenAIError as exc:
             if exc.status_code == 429:  # refused here or downstream: demand the fleet did not serve
-                self.demand.refused(demand)
+                self.demand.refused(demand, retry)
             raise
-        self.demand.served(demand)
+        self.demand.served(demand, retry)
         return started
 
     async def _send(self, request_id: str, prompts: list[list[int]], params: Any, priority: int,

@@ -84,6 +84,27 @@ def arrival_time(request: Any) -> float:
     return float(request.scope.get("state", {}).get(ARRIVED_AT, time.time()))
 
 
+RETRY_COUNT_HEADER = "x-stainless-retry-count"  # OpenAI's SDKs: which try of a request this is (0: the first)
+
+
+def is_client_retry(request: Any) -> bool:
+    """Whether the client says this request is a retry (`RETRY_COUNT_HEADER` above 0): its
+    refusal was counted as demand the first time (`autoscale.demand`)."""
+    return is_client_retry_scope(request.scope)
+
+
+def is_client_retry_scope(scope: Scope) -> bool:
+    """`is_client_retry` of an ASGI scope (header names in it are lower case)."""
+    name = RETRY_COUNT_HEADER.encode()
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            try:
+                return int(value) > 0
+            except ValueError:
+                return False
+    return False
+
+
 def _content_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":

@@ -59,7 +59,7 @@ from app.errors import OpenAIError
 from autoscale.demand import DemandCounter, DemandCounts
 from replicas.config import STRICT
 from replicas.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
-from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, refuse
+from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, is_client_retry_scope, refuse
 from app.stream_limit import (DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS, MAX_RETRY_AFTER_S, StreamLimit,
                               limit_observer)
 
@@ -215,7 +215,9 @@ class Door:
         settings = await asyncio.to_thread(self._read)
         if settings is not None:
             self.apply(settings)
-        counts = self.demand.to_send(self._clock(), unsized=self.pending.num_refused + self.limit.num_refused)
+        pending = self.pending  # a retry's refusal was counted the first time
+        counts = self.demand.to_send(self._clock(),
+                                     unsized=pending.num_refused - pending.num_refused_retries + self.limit.num_refused)
         if counts is not None and self.settings is not None and self.settings.controller_name:
             await asyncio.to_thread(self._report, self.settings, counts)
 
@@ -301,6 +303,7 @@ class Pending:
         self.held_until = float("-inf")
         self.retry_after = 1
         self.num_refused = 0
+        self.num_refused_retries = 0  # of which the client said they were retries (counted before)
         self.max_cap, self.min_cap = max_cap, min_cap
         self.cap = float(max_cap)
         self.in_flight = 0  # forwarded, not ended (`start` .. `ended`)
@@ -425,6 +428,7 @@ class PendingMiddleware:
         pending = self.pending
         if not pending.admits():
             pending.num_refused += 1
+            pending.num_refused_retries += is_client_retry_scope(scope)
             retry = pending.retry_after
             if pending.reason == "queueing":
                 why = (f"the requests before this one wait {pending.median_wait_s:.1f} s for their "

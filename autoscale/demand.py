@@ -12,6 +12,11 @@ ingress counts every request it answers (served once it has a first token; refus
 answers 429, whoever refused: its own token door, Serve's queue, a replica's queue bound, the
 queue deadline, SLO admission), the proxy door counts the requests it refuses before anyone reads
 their bodies (unsized: they are counted at the mean size of the requests served in the window).
+A client that retries a refused request asks for the same demand again. OpenAI's SDKs (and the
+other Stainless-built ones) say so in `x-stainless-retry-count`; the ingress counts such a
+request as retried too, and the log takes retried tokens off the refused ones, so a request
+refused, retried and served counts once, as served, and one refused three times counts once,
+as refused. A retry from a client that does not say so still counts again.
 `DemandLog` turns successive counter values into timestamped increments and reads rates over any
 part of its window. The first value a source reports is its baseline (what it counted before the
 log knew it is history, not a burst).
@@ -20,7 +25,7 @@ log knew it is history, not a burst).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 __all__ = ["REPORT_EVERY_S", "DemandCounter", "DemandCounts", "DemandLog"]
 
@@ -35,6 +40,7 @@ class DemandCounts:
     served_requests: int = 0
     refused_tokens: int = 0  # prompt + max_tokens of requests refused with their size known
     refused_unsized: int = 0  # requests refused before their size was read (the proxy door)
+    retried_tokens: int = 0  # prompt + max_tokens of requests that are a client's retry (served or refused)
 
     def __sub__(self, other: DemandCounts) -> DemandCounts:
         return DemandCounts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
@@ -51,16 +57,19 @@ class DemandCounter:
         self._sent: DemandCounts | None = None
         self._sent_at = float("-inf")
 
-    def served(self, tokens: int) -> None:
+    def served(self, tokens: int, retry: bool = False) -> None:
+        """One request served: `tokens` its prompt + max_tokens; `retry`: the client said it is a
+        retry of one refused before."""
         c = self._counts
-        self._counts = DemandCounts(c.served_tokens + tokens, c.served_requests + 1, c.refused_tokens,
-                                    c.refused_unsized)
+        self._counts = replace(c, served_tokens=c.served_tokens + tokens, served_requests=c.served_requests + 1,
+                               retried_tokens=c.retried_tokens + tokens * retry)
 
-    def refused(self, tokens: int | None = None) -> None:
+    def refused(self, tokens: int | None = None, retry: bool = False) -> None:
         """One request refused: `tokens` its prompt + max_tokens, None when its size is unknown."""
         c = self._counts
-        self._counts = DemandCounts(c.served_tokens, c.served_requests, c.refused_tokens + (tokens or 0),
-                                    c.refused_unsized + (tokens is None))
+        self._counts = replace(c, refused_tokens=c.refused_tokens + (tokens or 0),
+                               refused_unsized=c.refused_unsized + (tokens is None),
+                               retried_tokens=c.retried_tokens + (tokens or 0) * retry)
 
     @property
     def counts(self) -> DemandCounts:
@@ -70,8 +79,7 @@ class DemandCounter:
         """The counters when a report is due (moved, and REPORT_EVERY_S since the last), else None;
         the first call always sends (the controller's baseline). `unsized`: refusals of unknown
         size counted elsewhere (an in-flight limit's), added to the counter's own."""
-        c = self._counts
-        counts = DemandCounts(c.served_tokens, c.served_requests, c.refused_tokens, c.refused_unsized + unsized)
+        counts = replace(self._counts, refused_unsized=self._counts.refused_unsized + unsized)
         if self._sent is not None and (counts == self._sent or now - self._sent_at < REPORT_EVERY_S):
             return None
         self._sent, self._sent_at = counts, now
@@ -110,7 +118,8 @@ class DemandLog:
         self._counters.pop(source, None)
 
     def rates(self, now: float, since: float | None = None) -> tuple[float, float]:
-        """(served, refused) tokens per second over (max(since, now - window_s, start), now]."""
+        """(served, refused) tokens per second over (max(since, now - window_s, start), now].
+        Refused is less the retried tokens (never below none): their refusal was counted once."""
         self._prune(now)
         start = max(now - self.window_s, self.start_t, since if since is not None else -float("inf"))
         span = now - start
@@ -122,11 +131,11 @@ class DemandLog:
                 break
             served += c.served_tokens
             requests += c.served_requests
-            refused += c.refused_tokens
+            refused += c.refused_tokens - c.retried_tokens
             unsized += c.refused_unsized
         if requests > 0:
             self._mean_tokens = served / requests
-        return served / span, (refused + unsized * self._mean_tokens) / span
+        return served / span, max(0.0, refused + unsized * self._mean_tokens) / span
 
     def _prune(self, now: float) -> None:
         horizon = now - self.window_s

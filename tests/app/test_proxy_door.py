@@ -248,7 +248,7 @@ class App:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def call(mw: object, path: str) -> list[Message]:
+async def call(mw: object, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> list[Message]:
     sent: list[Message] = []
 
     async def receive() -> Message:
@@ -257,7 +257,7 @@ async def call(mw: object, path: str) -> list[Message]:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    await mw({"type": "http", "path": path, "headers": []}, receive, send)  # type: ignore[operator]
+    await mw({"type": "http", "path": path, "headers": headers or []}, receive, send)  # type: ignore[operator]
     return sent
 
 
@@ -284,6 +284,8 @@ async def test_the_middleware_refuses_while_queueing_in_openai_shape_and_never_f
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == "rate_limit_exceeded" and "wait 3.0 s" in body["error"]["message"]
     assert pending.num_refused == 1 and counted == ["queueing"]
+    retried = await call(mw, "/v1/completions", [(b"x-stainless-retry-count", b"1")])  # the SDK's retry
+    assert retried[0]["status"] == 429 and pending.num_refused == 2 and pending.num_refused_retries == 1
     app.release.set()
     for done in await asyncio.gather(*held):
         assert done[0]["status"] == 200
@@ -393,7 +395,7 @@ def test_the_doors_refusals_reach_the_controller_as_unsized_refused_demand() -> 
         await door._reading
 
     asyncio.run(refresh())  # the baseline
-    pending.num_refused, limit.num_refused = 3, 2
+    pending.num_refused, pending.num_refused_retries, limit.num_refused = 4, 1, 2  # a retry: counted before
     door.demand._sent_at = float("-inf")  # a report is due
     asyncio.run(refresh())
     assert [(d, c.refused_unsized) for d, c in sent] == [("SERVE_REPLICA::llm#LLMServer", 0),

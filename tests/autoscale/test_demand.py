@@ -61,3 +61,23 @@ def test_a_source_counts_and_sends_only_what_moved_at_most_every_second():
     counter.served(100)
     assert counter.to_send(5.0 + REPORT_EVERY_S) is None  # within a second of the last
     assert counter.to_send(5.0 + 2 * REPORT_EVERY_S) == DemandCounts(1_300, 2, 800, 1)
+
+
+def test_a_clients_retries_count_once():
+    """A request refused twice, then served on the client's third try, is demand once, served; one
+    refused on every try is demand once, refused. Retries that do not say so count again."""
+    counter, log = DemandCounter(), DemandLog(window_s=10.0)
+    log.report("ingress", 0.0, counter.to_send(0.0))  # the baseline
+    counter.refused(1_000)
+    counter.refused(1_000, retry=True)
+    counter.served(1_000, retry=True)
+    for _ in range(3):  # another, refused on each of its tries
+        counter.refused(500, retry=_ > 0)
+    counter.refused(200)
+    counter.refused(200)  # a client that retried without saying so
+    log.report("ingress", 2.0, counter.to_send(2.0))
+    assert counter.counts.retried_tokens == 3_000
+    assert log.rates(2.0) == (500.0, (500 + 400) / 2)
+    # A window holding a retry but not the refusal it retries: never below no refusals.
+    log.add(20.0, counts=DemandCounts(served_tokens=100, served_requests=1, retried_tokens=100))
+    assert log.rates(20.0, since=19.0) == (100.0, 0.0)
