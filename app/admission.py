@@ -196,7 +196,8 @@ def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
     """A `Fetch` reading the controller actor's snapshot, kept to this app's engine replicas.
     `demand`: (source, counts(now)): the caller's demand counters ride along when they are due
     (`autoscale.demand`), sent without waiting for an answer."""
-    from autoscale.controller import deployment_key_of, get_or_create_controller, load_view
+    from autoscale.controller import get_or_create_controller, load_view
+    from autoscale.keys import deployment_key_of
 
     handle: list[Any] = []
 

@@ -39,7 +39,7 @@ from app.schemas import (ChatCompletionRequest, ChatCompletionResponse, Completi
 from app.stream_limit import StreamLimit, limit_observer
 from app.streaming import (DONE, Gathered, StreamMeta, chat_events, chat_response, collect,
                            completion_events, completion_response, sse)
-from autoscale.controller import deployment_key_of
+from autoscale.keys import deployment_key_of
 from autoscale.demand import DemandCounter, DemandCounts
 from replicas.model_files import load_tokenizer
 from replicas.protocol import ReplicaUnhealthyError, RequestRejected
@@ -145,7 +145,7 @@ class OpenAIIngress:
 
     def _demand_counts(self, now: float) -> DemandCounts | None:
         limit = api.state.stream_limit
-        return self.demand.to_send(now, unsized=limit.num_refused if limit is not None else 0)
+        return self.demand.to_send(now, unsized=limit.num_refused_demand if limit is not None else 0)
 
     # ---- routes ------------------------------------------------------------------------
 
@@ -278,7 +278,9 @@ class OpenAIIngress:
         try:
             started = await self._send(request_id, prompts, params, body.priority, arrived_at, num_prompt_tokens)
         except OpenAIError as exc:
-            if exc.status_code == 429:  # refused here or downstream: demand the fleet did not serve
+            # Refused here or downstream (429), or no replica could start it (503): demand the
+            # fleet did not serve (and what a client's retry of it was counted against).
+            if exc.status_code in (429, 503):
                 self.demand.refused(demand, retry)
             raise
         self.demand.served(demand, retry)

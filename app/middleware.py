@@ -180,7 +180,7 @@ class StreamLimitMiddleware:
             self._watch = loop.create_task(watch_loop(limit.observe, time.perf_counter))
             self._trim = loop.create_task(trim_when_idle(lambda: limit.in_flight <= QUIET_IN_FLIGHT))
         if not limit.admits():
-            retry = limit.refuse()
+            retry = limit.refuse(is_client_retry_scope(scope))
             await refuse(send, OpenAIError(
                 429, f"the server is at capacity: {limit.in_flight} requests are in flight at this "
                 f"{self.where}, its limit is {limit.limit} (it adapts to what the {self.where} relays "

@@ -216,8 +216,8 @@ class Door:
         if settings is not None:
             self.apply(settings)
         pending = self.pending  # a retry's refusal was counted the first time
-        counts = self.demand.to_send(self._clock(),
-                                     unsized=pending.num_refused - pending.num_refused_retries + self.limit.num_refused)
+        counts = self.demand.to_send(self._clock(), unsized=pending.num_refused - pending.num_refused_retries
+                                     + self.limit.num_refused_demand)
         if counts is not None and self.settings is not None and self.settings.controller_name:
             await asyncio.to_thread(self._report, self.settings, counts)
 

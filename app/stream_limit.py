@@ -85,6 +85,7 @@ class StreamLimit:
         self._recent: deque[float] = deque(maxlen=persist)
         self.state = LimitState(max_limit, 0, 0.0)
         self.num_refused = 0
+        self.num_refused_retries = 0  # of which the client said they were retries
         self.on_step: Callable[[LimitState], None] | None = None  # metrics
         self.enabled = True
 
@@ -114,10 +115,17 @@ class StreamLimit:
         self._ended.append(now)
         self._forget_ended(now)
 
-    def refuse(self) -> int:
-        """Count a refusal; its Retry-After (`retry_after_s`)."""
+    def refuse(self, retry: bool = False) -> int:
+        """Count a refusal (`retry`: of a request the client says it retries, counted before as
+        demand); its Retry-After (`retry_after_s`)."""
         self.num_refused += 1
+        self.num_refused_retries += retry
         return self.retry_after_s()
+
+    @property
+    def num_refused_demand(self) -> int:
+        """Refusals that are new demand (`autoscale.demand`): all but the marked retries."""
+        return self.num_refused - self.num_refused_retries
 
     def retry_after_s(self) -> int:
         """Whole seconds until the requests over the limit have ended at the recent rate."""

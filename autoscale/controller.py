@@ -18,9 +18,7 @@ find it with `get_or_create_controller()`, and it must not die with whichever of
 (a replica that is scaled away, say). It restarts if it crashes; its state refills within one
 report period.
 
-Replica ids are Serve's full replica id strings (`ReplicaID.to_full_id_str()`, e.g.
-`SERVE_REPLICA::app#LLMServer#abc123`): the replica reports under `current_replica_key()` and the
-router and policy look replicas up by `replica_key(replica_id)`, the same string.
+Replica ids are Serve's full replica id strings (`autoscale.keys`).
 """
 
 from __future__ import annotations
@@ -36,47 +34,23 @@ from typing import Any
 import ray
 
 from autoscale.demand import DemandCounts, DemandLog
+from autoscale.keys import deployment_key
 from autoscale.load import ClusterSnapshot, LogHistogram, ReplicaLoad, TbtWindow, fleet_interval, relay_hubs
 from replicas.histogram import NUM_BINS
 
 DEFAULT_CONTROLLER_NAME = "stallfree_controller"
 DEFAULT_NAMESPACE = "stallfree"
-# Reports a second the actor is asked to absorb at most: 1,000 replicas at 10 Hz, which through
-# the relays' hubs cost it a tenth of a core (loadtests/bench/fleet.py). A larger fleet reports less
-# often rather than later.
+# Reports a second the actor is asked to absorb at most (1,000 replicas at 10 Hz; what that costs
+# it, through the relays' hubs: docs/routing_autoscaling.md, "Fleet size"). A larger fleet reports
+# less often rather than later.
 DEFAULT_MAX_REPORTS_PER_S = 10_000.0
-# Relay flushes a second the actor (or a hub relay) takes at most: a Ray call costs an actor about
-# 0.4 ms of CPU when calls come paced (loadtests/bench/fleet.py), so this is a fifth of a core.
+# Relay flushes a second the actor (or a hub relay) takes at most: a Ray call costs an actor a
+# fixed share of a millisecond whatever it carries, so calls, not reports, are what it counts.
 # Beyond it the node relays flush through hub relays (`autoscale.relay`, `load.relay_hubs`).
 DEFAULT_MAX_RELAY_CALLS_PER_S = 500.0
 # How long one pickled routing view (`LoadBook.routing_view`) serves every router that asks: the
 # loads in it are themselves a report period (~0.1 s) old.
 DEFAULT_VIEW_MAX_AGE_S = 0.02
-
-
-def replica_key(replica_id: Any) -> str:
-    """The string a Serve `ReplicaID` is known by in reports and snapshots."""
-    return replica_id.to_full_id_str() if hasattr(replica_id, "to_full_id_str") else str(replica_id)
-
-
-def current_replica_key() -> str:
-    """This replica's key; call inside a Serve replica."""
-    from ray import serve
-
-    return replica_key(serve.get_replica_context().replica_id)
-
-
-def deployment_key(replica_id: str) -> str:
-    """The deployment a replica key belongs to (Serve's key less its last `#` part); a key
-    without one is its own."""
-    return replica_id.rpartition("#")[0] or replica_id
-
-
-def deployment_key_of(app_name: str | None, deployment: str) -> str:
-    """The `deployment_key` of the replicas of `deployment` in application `app_name`."""
-    from ray.serve._private.common import DeploymentID, ReplicaID
-
-    return deployment_key(replica_key(ReplicaID("_", DeploymentID(deployment, app_name or ""))))
 
 
 class LoadBook:
@@ -110,6 +84,10 @@ class LoadBook:
         self._views: dict[tuple[str | None, bool], tuple[float, bytes]] = {}  # routing_view's: (when, what)
         # Node relay flushes, through hubs or not: per whole second of the clock, the last full one's.
         self._calls_second, self._calls_counted, self.relay_calls_per_s = 0, 0, 0.0
+        self._hubs = 0  # what the last reply to a flush asked for
+        # Replicas removed (shutting down), until `stale_after_s`: a load of theirs still on its
+        # way (held by a hub relay for a flush) must not bring them back.
+        self._removed: dict[str, float] = {}
 
     def report(self, replica_id: str, load: ReplicaLoad) -> float:
         """Record one replica's load; its TBT histogram joins its deployment's window at receive
@@ -140,8 +118,8 @@ class LoadBook:
             if hist:
                 self._window(deployment).add(hist, now)
         self._count_calls(calls, now)
-        return (fleet_interval(len(self._loads), self.max_reports_per_s),
-                relay_hubs(self.relay_calls_per_s, self.max_relay_calls_per_s))
+        self._hubs = relay_hubs(self.relay_calls_per_s, self.max_relay_calls_per_s, self._hubs)
+        return fleet_interval(len(self._loads), self.max_reports_per_s), self._hubs
 
     def _count_calls(self, calls: int, now: float) -> None:
         second = math.floor(now)
@@ -161,15 +139,23 @@ class LoadBook:
         if deployment is None:
             deployment = self._deployment[replica_id] = deployment_key(replica_id)
         if load.tbt_histogram:
-            self._window(deployment).add(load.tbt_histogram, now)
+            self._window(deployment).add(load.tbt_histogram, now)  # served gaps, even a removed replica's
+        removed_at = self._removed.get(replica_id)
+        if removed_at is not None and now - removed_at < self.stale_after_s:
+            return
         load = without_tbt(load, replica_id)
         self._loads[replica_id] = load
         self._plain[replica_id] = load if load.prefix_sketch is None else _with(load, prefix_sketch=None)
         self._last_seen[replica_id] = now
 
     def remove(self, replica_id: str) -> None:
-        """Forget a replica now (it is shutting down). Its gaps stay in its deployment's window
-        until they age out: they were served."""
+        """Forget a replica now (it is shutting down), and its loads still on their way for
+        `stale_after_s`. Its gaps stay in its deployment's window until they age out: they were
+        served."""
+        self._forget(replica_id)
+        self._removed[replica_id] = self._clock()
+
+    def _forget(self, replica_id: str) -> None:
         self._loads.pop(replica_id, None)
         self._plain.pop(replica_id, None)
         self._last_seen.pop(replica_id, None)
@@ -180,7 +166,9 @@ class LoadBook:
         horizon = self._clock() - self.stale_after_s
         stale = [r for r, t in self._last_seen.items() if t < horizon]
         for r in stale:
-            self.remove(r)
+            self._forget(r)
+        for r in [r for r, t in self._removed.items() if t < horizon]:
+            del self._removed[r]
         return stale
 
     def replica_ids(self) -> list[str]:
@@ -233,21 +221,21 @@ class LoadBook:
         deployment within `view_max_age_s`.
 
         Why bytes, and why by deployment: Ray pickles an actor's reply for each caller with
-        cloudpickle, in Python, object by object (about 3 ms for 1,000 loads), and a list of
-        1,000 replica ids to filter by costs a call another 0.3 ms. Every router refreshes its
-        view 20 times a second, so a fleet's routers would keep the controller busy pickling the
-        same loads again. Bytes travel as they are (loadtests/bench/fleet.py).
+        cloudpickle, in Python, object by object, and a list of replica ids to filter by is one
+        more thing per call to unpickle. Every router refreshes its view 20 times a second, so a
+        fleet's routers would keep the controller busy pickling the same loads again. Bytes
+        travel as they are (the figures: docs/routing_autoscaling.md, "Fleet size").
         """
         now = self._clock()
         key = (deployment, with_sketches)
         cached = self._views.get(key)
-        if cached is not None and now - cached[0] < self.view_max_age_s:
+        if cached is not None and 0.0 <= now - cached[0] < self.view_max_age_s:  # (a clock stepped back: build)
             return cached[1]
         self.drop_stale()
         ids = None if deployment is None else sorted(r for r, d in self._deployment.items() if d == deployment)
         blob = pickle.dumps(self.snapshot(ids, with_tbt=False, with_sketches=with_sketches),
                             protocol=pickle.HIGHEST_PROTOCOL)
-        self._views = {k: v for k, v in self._views.items() if now - v[0] < self.view_max_age_s}
+        self._views = {k: v for k, v in self._views.items() if 0.0 <= now - v[0] < self.view_max_age_s}
         self._views[key] = (now, blob)
         return blob
 

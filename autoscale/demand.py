@@ -10,13 +10,15 @@ requests served and of requests refused, wherever they were refused (`scaling.re
 Every source keeps monotone counters (`DemandCounts`) and reports them now and then: the
 ingress counts every request it answers (served once it has a first token; refused when it
 answers 429, whoever refused: its own token door, Serve's queue, a replica's queue bound, the
-queue deadline, SLO admission), the proxy door counts the requests it refuses before anyone reads
+queue deadline, SLO admission; or 503 before a first token: no replica could start it), the proxy door counts the requests it refuses before anyone reads
 their bodies (unsized: they are counted at the mean size of the requests served in the window).
 A client that retries a refused request asks for the same demand again. OpenAI's SDKs (and the
 other Stainless-built ones) say so in `x-stainless-retry-count`; the ingress counts such a
 request as retried too, and the log takes retried tokens off the refused ones, so a request
 refused, retried and served counts once, as served, and one refused three times counts once,
-as refused. A retry from a client that does not say so still counts again.
+as refused. The unsized refusals (the proxy door, the in-flight limits) leave marked retries out.
+A retry from a client that does not say so still counts again, and so does a retry of a stream
+that broke after its first token (served twice).
 `DemandLog` turns successive counter values into timestamped increments and reads rates over any
 part of its window. The first value a source reports is its baseline (what it counted before the
 log knew it is history, not a burst).

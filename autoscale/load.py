@@ -58,13 +58,22 @@ def fleet_interval(num_replicas: int, max_reports_per_s: float) -> float:
     return num_replicas / max_reports_per_s
 
 
-def relay_hubs(relay_calls_per_s: float, max_calls_per_s: float) -> int:
+def relay_hubs(relay_calls_per_s: float, max_calls_per_s: float, current: int = 0) -> int:
     """How many hub relays the node relays' flushes go through, so that neither the controller nor
     a hub takes more than `max_calls_per_s` of them: none while they fit the controller's budget.
-    (The hubs' own calls, one per hub per flush, are few: 10 a second each.)"""
-    if relay_calls_per_s <= max_calls_per_s:
-        return 0
-    return math.ceil(relay_calls_per_s / max_calls_per_s)
+    (The hubs' own calls, one per hub per flush, are few: 10 a second each.)
+
+    A count in use (`current`) grows at once but shrinks only when the smaller count carries the
+    rate with `HUB_SHRINK_SPARE` to spare: a rate near a boundary jitters by a flush or so per
+    second, and every change of count sends most nodes to another hub."""
+    needed = 0 if relay_calls_per_s <= max_calls_per_s else math.ceil(relay_calls_per_s / max_calls_per_s)
+    if needed >= current:
+        return needed
+    fits = relay_calls_per_s <= (1.0 - HUB_SHRINK_SPARE) * max_calls_per_s * max(needed, 1)
+    return needed if fits else current
+
+
+HUB_SHRINK_SPARE = 0.2
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

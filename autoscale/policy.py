@@ -29,7 +29,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, replica_key
+from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller
+from autoscale.keys import replica_key
 from autoscale.load import ClusterSnapshot
 from replicas.protocol import ReplicaLoad
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas

@@ -2,25 +2,28 @@
 batches merged again by a few hub relays: the controller's intake grows with neither the replicas
 nor the nodes.
 
-A Ray actor call costs the controller a fixed few hundred microseconds of CPU whatever it carries
-(loadtests/bench/fleet.py), so 1,000 replicas at 10 Hz, one call a report, is more than one
-core absorbs. Each node runs a `NodeRelay` (named after the controller and the node, found or
+A Ray actor call costs the controller a fixed share of a millisecond of CPU whatever it carries
+(docs/routing_autoscaling.md, "Fleet size"), so 1,000 replicas at 10 Hz, one call a report, is
+more than one core absorbs. Each node runs a `NodeRelay` (named after the controller and the node, found or
 created by the node's first reporter); its replicas' reporters send to it, and every `flush_s`
 (or the longer report period the controller asks of a large fleet, so a batch still holds each
 of the node's replicas once) it forwards what came in as one `report_many`: the newest load of
 each replica, and the TBT gaps of all of them merged into one histogram per deployment, the form
 the controller keeps them in (a report's own histogram is most of what the controller would
-otherwise unpickle and add, per report). No gap is lost or counted twice; a replica that leaves
-before the flush leaves its gaps in (they were served). The relay answers each report with the
+otherwise unpickle and add, per report). No gap is counted twice, and none is lost unless a flush
+fails (the controller or a hub restarting: the batch goes with it); a replica that leaves before
+the flush leaves its gaps in (they were served). The relay answers each report with the
 period the controller last asked for.
 
-Node relays are many in a large fleet (125 of 8 replicas each for 1,000), and 1,250 flushes a
-second are themselves over half a core of calls. So the controller's reply to a flush also says how
+Node relays are many in a large fleet, and their flushes (ten a second each) are themselves calls
+the controller pays for. So the controller's reply to a flush also says how
 many hubs to flush through (`load.relay_hubs`: none while the flushes fit its budget of
 `max_relay_calls_per_s`). A node relay then flushes to the hub its node hashes to (`hub_index`),
 a `NodeRelay` with no node, created by the first relay that needs it. A hub merges the flushes the
-same way (newest load per replica, gaps per deployment) and forwards them every `flush_s`, so
-the controller takes ten calls a second per hub, and a report arrives at most one flush later.
+same way (newest load per replica, gaps per deployment) and forwards them every `flush_s` (not at
+the fleet's report period: it would add a period per hop), so the controller takes ten calls a
+second per hub, and a report arrives at most one flush later. A replica that leaves tells the
+controller directly; a load of it a hub still holds is then kept out (`LoadBook.remove`).
 
 `ReportRelay` is the bookkeeping (pure, tested without Ray); `NodeRelay` is the actor around it.
 Its flush loop stops when nothing has come in for `idle_s` (the next report starts it again), so
@@ -38,7 +41,8 @@ from typing import Any
 
 import ray
 
-from autoscale.controller import deployment_key, get_or_create_controller, without_tbt
+from autoscale.controller import get_or_create_controller, without_tbt
+from autoscale.keys import deployment_key
 from replicas.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
@@ -94,10 +98,11 @@ class ReportRelay:
         self._pending, self._tbt, self._calls = {}, {}, 0
         return batch, tbt, calls
 
-    def took_reply(self, reply: tuple[float, int | None]) -> None:
+    def took_reply(self, reply: tuple[float, int | None] | float) -> None:
         """The upstream's reply to a flush: the report period, and the hubs (a hub that has not
-        heard from the controller yet says None: keep what we knew)."""
-        interval_s, hubs = reply
+        heard from the controller yet says None: keep what we knew). A bare period is a
+        controller that knows no hubs (an older one, still running detached): flush to it."""
+        interval_s, hubs = reply if isinstance(reply, tuple) else (reply, 0)
         self.interval_s = interval_s
         if hubs is not None:
             self.hubs = hubs
@@ -167,7 +172,9 @@ class NodeRelay:
 
     async def _flush_loop(self) -> None:
         while self._relay or self._clock() - self._last_report < self.idle_s:
-            await asyncio.sleep(max(self.flush_s, self._relay.interval_s))
+            # A node's relay holds each replica once a batch: at the fleet's report period; a hub
+            # forwards what it has every flush_s.
+            await asyncio.sleep(self.flush_s if self.node_id is None else max(self.flush_s, self._relay.interval_s))
             if not self._relay:
                 continue
             batch, tbt, calls = self._relay.take()

@@ -29,8 +29,8 @@ from typing import Any
 
 import ray
 
-from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, current_replica_key,
-                                  get_or_create_controller)
+from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller
+from autoscale.keys import current_replica_key
 from autoscale.load import ReportThrottle, TbtWindow
 from autoscale.relay import get_or_create_relay
 from autoscale.scaling import DEFAULT_WINDOW_S

@@ -43,9 +43,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from autoscale.controller import (DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, deployment_key, get_or_create_controller,
-                                  load_view, replica_key)
+from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller, load_view
 from autoscale.inflight import InFlightBook
+from autoscale.keys import deployment_key, replica_key
 from autoscale.prefix_hints import PrefixHints
 from autoscale.router_tuning import RouterTuning
 from replicas.protocol import ReplicaLoad
@@ -77,7 +77,7 @@ class TokenLoadRouter(RequestRouter):
         # are worked out once per change, not per request.
         self._candidates: list[RunningReplica] | None = None
         self._candidate_keys: list[str] = []
-        self._deployment: str | None = None  # the candidates' deployment_key, once seen
+        self._deployment: str | None = None  # the candidates' deployment_key (None: several, or none seen)
         self._by_key: dict[str, RunningReplica] = {}
         self._odd_call_logged = False
         self._controller: Any = None
@@ -152,7 +152,8 @@ class TokenLoadRouter(RequestRouter):
             self._by_key = {self._key(r.replica_id): r for r in candidates}
             self._candidate_keys = list(self._by_key)
             self._candidates = candidates
-            self._deployment = deployment_key(self._candidate_keys[0])  # whose loads to fetch
+            deployments = {deployment_key(k) for k in self._candidate_keys}  # whose loads to fetch
+            self._deployment = deployments.pop() if len(deployments) == 1 else None  # None: everyone's
         return self._candidate_keys, self._by_key
 
     def _key(self, replica_id: ReplicaID) -> str:

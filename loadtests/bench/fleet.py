@@ -40,7 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autoscale.controller import DEFAULT_MAX_RELAY_CALLS_PER_S, LoadBook, deployment_key, load_view
+from autoscale.controller import DEFAULT_MAX_RELAY_CALLS_PER_S, LoadBook, load_view
+from autoscale.keys import deployment_key
 from autoscale.load import relay_hubs
 from autoscale.relay import ReportRelay
 from autoscale.routing import choose_replica

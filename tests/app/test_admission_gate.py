@@ -204,3 +204,45 @@ async def test_the_periodic_log_counts_from_the_start_and_says_when_there_is_no_
                      "of 0 over 0 replicas (no load report yet: the replicas decide)",
                      "admission: 2 decided, 0 refused in the last 5 s; now 0 prompt tokens queued of a bound "
                      "of 0 over 0 replicas (no load report yet: the replicas decide)"]
+
+
+def test_the_fetch_reads_its_deployments_routing_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The door's fetch asks the controller for its own deployment's view (all replicas, filtered
+    here, when the app is unnamed) and sends the demand counters along."""
+    import concurrent.futures
+    import pickle
+
+    import autoscale.controller as controller_module
+    from app.admission import controller_fetch
+    from autoscale.demand import DemandCounts
+    from autoscale.load import ClusterSnapshot
+
+    ours, other = "SERVE_REPLICA::llm#LLMServer#a", "SERVE_REPLICA::chat#LLMServer#b"
+    loads = {ours: ReplicaLoad(ours, waiting_tokens=5), other: ReplicaLoad(other, waiting_tokens=7)}
+    asked: list[object] = []
+    demand: list[tuple[str, str, DemandCounts]] = []
+
+    class Method:
+        def __init__(self, fn) -> None:  # noqa: ANN001
+            self.fn = fn
+
+        def remote(self, *args: object) -> object:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(self.fn(*args))
+            return type("Ref", (), {"future": lambda _self: done})()
+
+    def view(deployment: str | None) -> bytes:
+        asked.append(deployment)
+        keep = {k: v for k, v in loads.items() if deployment is None or k.startswith(deployment + "#")}
+        return pickle.dumps(ClusterSnapshot(replicas=keep))
+
+    handle = type("Handle", (), {"routing_view": Method(view),
+                                 "report_demand": Method(lambda *a: demand.append(a))})()
+    monkeypatch.setattr(controller_module, "get_or_create_controller", lambda name, namespace: handle)
+    named = controller_fetch("ctl", "ns", "llm", "LLMServer",
+                             demand=("ingress:1", lambda now: DemandCounts(refused_tokens=9)))
+    assert list(asyncio.run(named())) == [ours]
+    assert asked == ["SERVE_REPLICA::llm#LLMServer"]
+    assert demand == [("SERVE_REPLICA::llm#LLMServer", "ingress:1", DemandCounts(refused_tokens=9))]
+    unnamed = controller_fetch("ctl", "ns", None, "LLMServer")
+    assert sorted(asyncio.run(unnamed())) == [other, ours] and asked[-1] is None  # every app's LLMServer

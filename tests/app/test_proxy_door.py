@@ -395,7 +395,8 @@ def test_the_doors_refusals_reach_the_controller_as_unsized_refused_demand() -> 
         await door._reading
 
     asyncio.run(refresh())  # the baseline
-    pending.num_refused, pending.num_refused_retries, limit.num_refused = 4, 1, 2  # a retry: counted before
+    pending.num_refused, pending.num_refused_retries = 4, 1  # a retry: counted before
+    limit.num_refused, limit.num_refused_retries = 3, 1
     door.demand._sent_at = float("-inf")  # a report is due
     asyncio.run(refresh())
     assert [(d, c.refused_unsized) for d, c in sent] == [("SERVE_REPLICA::llm#LLMServer", 0),

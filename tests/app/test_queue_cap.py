@@ -57,7 +57,8 @@ async def test_queue_cap_answers_429_with_retry_after(queue_app_url: str, await_
 
         # The autoscaler sees the refused demand: the ingress counted the 429 (40 prompt tokens,
         # no max_tokens) and sends its counters along with its admission fetches.
-        from autoscale.controller import deployment_key_of, get_or_create_controller
+        from autoscale.controller import get_or_create_controller
+        from autoscale.keys import deployment_key_of
 
         controller = get_or_create_controller()  # the app's (AppArgs' default name)
         prefix = deployment_key_of("queuecap", "LLMServer") + "#"

@@ -154,7 +154,8 @@ class App:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def call(mw: StreamLimitMiddleware, app: App, path: str) -> list[Message]:
+async def call(mw: StreamLimitMiddleware, app: App, path: str,
+               headers: list[tuple[bytes, bytes]] | None = None) -> list[Message]:
     sent: list[Message] = []
 
     async def receive() -> Message:
@@ -163,7 +164,7 @@ async def call(mw: StreamLimitMiddleware, app: App, path: str) -> list[Message]:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    await mw({"type": "http", "path": path, "app": app, "headers": []}, receive, send)
+    await mw({"type": "http", "path": path, "app": app, "headers": headers or []}, receive, send)
     return sent
 
 
@@ -183,7 +184,9 @@ async def test_the_middleware_refuses_over_the_limit_in_openai_shape_and_counts_
     assert dict(start["headers"])[b"retry-after"] == b"5"
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == "rate_limit_exceeded" and "2 requests are in flight" in body["error"]["message"]
-    assert limit.num_refused == 1
+    assert limit.num_refused == 1 and limit.num_refused_demand == 1
+    retried = await call(mw, app, "/v1/completions", [(b"x-stainless-retry-count", b"2")])  # the SDK's retry
+    assert retried[0]["status"] == 429 and limit.num_refused == 2 and limit.num_refused_demand == 1
     app.release.set()  # the held responses end: they leave the count
     for done in await asyncio.gather(*held):
         assert done[0]["status"] == 200

@@ -12,9 +12,10 @@ import uuid
 
 import pytest
 
-from autoscale.controller import (DEFAULT_MAX_REPORTS_PER_S, LoadBook, deployment_key, get_or_create_controller,
-                                  kill_controller, load_view, replica_key)
-from autoscale.load import ClusterSnapshot
+from autoscale.controller import (DEFAULT_MAX_REPORTS_PER_S, LoadBook, get_or_create_controller, kill_controller,
+                                  load_view)
+from autoscale.keys import deployment_key, replica_key
+from autoscale.load import ClusterSnapshot, relay_hubs
 from replicas.histogram import RELATIVE_ERROR, LogHistogram
 from replicas.protocol import ReplicaLoad
 
@@ -127,6 +128,35 @@ def test_relay_flushes_beyond_the_call_budget_go_through_hubs():
 
 
 @pytest.mark.unit
+def test_the_hub_count_grows_at_once_and_shrinks_only_with_room_to_spare():
+    assert relay_hubs(400, 500) == 0 and relay_hubs(501, 500) == 2 and relay_hubs(1_250, 500) == 3
+    assert relay_hubs(1_600, 500, current=3) == 4  # grows at once
+    assert relay_hubs(980, 500, current=3) == 3  # 2 would carry it, with less than a fifth to spare
+    assert relay_hubs(800, 500, current=3) == 2
+    assert relay_hubs(450, 500, current=2) == 2 and relay_hubs(400, 500, current=2) == 0
+
+
+@pytest.mark.unit
+def test_a_removed_replicas_late_load_does_not_bring_it_back():
+    """A hub may hold a replica's last load for a flush after the replica said it is going: the
+    controller keeps it out (its gaps count: they were served) until `stale_after_s`."""
+    clock = Clock()
+    book = LoadBook(stale_after_s=2.0, clock=clock)
+    book.report("app#D#a", report(100, 0, []))
+    book.report("app#D#b", report(10, 0, []))
+    book.remove("app#D#a")
+    clock.t += 0.15
+    book.report_many([("app#D#a", report(100, 0, [])), ("app#D#b", report(20, 0, []))],
+                     {"app#D": LogHistogram.of([0.01, 0.02])})
+    book.report("app#D#a", report(100, 0, [0.03]))  # straight, with gaps: the gaps count
+    assert book.replica_ids() == ["app#D#b"] and book.snapshot().num_tbt_samples == 3
+    clock.t += 2.5  # b reports on; a's removal is forgotten: an id reporting anew is a replica again
+    book.report("app#D#b", report(20, 0, []))
+    book.report("app#D#a", report(5, 0, []))
+    assert book.replica_ids() == ["app#D#a", "app#D#b"]
+
+
+@pytest.mark.unit
 def test_the_routing_view_is_pickled_once_for_every_router_within_its_age():
     clock = Clock()
     book = LoadBook(view_max_age_s=0.02, clock=clock)
@@ -144,6 +174,9 @@ def test_the_routing_view_is_pickled_once_for_every_router_within_its_age():
     fresh = load_view(book.routing_view("app#D"))  # 25 ms: built again, b in
     assert list(fresh.replicas) == [a, b] and fresh.token_load == 107
     assert fresh.tbt_p99_s is None and fresh.replicas[a].tbt_histogram is None
+    clock.t -= 1.0  # the clock stepped back: the cached view is not trusted for a second more
+    book.report(b, report(9, 0, []))
+    assert load_view(book.routing_view("app#D")).token_load == 109
     with pytest.raises(TypeError):
         load_view(pickle.dumps({"a": 1}))
 

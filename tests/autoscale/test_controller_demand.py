@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from autoscale.controller import LoadBook, deployment_key_of, replica_key
+from autoscale.controller import LoadBook
+from autoscale.keys import deployment_key_of, replica_key
 from autoscale.demand import DemandCounts
 from replicas.protocol import ReplicaLoad
 

@@ -87,6 +87,9 @@ def test_replies_carry_the_hubs_and_a_hub_that_has_not_heard_keeps_them():
     assert relay.interval_s == 0.2 and relay.hubs == 3
     relay.took_reply((0.2, 0))
     assert relay.hubs == 0
+    relay.took_reply((0.2, 3))
+    relay.took_reply(0.3)  # a controller from before hubs (detached, still running): straight to it
+    assert relay.interval_s == 0.3 and relay.hubs == 0
     # Nodes spread over the hubs, each always to the same one.
     picks = [hub_index(f"node{i:03d}", 4) for i in range(400)]
     assert picks == [hub_index(f"node{i:03d}", 4) for i in range(400)]

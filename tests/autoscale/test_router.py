@@ -40,9 +40,11 @@ class Controller:
         self.routing_view = self
         self.loads = loads
         self.calls = 0
+        self.asked: list[tuple[str | None, bool]] = []  # (deployment, with_sketches) of each call
 
-    def remote(self, deployment: str, with_sketches: bool = False) -> Any:
+    def remote(self, deployment: str | None, with_sketches: bool = False) -> Any:
         self.calls += 1
+        self.asked.append((deployment, with_sketches))
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(pickle.dumps(ClusterSnapshot(replicas=self.loads)))
         return type("Ref", (), {"future": lambda _self: done})()
@@ -59,6 +61,23 @@ def router(loads: dict[str, ReplicaLoad], **tuning: Any) -> TokenLoadRouter:
 def request(i: int, prompt: list[int], max_tokens: int = 10) -> Pending:
     meta = type("Meta", (), {"internal_request_id": f"q{i}"})()
     return Pending((prompt, {"max_tokens": max_tokens}), {}, meta)
+
+
+def test_the_router_asks_for_its_deployments_view():
+    """The view of the candidates' deployment (Serve's replica key less its last part); of
+    everyone when the candidates span several."""
+    keys = [f"SERVE_REPLICA::app#LLMServer#{i}" for i in range(3)]
+    loads = {k: ReplicaLoad(k, running_tokens=i) for i, k in enumerate(keys)}
+
+    async def route(r: TokenLoadRouter, replicas: list[Replica]) -> None:
+        await r.choose_replicas(replicas, request(0, list(range(5))))
+
+    r = router(loads)
+    asyncio.run(route(r, [Replica(k) for k in keys]))
+    assert r._controller.asked == [("SERVE_REPLICA::app#LLMServer", False)]
+    mixed = router(loads, ranking="prefix")
+    asyncio.run(route(mixed, [Replica(k) for k in keys] + [Replica("SERVE_REPLICA::app#Other#x")]))
+    assert mixed._controller.asked == [(None, True)]
 
 
 def test_unknown_router_keywords_are_refused():

@@ -40,7 +40,7 @@ def fake_token_server(controller_name: str, namespace: str) -> Any:
 
     from ray import serve
 
-    from autoscale.controller import current_replica_key
+    from autoscale.keys import current_replica_key
     from autoscale.reporter import LoadReporter
     from replicas.protocol import ReplicaLoad
 

@@ -5,6 +5,7 @@ and pickles small."""
 from __future__ import annotations
 
 import math
+import copy
 import pickle
 import random
 
@@ -109,6 +110,9 @@ def test_pickles_as_a_few_sparse_bins():
     assert back == hist and back.count == 100 and back.quantiles((50, 99)) == hist.quantiles((50, 99))
     back.add(0.5)
     assert back.count == 101 and hist.count == 100  # its own counts
+    twin = copy.copy(hist)
+    twin.add(0.5)
+    assert twin.count == 101 and hist.count == 100 and sum(hist.counts.values()) == 100
     assert len(blob) < len(pickle.dumps(tuple(gaps))) and len(blob) < 600
     assert LogHistogram().quantile(99) is None and not LogHistogram()
     with pytest.raises(ValueError):
