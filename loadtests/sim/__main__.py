@@ -83,10 +83,12 @@ def cmd_routing(a: argparse.Namespace) -> None:
     for arrivals in a.arrivals:
         print(f"routing: {arrivals} arrivals, {a.per_replica_rps} req/s per replica")
         out.append(ex.routing(tuple(a.replicas), a.per_replica_rps, a.requests_per_replica, arrivals,
-                              seed=a.seed, routers=tuple(a.routers), progress=not a.quiet))
+                              seed=a.seed, routers=tuple(a.routers),
+                              report_delays_s=tuple(ms / 1e3 for ms in a.report_delay_ms), progress=not a.quiet))
     rows = [r for res in out for r in res["rows"]]
     print()
     table(rows, [("arrivals", "arrivals", "s"), ("replicas", "replicas", "d"), ("router", "router", "s"),
+                 ("report_delay_ms", "report delay ms", ".0f"),
                  ("ttft_p50_s", "p50 TTFT s", ".3f"), ("ttft_p99_s", "p99 TTFT s", ".3f"),
                  ("tbt_bucket_p99_s", "bucket p99 TBT s", ".3f"), ("sched_delay_p99_s", "p99 delay s", ".3f"),
                  ("tpot_slo_request_share", "TPOT SLO req.", ".3f")])
@@ -255,6 +257,8 @@ def _add_routing(sub: Any) -> None:
     p.add_argument("--per-replica-rps", type=float, default=3.0)
     p.add_argument("--requests-per-replica", type=int, default=250)
     p.add_argument("--routers", nargs="+", choices=ROUTERS + WHAT_IF_ROUTERS, default=list(ROUTERS + WHAT_IF_ROUTERS))
+    p.add_argument("--report-delay-ms", type=float, nargs="+", default=[0.0],
+                   help="from a replica's report to the router seeing it, each in turn (production: up to ~300)")
     _seed_json(p, "sim_routing.json")
     p.set_defaults(fn=cmd_routing)
 

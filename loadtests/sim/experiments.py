@@ -190,23 +190,28 @@ def routing(replica_counts: tuple[int, ...] = (16, 64), per_replica_rps: float =
             requests_per_replica: int = 300, arrivals: str = "poisson", gpu: str = "A100-80GB",
             model: str = "mistral-7b", workload: str = "sharegpt", policy: str = "stall_free", mbp: int = 512,
             tbt_slo_s: float = 0.1, seed: int = 0, routers: tuple[str, ...] = ROUTERS,
-            progress: bool = True, log: Any = print) -> dict[str, Any]:
-    """TTFT and TBT of each router at each cluster size, same trace per size."""
+            report_delays_s: tuple[float, ...] = (0.0,), progress: bool = True, log: Any = print) -> dict[str, Any]:
+    """TTFT and TBT of each router at each cluster size, same trace per size, with each delay from
+    a report to the router seeing it (`SimConfig.report_delay_s`)."""
     spec = replica_spec(gpu, model, policy, mbp)
     rows = []
     for n in replica_counts:
         trace = make_trace(workload, arrivals, n=n * requests_per_replica, rate=n * per_replica_rps, seed=seed)
         for router in routers:
-            cfg = SimConfig(spec, n, router=router, tbt_slo_s=tbt_slo_s, seed=seed)
-            res = Simulator(cfg, trace).run(progress=progress, desc=f"{router}@{n}")
-            s = res.summary
-            rows.append({"replicas": n, "router": router, "rate_rps": n * per_replica_rps, "arrivals": arrivals,
-                         **{k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_bucket_p99_s",
-                                              "sched_delay_p50_s", "sched_delay_p99_s", "e2e_p99_s",
-                                              "tpot_slo_request_share", "goodput_rps", "preemptions", "completed")},
-                         "wall_s": res.wall_s})
-            log(f"  {n:3d} replicas {router:13s} TTFT p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f}s "
-                f"TBT bucket p99 {s['tbt_bucket_p99_s'] * 1e3:.0f}ms ({res.wall_s:.1f}s)")
+            for delay in report_delays_s:
+                cfg = SimConfig(spec, n, router=router, tbt_slo_s=tbt_slo_s, seed=seed, report_delay_s=delay)
+                res = Simulator(cfg, trace).run(progress=progress, desc=f"{router}@{n}")
+                s = res.summary
+                rows.append({"replicas": n, "router": router, "report_delay_ms": 1e3 * delay,
+                             "rate_rps": n * per_replica_rps, "arrivals": arrivals,
+                             **{k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_bucket_p99_s",
+                                                  "sched_delay_p50_s", "sched_delay_p99_s", "e2e_p99_s",
+                                                  "tpot_slo_request_share", "goodput_rps", "preemptions",
+                                                  "completed")},
+                             "wall_s": res.wall_s})
+                log(f"  {n:3d} replicas {router:13s} report delay {1e3 * delay:3.0f} ms TTFT p50 "
+                    f"{s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f}s "
+                    f"TBT bucket p99 {s['tbt_bucket_p99_s'] * 1e3:.0f}ms ({res.wall_s:.1f}s)")
     return {"gpu": gpu, "model": model, "workload": workload, "policy": policy, "mbp": mbp,
             "per_replica_rps": per_replica_rps, "arrivals": arrivals, "rows": rows}
 

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from autoscale.demand import DemandLog
-from autoscale.load import ReportThrottle, TbtWindow
+from autoscale.load import ReplicaLoad, ReportThrottle, TbtWindow
 from autoscale.routing import RequestCost
 from autoscale.scaling import ScalingConfig
 from loadtests.sim.metrics import Recorder
@@ -33,7 +33,7 @@ from replicas.admission import admits, queue_bound
 from replicas.config import ReplicaOptions
 from replicas.request import Request, SamplingParams
 
-ITER_END, READY, SCALE, CHECK = 0, 1, 2, 3
+ITER_END, READY, SCALE, CHECK, REPORT = 0, 1, 2, 3, 4
 INF = math.inf
 
 
@@ -59,6 +59,10 @@ class SimConfig:
     shed: bool = False
     queue_timeout_s: float | None = None
     max_queued_tokens: int = ReplicaOptions().max_queued_tokens
+    # Seconds from a replica's report to its router seeing it: production's path (a node relay's
+    # flush, a hub's at fleet size, the shared routing view, the router's refresh) is up to
+    # ~0.3 s. 0: at once.
+    report_delay_s: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         e = self.spec.engine
@@ -67,7 +71,8 @@ class SimConfig:
              "block_size": e.block_size, "cost_model": self.spec.cost.name, "num_replicas": self.num_replicas,
              "router": self.router, "tbt_slo_s": self.tbt_slo_s, "ttft_slo_s": self.ttft_slo_s,
              "startup_s": self.startup_s, "seed": self.seed, "shed": self.shed,
-             "queue_timeout_s": self.queue_timeout_s, "max_queued_tokens": self.max_queued_tokens}
+             "queue_timeout_s": self.queue_timeout_s, "max_queued_tokens": self.max_queued_tokens,
+             "report_delay_s": self.report_delay_s}
         if self.scaling is not None:
             d["scaling"] = self.scaling.to_dict()
         return d
@@ -149,7 +154,14 @@ class Simulator:
         change = r.scheduler.num_running_tokens + r.scheduler.num_waiting_tokens - prev
         if not force and not self.cfg.report.due(now - r.last_report_t, change, prev):
             return
-        self.router.reported(r, r.report(now), now)
+        self._to_router(r, r.report(now), now)
+
+    def _to_router(self, r: SimReplica, load: ReplicaLoad, now: float) -> None:
+        """A report to the router, at once or `report_delay_s` later."""
+        if self.cfg.report_delay_s:
+            self._push(now + self.cfg.report_delay_s, REPORT, (r, load))
+        else:
+            self.router.reported(r, load, now)
 
     def _on_finish(self, r: SimReplica, req: Request, now: float) -> None:
         self.router.completed(req.request_id)
@@ -232,6 +244,10 @@ class Simulator:
                     self._scale_tick(t)
                     if i < n or any(r.scheduler.has_unfinished() for r in self.replicas):
                         self._push(t + self.scaler.interval_s, SCALE, None)
+                elif kind == REPORT:
+                    r, load = obj
+                    if r.stop_t is None:  # a replica released meanwhile is gone from the router
+                        self.router.reported(r, load, t)
                 elif kind == CHECK:
                     stopped = stop(self, t)
                     if stopped:
@@ -255,7 +271,7 @@ class Simulator:
             sch = r.scheduler
             prev = r.last_report_tokens
             if self.cfg.report.due(t - r.last_report_t, sch.num_running_tokens + sch.num_waiting_tokens - prev, prev):
-                self.router.reported(r, r.report(t), t)
+                self._to_router(r, r.report(t), t)
         if r.scheduler.has_unfinished():
             end = r.start_iteration(t)
             if end is not None:

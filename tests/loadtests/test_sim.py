@@ -266,3 +266,29 @@ def test_router_adapters_live_in_flight_view_equals_a_sweep_of_the_book(router):
         return {k: v for k, v in s.items() if "cpu" not in k and "wall" not in k}
 
     assert run(sweep=False) == run(sweep=True)
+
+
+def test_a_report_delay_shows_the_router_each_report_that_much_later():
+    """With `report_delay_s` the router sees every report that much later than it was made, and
+    routes differently for it; every request is still served."""
+    spec = replica_spec("A100-80GB", "mistral-7b", "stall_free", 512)
+    trace = make_trace("sharegpt", "poisson", n=400, rate=20.0, seed=5)
+
+    def run(delay: float) -> tuple[list[tuple[float, float]], dict]:
+        sim = Simulator(SimConfig(spec, 4, router="token_load", report_delay_s=delay), trace)
+        seen: list[tuple[float, float]] = []  # (when the router saw it, when it was made)
+        reported = sim.router.reported
+
+        def spy(r, load, now):  # noqa: ANN001
+            seen.append((now, load.timestamp))
+            reported(r, load, now)
+
+        sim.router.reported = spy
+        return seen, sim.run().summary
+
+    at_once, base = run(0.0)
+    late, delayed = run(0.25)
+    assert at_once and all(now == made for now, made in at_once)
+    assert all(now - made == pytest.approx(0.25) for now, made in late)
+    assert delayed["completed"] == base["completed"] == 400
+    assert delayed["ttft_p99_s"] != base["ttft_p99_s"]  # routed on older loads
