@@ -164,7 +164,7 @@ class Simulator:
             self.router.reported(r, load, now)
 
     def _on_finish(self, r: SimReplica, req: Request, now: float) -> None:
-        self.router.completed(req.request_id)
+        self.router.completed(req.request_id, now)
         if r.draining and r.num_requests == 0:
             self._retire(r, now)
 

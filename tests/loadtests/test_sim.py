@@ -292,3 +292,32 @@ def test_a_report_delay_shows_the_router_each_report_that_much_later():
     assert all(now - made == pytest.approx(0.25) for now, made in late)
     assert delayed["completed"] == base["completed"] == 400
     assert delayed["ttft_p99_s"] != base["ttft_p99_s"]  # routed on older loads
+
+
+def test_the_settled_what_if_takes_finished_prompts_off_until_the_next_report():
+    """A replica whose latest report still holds a request that has since finished: token_load
+    ranks it by that report, `settled` without the request's prompt, until the replica reports
+    again."""
+    from types import SimpleNamespace
+
+    from autoscale.load import ReplicaLoad
+    from autoscale.routing import RequestCost
+
+    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+
+    def routers_after(settle: bool) -> list[str]:
+        picks = []
+        for name in ("token_load", "settled"):
+            r = sim_routers.make_router(name)
+            r.routed("q1", a, RequestCost(400, 500), 0.0)
+            r.reported(a, ReplicaLoad("a", running_tokens=500, free_blocks=1000, total_blocks=1000, timestamp=1.0), 1.0)
+            r.reported(b, ReplicaLoad("b", running_tokens=200, free_blocks=1000, total_blocks=1000, timestamp=1.0), 1.0)
+            r.completed("q1", 1.5)
+            if settle:  # a reports after the finish: its 300 no longer hold q1 (another request's)
+                r.reported(a, ReplicaLoad("a", running_tokens=300, free_blocks=1000, total_blocks=1000,
+                                          timestamp=2.0), 2.0)
+            picks.append(r.choose(RequestCost(10, 20), [a, b], 2.0).replica_id)
+        return picks
+
+    assert routers_after(settle=False) == ["b", "a"]  # 500 against 200; settled: 500 - 400 = 100
+    assert routers_after(settle=True) == ["b", "b"]  # 300 against 200: q1 is not taken off again
