@@ -195,7 +195,7 @@ class OpenAIIngress:
                if isinstance(p, str) else list(p) for p in prompts]
         meta = self._meta("cmpl", body)
         gen, outputs = await self._start(meta.request_id, ids, body, body.max_tokens, arrived_at,
-                                         is_client_retry(request))
+                                         is_client_retry(request.scope))
         echoes = None  # each prompt's text, in front of its completions
         if body.echo:  # token ids are decoded once the replica has accepted them (in its vocabulary)
             echoes = [p if isinstance(p, str) else await self._tokenizing(
@@ -214,7 +214,7 @@ class OpenAIIngress:
         ids = await self._tokenizing(self._render_chat, body)
         meta = self._meta("chatcmpl", body)
         gen, outputs = await self._start(meta.request_id, [ids], body, body.requested_max_tokens, arrived_at,
-                                         is_client_retry(request))
+                                         is_client_retry(request.scope))
         if body.stream:
             return self._sse(gen, chat_events(meta, outputs, plan))
         return chat_response(meta, await self._collect(gen, outputs, meta.n), plan)

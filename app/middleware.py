@@ -87,14 +87,10 @@ def arrival_time(request: Any) -> float:
 RETRY_COUNT_HEADER = "x-stainless-retry-count"  # OpenAI's SDKs: which try of a request this is (0: the first)
 
 
-def is_client_retry(request: Any) -> bool:
-    """Whether the client says this request is a retry (`RETRY_COUNT_HEADER` above 0): its
-    refusal was counted as demand the first time (`autoscale.demand`)."""
-    return is_client_retry_scope(request.scope)
-
-
-def is_client_retry_scope(scope: Scope) -> bool:
-    """`is_client_retry` of an ASGI scope (header names in it are lower case)."""
+def is_client_retry(scope: Scope) -> bool:
+    """Whether the client says this request (its ASGI scope: header names lower case) is a retry
+    (`RETRY_COUNT_HEADER` above 0): its refusal was counted as demand the first time
+    (`autoscale.demand`)."""
     name = RETRY_COUNT_HEADER.encode()
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -180,7 +176,7 @@ class StreamLimitMiddleware:
             self._watch = loop.create_task(watch_loop(limit.observe, time.perf_counter))
             self._trim = loop.create_task(trim_when_idle(lambda: limit.in_flight <= QUIET_IN_FLIGHT))
         if not limit.admits():
-            retry = limit.refuse(is_client_retry_scope(scope))
+            retry = limit.refuse(is_client_retry(scope))
             await refuse(send, OpenAIError(
                 429, f"the server is at capacity: {limit.in_flight} requests are in flight at this "
                 f"{self.where}, its limit is {limit.limit} (it adapts to what the {self.where} relays "

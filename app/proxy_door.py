@@ -59,7 +59,7 @@ from app.errors import OpenAIError
 from autoscale.demand import DemandCounter, DemandCounts
 from replicas.config import STRICT
 from replicas.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
-from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, is_client_retry_scope, refuse
+from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, is_client_retry, refuse
 from app.stream_limit import (DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS, MAX_RETRY_AFTER_S, StreamLimit,
                               limit_observer)
 
@@ -215,9 +215,8 @@ class Door:
         settings = await asyncio.to_thread(self._read)
         if settings is not None:
             self.apply(settings)
-        pending = self.pending  # a retry's refusal was counted the first time
-        counts = self.demand.to_send(self._clock(), unsized=pending.num_refused - pending.num_refused_retries
-                                     + self.limit.num_refused_demand)
+        counts = self.demand.to_send(self._clock(),
+                                     unsized=self.pending.num_refused_demand + self.limit.num_refused_demand)
         if counts is not None and self.settings is not None and self.settings.controller_name:
             await asyncio.to_thread(self._report, self.settings, counts)
 
@@ -354,6 +353,11 @@ class Pending:
         self.retry_after = max(1, retry_after)
         self.held_until = max(self.held_until, self._clock() + min(self.hold_s, self.retry_after))
 
+    @property
+    def num_refused_demand(self) -> int:
+        """Refusals that are new demand (`autoscale.demand`): all but the marked retries."""
+        return self.num_refused - self.num_refused_retries
+
     def admits(self) -> bool:
         if not self.enabled:
             return True
@@ -428,7 +432,7 @@ class PendingMiddleware:
         pending = self.pending
         if not pending.admits():
             pending.num_refused += 1
-            pending.num_refused_retries += is_client_retry_scope(scope)
+            pending.num_refused_retries += is_client_retry(scope)
             retry = pending.retry_after
             if pending.reason == "queueing":
                 why = (f"the requests before this one wait {pending.median_wait_s:.1f} s for their "

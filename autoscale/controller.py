@@ -135,14 +135,16 @@ class LoadBook:
         return window
 
     def _record(self, replica_id: str, load: ReplicaLoad, now: float) -> None:
+        removed_at = self._removed.get(replica_id)
+        if removed_at is not None and now - removed_at < self.stale_after_s:
+            if load.tbt_histogram:  # served gaps count, but the replica stays out
+                self._window(deployment_key(replica_id)).add(load.tbt_histogram, now)
+            return
         deployment = self._deployment.get(replica_id)
         if deployment is None:
             deployment = self._deployment[replica_id] = deployment_key(replica_id)
         if load.tbt_histogram:
-            self._window(deployment).add(load.tbt_histogram, now)  # served gaps, even a removed replica's
-        removed_at = self._removed.get(replica_id)
-        if removed_at is not None and now - removed_at < self.stale_after_s:
-            return
+            self._window(deployment).add(load.tbt_histogram, now)
         load = without_tbt(load, replica_id)
         self._loads[replica_id] = load
         self._plain[replica_id] = load if load.prefix_sketch is None else _with(load, prefix_sketch=None)

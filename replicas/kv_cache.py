@@ -96,7 +96,7 @@ class BlockManager:
         """Free blocks a request takes so its table covers `num_tokens` tokens (with `prefix`:
         a table starting with those cached blocks, the idle ones among them counted as taken)."""
         have = len(self._tables.get(request_id, ())) or len(prefix)
-        new = max(0, -(-num_tokens // self.block_size) - have)
+        new = max(0, self.blocks_for(num_tokens) - have)
         return new + self.num_idle(prefix) if prefix else new
 
     def num_idle(self, blocks: Sequence[int]) -> int:

@@ -11,16 +11,17 @@ from app.middleware import RETRY_COUNT_HEADER, is_client_retry
 pytestmark = pytest.mark.unit
 
 
-def request(*headers: tuple[str, str]) -> Request:
+def scope(*headers: tuple[str, str]) -> dict:
+    """The ASGI scope of a request with these headers (as Starlette's `Request.scope`)."""
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                    "headers": [(k.encode(), v.encode()) for k, v in headers]})
+                    "headers": [(k.encode(), v.encode()) for k, v in headers]}).scope
 
 
 def test_the_sdks_retry_count_marks_a_retry():
-    assert not is_client_retry(request())
-    assert not is_client_retry(request((RETRY_COUNT_HEADER, "0")))  # the SDK's first try
-    assert is_client_retry(request((RETRY_COUNT_HEADER, "1")))
-    assert not is_client_retry(request((RETRY_COUNT_HEADER, "many")))  # unreadable: a first try
+    assert not is_client_retry(scope())
+    assert not is_client_retry(scope((RETRY_COUNT_HEADER, "0")))  # the SDK's first try
+    assert is_client_retry(scope((RETRY_COUNT_HEADER, "1")))
+    assert not is_client_retry(scope((RETRY_COUNT_HEADER, "many")))  # unreadable: a first try
 
 
 def test_the_openai_sdk_sends_it_on_a_retry():
@@ -42,4 +43,4 @@ def test_the_openai_sdk_sends_it_on_a_retry():
                            http_client=httpx.Client(transport=httpx.MockTransport(answer)))
     assert client.completions.create(model="m", prompt="hi").choices[0].text == "x"
     assert seen == ["0", "1", "2"]
-    assert [is_client_retry(request((RETRY_COUNT_HEADER, v))) for v in seen] == [False, True, True]
+    assert [is_client_retry(scope((RETRY_COUNT_HEADER, v))) for v in seen] == [False, True, True]
