@@ -153,21 +153,24 @@ def launcher(port: int, app_args: dict[str, Any], ray_cpus: int = 4, metrics_por
 @contextlib.contextmanager
 def served(app_args: dict[str, Any], log_path: str | Path, *, start: str = "local", ray_cpus: int = 4,
            metrics_port: int | None = None, env: dict[str, str] | None = None,
-           timeout_s: float = 600.0) -> Iterator[Server]:
+           timeout_s: float = 600.0, repo: Path | None = None) -> Iterator[Server]:
     """A server of its own for a `with` block, started as `start` says (`serve_run.START_MODES`:
     this module's launcher by default, or `serve run` / `ray start` as a user starts them, with
     serve_config.yaml under `app_args`): yields it once /health answers 200, prints the end of
     its log when it fails to come up, and ends every process it started, even on error.
-    `ray_cpus` and `metrics_port` apply to the launcher; `env` adds to every command's environment."""
+    `ray_cpus` and `metrics_port` apply to the launcher; `env` adds to every command's environment;
+    `repo`: another checkout to serve (its code and serve_config.yaml), as a baseline."""
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    stack = Stack(log_path)
+    stack = Stack(log_path) if repo is None else Stack(log_path, repo)
     try:
         port = free_port()
         if start == "local":
             last = stack.run(launcher(port, app_args, ray_cpus, metrics_port), stack.env(env))
         else:
             config = stack.temp_dir / "serve_config.yaml"
-            config.write_text(yaml.safe_dump(serve_config(merge_args(config_args(), app_args), port),
+            config.write_text(yaml.safe_dump(serve_config(
+                merge_args(config_args(stack.repo / "serve_config.yaml"), app_args), port,
+                stack.repo / "serve_config.yaml"),
                                              sort_keys=False))
             ports = {name: free_port() for name in ("gcs", "client", "agent", "metrics", "dashboard")}
             steps = commands(start, config, stack.temp_dir, ports, stack.env(env))

@@ -93,7 +93,8 @@ class Stack:
     """The processes one server needs, each started in a session of its own, their output in one
     log, and the private temp dir that marks every Ray process among them."""
 
-    def __init__(self, log_path: str | Path) -> None:
+    def __init__(self, log_path: str | Path, repo: Path = REPO) -> None:
+        self.repo = repo  # where the server's code comes from (another checkout: a baseline)
         self.temp_dir = Path(tempfile.mkdtemp(prefix="lt-", dir="/tmp"))  # short: Ray's socket paths
         self.procs: list[subprocess.Popen] = []
         self.log: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed by close()
@@ -102,6 +103,8 @@ class Stack:
         """This environment for a server of its own: no other cluster's address, Ray's files here."""
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
                "RAY_TMPDIR": str(self.temp_dir), **(extra or {})}
+        if self.repo != REPO:  # ahead of the venv's editable install of this checkout
+            env["PYTHONPATH"] = str(self.repo)
         env.pop("RAY_ADDRESS", None)
         return env
 
@@ -110,7 +113,7 @@ class Stack:
         when it fails."""
         self.log.write(f"$ {' '.join(argv)}\n")
         self.log.flush()
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=self.repo, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append(proc)
         if to_end and proc.wait(STOP_GRACE_S * 3) != 0:
