@@ -86,10 +86,10 @@ class DecodeGraphs:
         self.buffers.rows.fill_(runner.page_map.pad_row)
         runner.page_map.table[runner.page_map.pad_row, scratch_block] = 0  # padding rows read the scratch page
         self.compiler = compiler
-        step = own_copy(_decode_forward)
-        if compiler is not None:  # static shapes: one graph per bucket, flex decoding needs a static batch
-            step = torch.compile(step, backend=compiler, fullgraph=True, dynamic=False)
-        self.step = step
+        # A step of its own per bucket: torch.compile keeps at most `recompile_limit` (8) graphs
+        # per code object, and a shared one would fail the ninth bucket (fullgraph) or run it
+        # eagerly. Static shapes: flex decoding needs a static batch.
+        self.steps = {b: self._compiled_step(compiler) for b in buckets}
         self.capture = capture
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph, its logits)
 
@@ -142,9 +142,16 @@ class DecodeGraphs:
         graph[0].replay()
         return graph[1]
 
+    @staticmethod
+    def _compiled_step(compiler: CompileCounter | None):  # noqa: ANN205
+        step = own_copy(_decode_forward)
+        if compiler is not None:
+            step = torch.compile(step, backend=compiler, fullgraph=True, dynamic=False)
+        return step
+
     def _forward(self, b: int) -> torch.Tensor:
         buf = self.buffers
-        return self.step(self.runner, buf.ids[:b], buf.pos[:b], buf.slots[:b], buf.rows[:b], buf.kv_num[:b],
+        return self.steps[b](self.runner, buf.ids[:b], buf.pos[:b], buf.slots[:b], buf.rows[:b], buf.kv_num[:b],
                          buf.kv_idx[:b])
 
     def _capture(self, b: int, pool: object | None) -> object:

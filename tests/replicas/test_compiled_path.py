@@ -166,3 +166,33 @@ def test_a_compiled_pass_writes_the_kv_cache_in_place(llama):
 
     assert f"{layer_numel}L" not in generated(runner.k_layers, runner.v_layers)
     assert f"{layer_numel}L" in generated(runner.k_cache, runner.v_cache)  # the test can tell
+
+
+def test_serving_stays_compiled_past_the_recompile_limit(llama):
+    """10 decode buckets (max_num_seqs 512), past dynamo's 8 graphs per code object (a shared
+    step failed the 9th, at 256, and the runner fell back to SDPA): each bucket's step is a code
+    object of its own, so none falls back, and a batch in the ninth bucket compiles nothing."""
+    max_num_seqs = 512
+    eng = Engine(*llama, config(attention_backend="flex", cuda_graphs=True, compile_backend="eager",
+                                max_num_seqs=max_num_seqs, max_batch_prefill_tokens=2 * max_num_seqs,
+                                max_batch_total_tokens=2048))
+    runner = eng.runner
+    assert runner.path == "flex+graphs", runner.fallback_error
+    assert len(runner.graphs.buckets) == 10  # 1, 2, 4, ..., 256, 512
+    # dynamo keeps graphs on the code object itself: ten objects (equal in content, so by id)
+    assert len({id(step._torchdynamo_orig_callable.__code__) for step in runner.graphs.steps.values()}) == 10
+    n = 136  # decode-only passes in bucket 256, the ninth (a prefill chunk per request: costly here)
+    buckets: list[int] = []
+    plan = runner.graphs.plan
+
+    def spy(tokens, rows, lens, bucket, pack):
+        buckets.append(bucket)
+        return plan(tokens, rows, lens, bucket, pack)
+
+    runner.graphs.plan = spy
+    prompts = [[5 + i % 50, 7] for i in range(n)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outs = eng.generate(prompts, [SamplingParams(max_tokens=2 + i % 3, temperature=0, ignore_eos=True)
+                                      for i in range(n)])
+    assert runner.compiles[1] == 0 and runner.path == "flex+graphs"
+    assert 256 in buckets and [len(o.token_ids) for o in outs] == [2 + i % 3 for i in range(n)]
