@@ -16,6 +16,7 @@ from ray.serve.config import BackpressureConfig
 
 from app.args import AppArgs
 from app.ingress import OpenAIIngress
+from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
 from autoscale.reporter import LoadReporter
 from autoscale.serve_options import deployment_options, graceful_shutdown_timeout
 from replicas.deployment import LLMServer
@@ -26,6 +27,10 @@ LLM_DEPLOYMENT = "LLMServer"
 UNSET_TBT_SLO_S = 0.1
 UNSET_MAX_MODEL_LEN = 4096
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+# No access-log line per request in the replicas (serve_config.yaml's `logging_config` says the
+# same to the proxy): one formatted, flushed line per request on the hot path, which the app's
+# metrics (responses by route and status, latencies) already count.
+REPLICA_LOGGING = {"enable_access_log": False}
 # Serve's health probe of an engine replica (LLMServer.check_health): how often, and how long one
 # may take before Serve counts the replica unhealthy and replaces it.
 HEALTH_CHECK_PERIOD_S = 5
@@ -48,6 +53,7 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": args.resolved_num_cpus, "num_gpus": args.num_gpus},
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
+        "logging_config": REPLICA_LOGGING,
     }
     scaling = args.scaling_config() if args.scaling.autoscaling and args.scaling.by == "tbt_slo" else None
     if args.scaling.autoscaling and scaling is None:
@@ -78,7 +84,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         max_ongoing_requests=app_args.ingress_max_ongoing_requests,
         # The last backstop, in the proxy: Serve's own answer (plain text, not OpenAI's shape).
         max_queued_requests=app_args.ingress_max_queued_requests,
-        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1), logging_config=REPLICA_LOGGING,
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus, "runtime_env": INGRESS_RUNTIME_ENV})
     # The replica reports its load to the controller through this (replicas/ imports nothing above it).
     reporter = functools.partial(LoadReporter, controller_name=app_args.controller_name,

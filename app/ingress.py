@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from jinja2 import TemplateError
+from pydantic import BaseModel
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -76,6 +77,24 @@ def _cancel(gen: DeploymentResponseGenerator) -> None:
         logger.debug("cancel of a finished handle call: %r", exc)
 
 
+def _proxy_kind() -> str:
+    """Which proxy serves HTTP: "haproxy" (Ray's HAProxy mode: a C proxy in front of each ingress
+    replica's own HTTP server), "direct" (the ingress replicas' own servers alone) or "serve"
+    (Serve's Python proxy, relaying each request and event to the ingress over Ray)."""
+    from ray.serve._private import constants
+
+    if constants.RAY_SERVE_ENABLE_HA_PROXY:
+        return "haproxy"
+    return "direct" if constants.RAY_SERVE_ENABLE_DIRECT_INGRESS else "serve"
+
+
+def _json(body: BaseModel) -> Response:
+    """A whole response, written once: returned as a model, FastAPI would dump it and validate
+    the dump against `response_model` again before writing it (the route keeps `response_model`
+    for its OpenAPI schema)."""
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
 def _replica_name() -> str:
     """This ingress replica's id under Serve; a fresh name outside it."""
     try:
@@ -89,7 +108,7 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, ReplicaUnhealthyError) or (isinstance(exc, Exception) and replica_gone(exc))
 
 
-async def _guarded(gen: DeploymentResponseGenerator, events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded(gen: DeploymentResponseGenerator, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Forward SSE events; a failure becomes an error event, a disconnect cancels the replica."""
     finished = False
     try:
@@ -166,7 +185,8 @@ class OpenAIIngress:
                            "without %s=%s (serve_config.yaml's controller_options set it for a Serve "
                            "instance it starts; a running one keeps its own): overload is refused "
                            "late, by the ingress (README, 'On a Ray cluster')", CALLBACK_ENV, IMPORT_PATH)
-        return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness, "runner": runner})
+        return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness, "runner": runner,
+                             "http_path": {"proxy": _proxy_kind(), "door": door and door.get("runs_in", "proxy")}})
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -203,7 +223,7 @@ class OpenAIIngress:
                 for p, i in zip(prompts, ids)]
         if body.stream:
             return self._sse(gen, completion_events(meta, outputs, echoes))
-        return completion_response(meta, await self._collect(gen, outputs, meta.n), echoes)
+        return _json(completion_response(meta, await self._collect(gen, outputs, meta.n), echoes))
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -217,7 +237,7 @@ class OpenAIIngress:
                                          is_client_retry(request.scope))
         if body.stream:
             return self._sse(gen, chat_events(meta, outputs, plan))
-        return chat_response(meta, await self._collect(gen, outputs, meta.n), plan)
+        return _json(chat_response(meta, await self._collect(gen, outputs, meta.n), plan))
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -368,7 +388,7 @@ class OpenAIIngress:
             if not done:  # the client left (cancelled) or the replica failed: abort it
                 _cancel(gen)
 
-    def _sse(self, gen: DeploymentResponseGenerator, events: AsyncIterator[str]) -> StreamingResponse:
+    def _sse(self, gen: DeploymentResponseGenerator, events: AsyncIterator[bytes]) -> StreamingResponse:
         return StreamingResponse(_guarded(gen, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 

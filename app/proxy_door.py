@@ -156,16 +156,30 @@ def published() -> DoorSettings | None:
     return DoorSettings(**json.loads(raw)) if raw else None
 
 
+def runs_in() -> str:
+    """Where Serve builds this door: "proxy" (Serve's Python proxy) or "ingress" (an ingress
+    replica's own HTTP server: direct ingress, behind HAProxy)."""
+    try:
+        from ray.serve.context import _get_internal_replica_context
+
+        return "ingress" if _get_internal_replica_context() is not None else "proxy"
+    except Exception:  # noqa: BLE001 - no Ray (unit tests)
+        return "proxy"
+
+
 def middlewares() -> list[Middleware]:
     """Serve's proxy callback: the door as Starlette middleware, on the default settings until an
-    app publishes its own."""
-    serve_at_full_priority(logger, "the HTTP proxy")
+    app publishes its own. Serve calls it in its Python proxy, and in an ingress replica that
+    serves HTTP itself (direct ingress)."""
+    where = runs_in()
+    if where == "proxy":  # an ingress replica sets its own priority
+        serve_at_full_priority(logger, "the HTTP proxy")
     settings = ProxyDoorConfig().settings(None)
     limit = StreamLimit(settings.max_requests, target_s=settings.lag_target_s,
                         min_limit=settings.min_requests, clock=time.perf_counter)
     limit.on_step = limit_observer(limit, "proxy", logger)
     pending = Pending(settings.wait_target_s, time.monotonic, log=logger)
-    door = Door(pending, limit, published, time.monotonic)
+    door = Door(pending, limit, published, time.monotonic, where)
     door.apply(settings)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
@@ -178,8 +192,9 @@ class Door:
     event loop: the read is a call to Ray's KV store)."""
 
     def __init__(self, pending: Pending, limit: StreamLimit, read: Callable[[], DoorSettings | None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], where: str = "proxy") -> None:
         self.pending, self.limit, self._read, self._clock = pending, limit, read, clock
+        self.where = where  # the process it runs in (`runs_in`), shown with its settings
         self.settings: DoorSettings | None = None
         self.summary = b"{}"  # the settings in force, as JSON (PASSED_HEADER)
         self._read_at = float("-inf")
@@ -191,7 +206,8 @@ class Door:
         if settings == self.settings:
             return
         self.settings = settings
-        self.summary = json.dumps(dataclasses.asdict(settings), separators=(",", ":")).encode()
+        self.summary = json.dumps({**dataclasses.asdict(settings), "runs_in": self.where},
+                                  separators=(",", ":")).encode()
         self.limit.configure(settings.enabled, settings.lag_target_s, settings.max_requests,
                              settings.min_requests)
         self.pending.configure(settings)

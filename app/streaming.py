@@ -1,12 +1,18 @@
-"""Turn a replica's stream of `RequestOutput` deltas into OpenAI responses and SSE chunks."""
+"""Turn a replica's stream of `RequestOutput` deltas into OpenAI responses and SSE chunks.
+
+A stream's chunks are built as plain dicts and encoded with orjson: they are made once per event,
+where building and validating pydantic models cost more than the JSON itself. Their shapes are
+app/schemas.py's models (`CompletionResponse`, `ChatCompletionChunk`); a test holds them equal.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from pydantic import BaseModel
 
 from app.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -16,16 +22,22 @@ from app.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatComp
 from app.tools import ToolCall, ToolCallReader, ToolPlan
 from replicas.protocol import RequestOutput, TokenLogprob
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
+COMPLETION, CHAT = "text_completion", "chat.completion.chunk"  # each chunk's "object"
 
 
-def sse(payload: BaseModel | dict, *, exclude: set[str] | None = None) -> str:
+def sse(payload: BaseModel | dict) -> bytes:
     """One Server-Sent Event carrying a JSON object."""
     if isinstance(payload, BaseModel):
-        body = payload.model_dump_json(exclude=exclude)
-    else:
-        body = json.dumps(payload)
-    return f"data: {body}\n\n"
+        return b"data: " + payload.model_dump_json().encode() + b"\n\n"
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """`Usage.of(...)`'s JSON."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass
@@ -53,11 +65,17 @@ class UsageTally:
         self._latest[out.index] = out if completion_tokens is None else \
             dataclasses.replace(out, num_output_tokens=completion_tokens)
 
-    def usage(self) -> Usage:
+    def counts(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached prompt) tokens."""
         firsts = [o for i, o in self._latest.items() if i % self.n == 0]
-        return Usage.of(sum(o.num_prompt_tokens for o in firsts),
-                        sum(o.num_output_tokens for o in self._latest.values()),
-                        sum(o.num_cached_tokens for o in firsts))
+        return (sum(o.num_prompt_tokens for o in firsts), sum(o.num_output_tokens for o in self._latest.values()),
+                sum(o.num_cached_tokens for o in firsts))
+
+    def usage(self) -> Usage:
+        return Usage.of(*self.counts())
+
+    def usage_json(self) -> dict[str, Any]:
+        return _usage(*self.counts())
 
 
 @dataclass
@@ -141,10 +159,14 @@ class StreamMeta:
     continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
     n: int = 1  # samples per prompt: choice p * n + j is sample j of prompt p
 
-    @property
-    def exclude(self) -> set[str] | None:
-        # OpenAI sends "usage": null on every chunk only when usage was asked for.
-        return None if self.include_usage else {"usage"}
+    def chunk(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        """One SSE chunk of this response. OpenAI sends "usage" (null but on the last chunk) on
+        every chunk only when usage was asked for."""
+        body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created,
+                                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return sse(body)
 
 
 def completion_response(meta: StreamMeta, result: Gathered,
@@ -181,7 +203,7 @@ def chat_response(meta: StreamMeta, result: Gathered, plan: ToolPlan | None = No
 
 
 async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
-                            echoes: Sequence[str | None] | None = None) -> AsyncIterator[str]:
+                            echoes: Sequence[str | None] | None = None) -> AsyncIterator[bytes]:
     """SSE chunks of a text completion, each carrying one choice (its `index`); empty deltas are
     skipped unless they finish it. `echoes[p]` (prompt p's text) goes with the first chunk of
     each of its choices, with the prompt's logprobs (as vLLM does)."""
@@ -199,18 +221,15 @@ async def completion_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutp
         logprobs = completion_logprobs(items, offsets.get(i, 0))
         if logprobs is not None and logprobs.tokens:
             offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        choice = CompletionChoice(index=i, text=text, finish_reason=out.finish_reason,
-                                  stop_reason=out.stop_reason, logprobs=logprobs)
-        chunk = CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                   choices=[choice], usage=tally.usage() if meta.continuous_usage else None)
-        yield sse(chunk, exclude=meta.exclude)
+        choice = {"index": i, "text": text, "logprobs": None if logprobs is None else logprobs.model_dump(),
+                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        yield meta.chunk(COMPLETION, [choice], tally.usage_json() if meta.continuous_usage else None)
     if meta.include_usage and started:
-        yield sse(CompletionResponse(id=meta.request_id, created=meta.created, model=meta.model,
-                                     choices=[], usage=tally.usage()))
+        yield meta.chunk(COMPLETION, [], tally.usage_json())
 
 
 async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
-                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
+                      plan: ToolPlan | None = None) -> AsyncIterator[bytes]:
     """SSE chunks of a chat completion, each carrying one choice: per choice the role first,
     then content, then finish_reason.
 
@@ -218,14 +237,13 @@ async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
     out whole, in one delta just before the finish_reason "tool_calls" chunk.
     """
 
-    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None,
-              logprobs: ChatLogprobs | None = None, usage: bool = True) -> str:
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-        running = tally.usage() if usage and meta.continuous_usage else None
-        return sse(ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
-                                       choices=[choice], usage=running), exclude=meta.exclude)
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: ChatLogprobs | None = None, usage: bool = True) -> bytes:
+        choice = {"index": index, "delta": delta,
+                  "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": finish_reason}
+        return meta.chunk(CHAT, [choice], tally.usage_json() if usage and meta.continuous_usage else None)
 
-    role = ChatDelta(role="assistant", content="")
+    role = {"role": "assistant", "content": ""}  # ChatDelta's JSON: its None fields left out
     tally = UsageTally(meta.n)
     readers: dict[int, ToolCallReader | None] = {}
     async for out in outputs:
@@ -238,23 +256,23 @@ async def chat_events(meta: StreamMeta, outputs: AsyncIterator[RequestOutput],
         reader = readers[i]
         text = reader.feed(out.delta_text) if reader is not None else out.delta_text
         if text or out.logprobs:
-            yield chunk(i, ChatDelta(content=text), logprobs=chat_logprobs(out.logprobs))
+            yield chunk(i, {"content": text}, logprobs=chat_logprobs(out.logprobs))
         if out.finished:
             finish_reason = out.finish_reason
             if reader is not None:
                 rest, calls = reader.finish()
                 if rest:
-                    yield chunk(i, ChatDelta(content=rest))
+                    yield chunk(i, {"content": rest})
                 if calls:
-                    yield chunk(i, ChatDelta(tool_calls=[DeltaToolCall(index=k, **_tool_call(c).model_dump())
-                                                         for k, c in enumerate(calls)]))
+                    delta = ChatDelta(tool_calls=[DeltaToolCall(index=k, **_tool_call(c).model_dump())
+                                                  for k, c in enumerate(calls)])
+                    yield chunk(i, delta.model_dump())
                     finish_reason = "tool_calls"
-            yield chunk(i, ChatDelta(), finish_reason)
+            yield chunk(i, {}, finish_reason)
     if not readers:  # no output at all (the caller guarantees one; keep the role chunk regardless)
         yield chunk(0, role, usage=False)
     if meta.include_usage and readers:
-        yield sse(ChatCompletionChunk(id=meta.request_id, created=meta.created, model=meta.model,
-                                      choices=[], usage=tally.usage()))
+        yield meta.chunk(CHAT, [], tally.usage_json())
 
 
 def _tool_call(call: ToolCall) -> ResponseToolCall:
