@@ -18,6 +18,8 @@ POLICIES = ("static", "dynamic", "stall_free")
 Policy = Literal[POLICIES]  # type: ignore[valid-type]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AttentionBackend = Literal["auto", "sdpa", "flex"]
+OVERLAP_MODES = ("auto", "on", "off")
+Overlap = Literal[OVERLAP_MODES]  # type: ignore[valid-type]
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 DEFAULT_MODEL = "embedded:smollm2"  # a real model (SmolLM2-135M-Instruct), converted once
 # A stream's deltas are merged over this interval by default, and over at most half the TBT SLO:
@@ -108,6 +110,13 @@ class EngineConfig:
         "torch.compile backend of the flex path (its attention calls and the decode step), all "
         "compiled at start; null: inductor on CUDA, nothing compiled elsewhere ('eager' or "
         "'aot_eager' trace without generating code: tests)")
+    overlap: Overlap = Field("auto", description=
+        "overlapped loop: the engine launches each forward pass before it processes the previous "
+        "pass's outputs (stop checks, detokenizing, streaming), so the device never waits for the "
+        "host; a decode's sampled token reaches its next pass on the device. Passes of requests "
+        "with logits processors (penalties, logit_bias, min_tokens), a grammar, or prompt "
+        "logprobs still to score wait for the pass before them. auto: on with CUDA, off on CPU (where the forward runs on the host's "
+        "own thread, so nothing overlaps); on / off")
     enable_prefix_caching: bool = Field(True, description=
         "share the KV of full blocks between requests whose tokens start the same way (a system "
         "prompt, a conversation's history): cached tokens cost no prefill and no new KV")
@@ -135,6 +144,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.priority_aging_s <= 0:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_threads is not None:

@@ -24,6 +24,7 @@ from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner
 from replicas.model_support import kv_shape, model_max_length, text_config
 from replicas.models import load_model
+from replicas.overlap import InFlight, needs_history
 from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
 from replicas.protocol import (InvalidRequestError, Limits, RequestOutput, SamplingParams, TokenLogprob,
                                check_priority, sample_id)
@@ -129,6 +130,11 @@ class Engine:
         self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention,
                                   config.attention_backend, config.cuda_graphs, config.max_num_seqs,
                                   config.compile_backend, config.cuda_graph_sizes, sampler)
+        # Overlapped loop (`config.overlap`): the pass launched but not processed yet.
+        self.overlap = resolve_overlap(config.overlap, self.runner.device)
+        if self.overlap:
+            self.runner.use_overlap()
+        self._in_flight: InFlight | None = None
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -262,31 +268,65 @@ class Engine:
         return self._emit(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the loop --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run one forward pass, postprocess."""
-        expired = self._expire()
+        """One iteration: schedule, run one forward pass, postprocess. Overlapped
+        (`config.overlap`): schedule and launch pass N+1, then postprocess pass N while the
+        device runs it; the outputs returned are pass N's."""
+        outputs = self._expire()
+        if self.overlap:
+            return outputs + self._step_overlapped()
+        batch = self._schedule()
+        if batch.is_empty:
+            return outputs
+        return outputs + self._land(self._launch(batch))
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and any(needs_history(r) for r in self.scheduler.running):
+            outputs = self.sync()  # its sampling reads the whole output on the host: no lag
+        batch = self._schedule()
+        launched = self._launch(batch) if not batch.is_empty else None
+        last, self._in_flight = self._in_flight, launched
+        return outputs + (self._land(last) if last is not None else [])
+
+    def sync(self) -> list[RequestOutput]:
+        """Process the pass in flight, if any (the overlapped loop): after it, the host's
+        request state is the device's."""
+        last, self._in_flight = self._in_flight, None
+        return self._land(last) if last is not None else []
+
+    def _schedule(self) -> SchedulerOutput:
         if self.slo_budget is not None:
             self.slo_budget.reset()
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return expired
+        return self.scheduler.schedule()
+
+    def _launch(self, batch: SchedulerOutput) -> InFlight:
+        """Hand the pass to the device; from here the scheduler counts its tokens in flight."""
         shape = PassShape.of(batch)
         predicted = self.pass_time.predict(shape) if self.pass_time is not None else None
         cpu_start = time.process_time()
         self.pass_started = start = time.perf_counter()
-        token_ids = self.runner.run(batch)  # the tokens of batch.seqs that sample, in order
-        now, cpu_s = time.perf_counter(), time.process_time() - cpu_start
+        handle = self.runner.launch(batch)
+        self.scheduler.launched(batch)
+        return InFlight(batch, handle, shape, predicted, start, cpu_start)
+
+    def _land(self, p: InFlight) -> list[RequestOutput]:
+        """The pass's tokens back on the host: advance its requests, check stops, emit deltas."""
+        token_ids = self.runner.collect(p.handle)  # the tokens of batch.seqs that sample, in order
+        now, cpu_s = time.perf_counter(), time.process_time() - p.cpu_start
         self.pass_started = None
-        stats = self._record(batch, start, now, shape, predicted, cpu_s)
-        outputs = self._postprocess(batch, token_ids, now)
+        # Overlapped, the host's wall time between returns is not the pass's: the device's is.
+        start = now - self.runner.pass_seconds(p.handle) if self.overlap else p.host_start
+        stats = self._record(p.batch, start, now, p.shape, p.predicted, cpu_s)
+        outputs = self._postprocess(p.batch, token_ids, now)
         self._changed()
         for observer in self.observers:
-            observer.on_iteration(stats, batch, self)
-        return expired + outputs
+            observer.on_iteration(stats, p.batch, self)
+        return outputs
 
     def drain_rate(self) -> float | None:
         """Waiting prompt tokens it prefilled per second lately (`admission.drain_rate`; None:
@@ -321,7 +361,7 @@ class Engine:
         samples = self.last_pass = PassSamples()
         gaps = samples.gaps
         finish, emit, check_stop, detoks = self.scheduler.finish, self._emit, self._check_stop, self._detok
-        for req in self.scheduler.advance(batch, token_ids, now):
+        for req in self.scheduler.landed(batch, token_ids, now):
             detok = detoks[req.request_id]
             times = req.token_times  # its last entry is `now` (none: a prompt only scored)
             if len(times) > 1:
@@ -460,6 +500,7 @@ class Engine:
             for out in self.step():
                 if out.request_id in texts:
                     texts[out.request_id].append(out.delta_text)
+        self.sync()  # overlapped: the pass of tokens they drop, so their blocks are free
         return [CompletionOutput(
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=list(r.output_token_ids),
             text="".join(texts[r.request_id]), finish_reason=r.finish_reason, token_times=list(r.token_times),
@@ -467,6 +508,12 @@ class Engine:
             logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
             prompt_logprobs=list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
             num_cached_tokens=r.num_cached_tokens) for r in reqs]
+
+
+def resolve_overlap(mode: str, device: torch.device) -> bool:
+    """`EngineConfig.overlap`: auto is on with CUDA only. On CPU the forward runs on the loop's
+    own thread, so the host's work cannot hide behind it; measured, the lag only adds a pass."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def device_memory_bytes(device: torch.device) -> int:

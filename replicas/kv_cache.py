@@ -244,12 +244,14 @@ class BlockManager:
             self.query_tokens += num_tokens
             self.hit_tokens += num_hit_tokens
 
-    def cache_computed(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is now computed (after a pass)."""
+    def cache_computed(self, request: Request, computed: int | None = None) -> None:
+        """Register the request's full blocks whose KV is now computed (after a pass): its first
+        `computed` tokens (None: `num_computed_tokens`; less while a later pass is in flight)."""
         if not self.enable_caching:
             return
         rid = request.request_id
-        full = min(request.num_computed_tokens // self.block_size, len(self._tables.get(rid, ())))
+        computed = request.num_computed_tokens if computed is None else computed
+        full = min(computed // self.block_size, len(self._tables.get(rid, ())))
         done = self._registered.get(rid, 0)
         if full <= done:
             return

@@ -36,7 +36,9 @@ from replicas.model_support import kv_shape, text_config
 from replicas.request import Request
 from replicas.sampler import Sampler, SamplingPlan
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
-from replicas.transfer import HostPack, Staging
+from replicas.device_queue import Immediate, Job, StandInDevice
+from replicas.overlap import TokenSlots
+from replicas.transfer import HostPack, Part, Readback, Staging
 
 log = logging.getLogger(__name__)
 WARM_UP_ROUNDS = 3
@@ -90,7 +92,15 @@ class ModelRunner:
         self.k_layers, self.v_layers = self.k_cache.unbind(0), self.v_cache.unbind(0)  # see PassMeta
         model.set_attn_implementation(ATTN_IMPL)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._staging = Staging(self.device)
+        self._staging = Staging(self.device)  # the warm-up's
+        # Two upload buffers, in turn: on CPU a pass's device side reads its buffer in place, and
+        # in the overlapped loop the next pass is prepared while it runs.
+        self._stagings = (Staging(self.device), Staging(self.device))
+        self._staging_turn = 0
+        # Where each pass's device side runs (`replicas.device_queue`), and, in the overlapped
+        # loop, each runner row's latest sampled token on the device (`use_overlap`).
+        self.device_queue: Immediate | StandInDevice = Immediate()
+        self.token_slots: TokenSlots | None = None
         # Persistent block table, on the host: one row per request in recent passes (see _row).
         # Each pass's metadata is sliced from it with numpy (microseconds, where a small torch op
         # costs ~10 us on CPU) and handed to the device in the pass's one upload. A pass holds at
@@ -137,6 +147,10 @@ class ModelRunner:
         if self.fallback_error is not None:
             return "sdpa (fallback)"
         return "flex+graphs" if self.graphs is not None else self.attention_backend
+
+    def use_overlap(self) -> None:
+        """Keep each runner row's sampled token on the device, for the next pass's decodes."""
+        self.token_slots = TokenSlots(self._table.shape[0], self.device)
 
     @property
     def compiles(self) -> tuple[int, int]:
@@ -275,29 +289,69 @@ class ModelRunner:
         """One pass: prepare and upload, forward, sample. Returns the token of each sequence that
         samples (`ScheduledSeq.samples`), in batch order; the requests that ask for logprobs or
         prompt logprobs get them recorded. One copy to the device and one back."""
-        logits = self.execute(batch)
-        return self.sampler.sample(logits.sampled, logits.prompt, logits.sampling, logits.pack)
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: SchedulerOutput) -> Launched:
+        """The pass's host side (`prepare`), then its device side handed to the device queue:
+        forward, sampling, the sampled tokens into their rows' slots (the overlapped loop), the
+        copy back started. `collect` returns its tokens."""
+        prep = self.prepare(batch)
+        return Launched(prep.logits_plan, self.device_queue.submit(lambda: self._device_side(prep)))
+
+    def collect(self, launched: Launched) -> list[int]:
+        """Wait for a launched pass's copy back: its tokens, in batch order (logprobs recorded)."""
+        readback, _ = launched.job.result()
+        return self.sampler.read_back(readback.wait(), launched.plan)
+
+    def pass_seconds(self, launched: Launched) -> float:
+        """How long the launched pass (collected already) held the device: its kernels' time by
+        CUDA events, else the device queue's clock (the device's timeline, not the host's)."""
+        _, events = launched.job.result()
+        if events is not None:
+            return events[0].elapsed_time(events[1]) / 1000
+        return launched.job.finished - launched.job.started
+
+    @torch.inference_mode()
+    def _device_side(self, prep: Prepared) -> tuple[Readback, tuple | None]:
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        logits = self.forward(prep)
+        parts = self.sampler.sample_on_device(logits.sampled, logits.prompt, logits.sampling, logits.pack)
+        if self.token_slots is not None:  # the next pass's decodes read these on the device
+            self.token_slots.write(prep.pack.get(prep.slot_rows), parts[0])
+        if events is not None:
+            events[1].record()
+        return Readback(parts), events
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> PassLogits:
-        """Prepare and run the forward pass; returns the logits of the sequences that sample, in
-        batch order, and of the prompt positions of requests that score their prompt (only those
-        rows are computed), with the pass's sampling plan.
+        """Prepare and run the forward pass (`prepare`, then `forward`)."""
+        return self.forward(self.prepare(batch))
+
+    def prepare(self, batch: SchedulerOutput) -> Prepared:
+        """The pass's host side: its metadata and sampling plan, uploaded in one copy.
 
         Decodes are packed by context length (for the grouped attention), prefill chunks after
         them; the logits come back in the batch's own order. The sampler's inputs are planned
-        into the pass's upload, so the pass sends one buffer to the device.
+        into the pass's upload, so the pass sends one buffer to the device. A decode whose input
+        token is still in flight (`Request.num_inflight`, the overlapped loop) gets it on the
+        device, from its row's slot.
         """
         order = sorted(range(len(batch.decodes)), key=lambda i: batch.decodes[i].start)
         decodes = [batch.decodes[i] for i in order]
         # A decode runs its last sampled token at position `start`.
-        ids = [seq.request.output_token_ids[-1] for seq in decodes]
+        ids = [0 if seq.request.num_inflight else seq.request.output_token_ids[-1] for seq in decodes]
         positions = [seq.start for seq in decodes]
         token_rows = self._decode_rows(decodes)  # each packed token's block-table row
         # Every decode samples; its row in the packed batch is its place in `order`.
         sampled = [0] * len(order)
+        slot_rows = [0] * len(order)  # each sampling sequence's runner row, in batch order
         for row, i in enumerate(order):
             sampled[i] = row
+            slot_rows[i] = token_rows[row]
+        fill_at = [r for r, seq in enumerate(decodes) if seq.request.num_inflight]
         prefills: list[PrefillSpan] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int]] = []
@@ -316,6 +370,7 @@ class ModelRunner:
             prefills.append(PrefillSpan(row, n, start, table_row))
             if seq.samples:
                 sampled.append(len(ids) - 1)
+                slot_rows.append(table_row)
         bs = self.blocks.block_size
         pos = np.array(positions, dtype=np.int64)
         slots = self._table[token_rows, pos // bs] * bs + pos % bs  # where each token's k/v goes
@@ -324,23 +379,40 @@ class ModelRunner:
         self._end_pass()
         pack = HostPack()
         tokens = np.stack((np.array(ids, dtype=np.int64), pos, slots))  # (3, T)
-        map_part = self.page_map.plan(pack) if self.page_map is not None else None
-        bucket = self.graphs.bucket(len(ids)) if self.graphs is not None and not prefills else None
-        if bucket is not None:  # decode-only: the bucket's compiled (captured) step, padded
-            graph_inputs = self.graphs.plan(tokens, layout.decode_rows, layout.decode_lens, bucket, pack)
+        prep = Prepared(pack, len(sampled), prompt_spans)
+        prep.map_part = self.page_map.plan(pack) if self.page_map is not None else None
+        prep.bucket = self.graphs.bucket(len(ids)) if self.graphs is not None and not prefills else None
+        if prep.bucket is not None:  # decode-only: the bucket's compiled (captured) step, padded
+            prep.graph_inputs = self.graphs.plan(tokens, layout.decode_rows, layout.decode_lens, prep.bucket, pack)
+            prep.tokens = prep.graph_inputs[0]
         else:
-            tokens_part, attn = pack.add(tokens), self.backend.plan(layout, pack)
-        keep = pack.add(sampled + prompt_rows)
-        plan = self.sampler.plan([s.request for s in batch.seqs if s.samples], prompt_spans, pack)
-        pack.send(self.device, self._staging)  # the pass's one host-to-device copy
+            prep.tokens, prep.attn = pack.add(tokens), self.backend.plan(layout, pack)
+        prep.keep = pack.add(sampled + prompt_rows)
+        if self.token_slots is not None:
+            prep.slot_rows = pack.add(slot_rows)
+            if fill_at:
+                prep.fill = (pack.add(fill_at), pack.add([token_rows[r] for r in fill_at]))
+        prep.logits_plan = self.sampler.plan([s.request for s in batch.seqs if s.samples], prompt_spans, pack)
+        self._staging_turn ^= 1  # a pass may still read the other buffer (the overlapped loop)
+        pack.send(self.device, self._stagings[self._staging_turn])  # the pass's one host-to-device copy
+        return prep
+
+    def forward(self, prep: Prepared) -> PassLogits:
+        """The pass's device side up to the logits of the sequences that sample, in batch order,
+        and of the prompt positions of requests that score their prompt (only those rows are
+        computed)."""
+        pack = prep.pack
         if self.page_map is not None:
-            self.page_map.apply(map_part, pack)
-        keep_d = pack.get(keep)
-        if bucket is not None:
-            logits = self.graphs.run(bucket, graph_inputs, pack).index_select(0, keep_d)  # (N, V)
-            return PassLogits(logits, logits[:0], prompt_spans, plan, pack)
-        tokens_d = pack.get(tokens_part)
-        meta = PassMeta(self.k_layers, self.v_layers, tokens_d[2], self.backend.metadata(attn, pack, tokens_d[1]))
+            self.page_map.apply(prep.map_part, pack)
+        if prep.fill is not None:  # in-flight input tokens, from their rows' slots
+            self.token_slots.fill(pack.get(prep.tokens)[0], pack.get(prep.fill[0]), pack.get(prep.fill[1]))
+        keep_d = pack.get(prep.keep)
+        n = prep.num_sampled
+        if prep.bucket is not None:
+            logits = self.graphs.run(prep.bucket, prep.graph_inputs, pack).index_select(0, keep_d)  # (N, V)
+            return PassLogits(logits, logits[:0], prep.prompt_spans, prep.logits_plan, pack)
+        tokens_d = pack.get(prep.tokens)
+        meta = PassMeta(self.k_layers, self.v_layers, tokens_d[2], self.backend.metadata(prep.attn, pack, tokens_d[1]))
         kwargs = {"logits_to_keep": keep_d} if self._keep_logits else {}
         # Compiled attention calls: sizes that happen to be equal must not share a symbol.
         apart = shape_config.patch(use_duck_shape=False) if self.compiler is not None else contextlib.nullcontext()
@@ -348,7 +420,33 @@ class ModelRunner:
             logits = self.model(input_ids=tokens_d[0:1], position_ids=tokens_d[1:2], use_cache=False,
                                 attn_meta=meta, **kwargs).logits[0]
         logits = logits if self._keep_logits else logits[keep_d]  # (N + M, V)
-        return PassLogits(logits[:len(sampled)], logits[len(sampled):], prompt_spans, plan, pack)
+        return PassLogits(logits[:n], logits[n:], prep.prompt_spans, prep.logits_plan, pack)
+
+
+@dataclass
+class Prepared:
+    """A pass's host side, done: where its parts lie in the upload, for the device side."""
+
+    pack: HostPack
+    num_sampled: int
+    prompt_spans: list[tuple[Request, int]]
+    logits_plan: SamplingPlan | None = None
+    map_part: object = None
+    bucket: int | None = None
+    graph_inputs: tuple[Part, Part, Part] | None = None
+    tokens: Part | None = None  # (3, T) ids, positions, slots (a graph's (4, B): rows too)
+    attn: object = None
+    keep: Part | None = None
+    slot_rows: Part | None = None
+    fill: tuple[Part, Part] | None = None  # (packed decode rows, their runner rows) read from slots
+
+
+@dataclass
+class Launched:
+    """A pass handed to the device: `ModelRunner.collect` waits for its tokens."""
+
+    plan: SamplingPlan
+    job: Job
 
 
 def _prompt_rows(req: Request, start: int, n: int) -> range:

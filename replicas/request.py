@@ -92,6 +92,11 @@ class Request:
     # The most output tokens it may have: max_tokens, which the engine caps by the context's room
     # when it queues the request.
     max_output: int = -1
+    # Tokens sampled by a pass that was launched but whose outputs are not processed yet (0 or 1:
+    # the overlapped loop runs one pass ahead). They count in `num_tokens` (their KV is reserved,
+    # the next decode runs them, `max_tokens` counts them) but not in `output_token_ids`: the
+    # value lives on the device until the pass lands (`overlap.InFlight`).
+    num_inflight: int = 0
 
     def __post_init__(self) -> None:
         params = self.params
@@ -108,17 +113,23 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, those still in flight included."""
+        return len(self.output_token_ids) + self.num_inflight
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+                - self.num_computed_tokens)
 
     @property
     def is_prefilling(self) -> bool:
         """True while a (re)computed prompt has more than the last token left to run."""
-        out = self.output_token_ids  # read per running request per pass: kept to plain lookups
-        return not out or len(self.prompt_token_ids) + len(out) - self.num_computed_tokens > 1
+        out = len(self.output_token_ids) + self.num_inflight  # read per running request per pass
+        return not out or len(self.prompt_token_ids) + out - self.num_computed_tokens > 1
 
     @property
     def max_total_tokens(self) -> int:

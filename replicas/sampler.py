@@ -142,6 +142,15 @@ class Sampler:
         """Device side, then the pass's one copy back: the token of each sampling row."""
         return sample(sampled, prompt, p, pack, self.processors)
 
+    def sample_on_device(self, sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan,
+                         pack: HostPack) -> list[torch.Tensor]:
+        """Device side alone: what the copy back carries, the tokens (N,) first (`read_back`)."""
+        return sample_on_device(sampled, prompt, p, pack, self.processors)
+
+    def read_back(self, host: list[np.ndarray], p: SamplingPlan) -> list[int]:
+        """Host side, once the copy back arrived: the tokens (logprobs recorded)."""
+        return read_back(host, p)
+
 
 def _plan_draw(rows: list[int], requests: list[Request], pack: HostPack, device: torch.device,
                vocab: int) -> DrawPlan:
@@ -184,8 +193,15 @@ def sample(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: H
     (`sampled` (N, V)), each logprobs row's entry appended to its request's `output_logprobs`,
     the prompt rows' (`prompt` (M, V)) scores to their requests' `prompt_logprobs`. Logprobs are
     raw: from the model's logits, before the processors and the grammar."""
+    return read_back(download(sample_on_device(sampled, prompt, p, pack, processors)), p)
+
+
+@torch.inference_mode()
+def sample_on_device(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: HostPack,
+                     processors: LogitsProcessors | None = None) -> list[torch.Tensor]:
+    """The device side of `sample`: what the pass's copy back carries, the tokens (N,) first."""
     if p.argmax_only and not p.prompt_spans:
-        return _argmax(sampled)
+        return [_row_argmax(sampled)]
     x = sampled
     if processors is not None:
         x = processors.apply(x, p.processors, pack)
@@ -203,7 +219,12 @@ def sample(sampled: torch.Tensor, prompt: torch.Tensor, p: SamplingPlan, pack: H
         parts += _scored(sampled.index_select(0, rows), tokens.index_select(0, rows), max(p.logprob_ks))
     if p.prompt_chosen is not None:
         parts += _scored(prompt, pack.get(p.prompt_chosen), max(p.prompt_ks))
-    host = download(parts)  # the pass's one device-to-host copy
+    return parts
+
+
+def read_back(host: list[np.ndarray], p: SamplingPlan) -> list[int]:
+    """The host side of `sample`, once the copy back arrived: the tokens, and the logprobs
+    recorded on their requests."""
     token_ids = host[0].tolist()
     if p.logprob_rows is not None:
         for req, entry in zip(p.logprob_requests, _entries(host[1:4], p.logprob_ks)):
@@ -239,12 +260,6 @@ def _greedy_picks(x: torch.Tensor, p: SamplingPlan) -> torch.Tensor:
     if p.draw is not None and p.draw.num_plain + p.draw.num_filtered == x.shape[0]:
         return torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     return _row_argmax(x)
-
-
-def _argmax(logits: torch.Tensor) -> list[int]:
-    """Row-wise argmax, the pass's one copy back."""
-    picks = _row_argmax(logits)
-    return (picks if is_host(logits.device) else download([picks])[0]).tolist()
 
 
 def _row_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,8 @@ class Scheduler:
         self._insert_waiting(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Evict a request that finished (or was aborted) and free its blocks."""
+        """Evict a request that finished (or was aborted) and free its blocks; with a pass still
+        in flight for it (the overlapped loop), its blocks are freed once that pass lands."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self.num_running_tokens -= request.num_tokens
@@ -167,11 +168,42 @@ class Scheduler:
             self.num_waiting_tokens -= request.num_tokens_to_compute
         request.status = status
         request.finish_time = self.clock()
-        self.blocks.free(request.request_id)
+        if not request.num_inflight:
+            self.blocks.free(request.request_id)
 
     def advance(self, batch: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
-        """The pass in `batch` ran: every scheduled sequence advances by its tokens, and those
-        that sample get their token (`sampled`, in batch order) stamped at `now`.
+        """The pass in `batch` ran: `launched`, then `landed` (the synchronous loop's one step)."""
+        self.launched(batch)
+        return self.landed(batch, sampled, now)
+
+    def launched(self, batch: SchedulerOutput) -> None:
+        """The pass in `batch` was handed to the device: every scheduled sequence advances by its
+        tokens, and those that sample get a token in flight (`Request.num_inflight`), so the next
+        `schedule()` sees them as the device will (their KV computed, one more token to run)."""
+        for seq in batch.decodes:
+            req = seq.request
+            req.num_computed_tokens += 1
+            req.num_inflight += 1
+        num_sampled = len(batch.decodes)
+        for seq in batch.prefills:
+            req = seq.request
+            req.num_computed_tokens += seq.num_tokens
+            if seq.samples:
+                req.num_inflight += 1
+                num_sampled += 1
+        self.num_running_tokens += num_sampled
+        if self.blocks.enable_caching:
+            # A chunk's tokens are all known (prompt, or output that landed before a recompute),
+            # so its full blocks join the prefix cache now: a later pass that reads them runs
+            # after this one on the device, and a request admitted while it is in flight hits
+            # them as it would after it.
+            for seq in batch.prefills:
+                self.blocks.cache_computed(seq.request, seq.start + seq.num_tokens)
+
+    def landed(self, batch: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
+        """The launched pass in `batch` finished: those that sample get their token (`sampled`, in
+        batch order) stamped at `now`. A request that finished meanwhile (a stop found in the pass
+        before, an abort) drops its token: never streamed, counted or cached.
 
         Returns the requests that got a token, and those whose prompt is now computed and that
         generate nothing (max_tokens 0, no token: they are done), in batch order; stop checks are
@@ -181,29 +213,43 @@ class Scheduler:
         tokens = iter(sampled)
         for seq in batch.decodes:
             req = seq.request
-            req.num_computed_tokens += 1
-            req.output_token_ids.append(next(tokens))
+            token = next(tokens)
+            req.num_inflight -= 1
+            if req.status >= RequestStatus.FINISHED_STOPPED:
+                self._dropped(req, seq)
+                continue
+            req.output_token_ids.append(token)
             req.token_times.append(now)
             got.append(req)
-        num_sampled = len(got)
         for seq in batch.prefills:
             req = seq.request
-            req.num_computed_tokens += seq.num_tokens
+            token = next(tokens) if seq.samples else None
             if seq.samples:
-                req.output_token_ids.append(next(tokens))
+                req.num_inflight -= 1
+            if req.status >= RequestStatus.FINISHED_STOPPED:
+                self._dropped(req, seq)
+                continue
+            if token is not None:
+                req.output_token_ids.append(token)
                 req.token_times.append(now)
-                num_sampled += 1
             if seq.completes:
                 got.append(req)
-        self.num_running_tokens += num_sampled
-        if self.blocks.enable_caching:  # full blocks now computed join the prefix cache
-            bs = self.blocks.block_size
-            for seq in batch.decodes:  # a decode fills a block only when it reaches its end
-                if seq.request.num_computed_tokens % bs == 0:
-                    self.blocks.cache_computed(seq.request)
-            for seq in batch.prefills:
-                self.blocks.cache_computed(seq.request)
+        if self.blocks.enable_caching:  # a decode's full block joins the prefix cache once its
+            bs = self.blocks.block_size  # token is known (its input may have been in flight)
+            for seq in batch.decodes:  # it fills a block only when it reaches its end
+                end = seq.start + 1
+                if end % bs == 0 and seq.request.status == RequestStatus.RUNNING:
+                    self.blocks.cache_computed(seq.request, end)
         return got
+
+    def _dropped(self, req: Request, seq: ScheduledSeq) -> None:
+        """A finished request's pass landed: what it computed is undone (its logprobs entry, the
+        KV position) and, with nothing more in flight, its blocks are freed."""
+        if seq.samples and req.params.logprobs is not None and len(req.output_logprobs) > len(req.output_token_ids):
+            req.output_logprobs.pop()
+        req.num_computed_tokens = seq.start
+        if not req.num_inflight:
+            self.blocks.free(req.request_id)
 
     def counts(self) -> QueueCounts:
         """Queue and KV counts now, O(1)."""
@@ -404,6 +450,9 @@ class Scheduler:
                 prefilling.append(req)
                 i += 1
                 continue
+            if req.num_inflight and len(req.output_token_ids) + req.num_inflight >= req.max_output:
+                i += 1  # its last token is in flight: it finishes when that pass lands
+                continue
             while not allocate(req.request_id, req.num_tokens):
                 victim = running[-1]  # least urgent, latest; never one already scheduled
                 self._preempt(victim, out)
@@ -444,7 +493,11 @@ class Scheduler:
         """A forked sample waits while the first sample of its prompt prefills (running), then
         finds the prompt's blocks cached. It does not wait for a parent that is itself waiting
         (preempted, it may queue behind its forks), nor when nothing would be shared (caching
-        off, prompt logprobs); static batches do not wait: each member computes its own."""
+        off, prompt logprobs); static batches do not wait: each member computes its own.
+        A request preempted while a pass of it was in flight waits for that pass to land (its
+        token is part of what it recomputes)."""
+        if req.num_inflight:
+            return True
         parent = req.forked_from
         return (parent is not None and self.blocks.enable_caching and parent.status == RequestStatus.RUNNING
                 and not parent.output_token_ids and req.params.prompt_logprobs is None)

@@ -95,16 +95,41 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def download(parts: Sequence[torch.Tensor]) -> list[np.ndarray]:
     """The pass's one device-to-host copy: `parts` (any shape and dtype) joined as bytes,
     copied, split back into flat numpy arrays of their own dtypes."""
-    if not parts:
-        return []
-    raw = torch.cat([_bytes(p) for p in parts])
-    host = raw.cpu().numpy()
-    out, offset = [], 0
-    for p in parts:
-        n = p.numel() * p.element_size()
-        out.append(host[offset:offset + n].view(_NUMPY_DTYPES[p.dtype]))
-        offset += n
-    return out
+    return Readback(parts).wait()
+
+
+class Readback:
+    """The pass's one device-to-host copy, started: on CUDA into pinned memory behind an event
+    (the host learns the results when it asks, a pass later in the overlapped loop); elsewhere
+    a plain copy."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        self._layout = [(p.numel() * p.element_size(), _NUMPY_DTYPES[p.dtype]) for p in parts]
+        self._event: torch.cuda.Event | None = None
+        if not parts:
+            self._host = None
+            return
+        raw = torch.cat([_bytes(p) for p in parts]) if len(parts) > 1 else _bytes(parts[0])
+        if raw.device.type == "cuda":  # torch caches pinned blocks: no pinning per pass
+            self._host = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=True)
+            self._host.copy_(raw, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = raw.cpu()
+
+    def wait(self) -> list[np.ndarray]:
+        """The parts as flat numpy arrays of their own dtypes, once the copy has arrived."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host.numpy()
+        out, offset = [], 0
+        for n, dtype in self._layout:
+            out.append(host[offset:offset + n].view(dtype))
+            offset += n
+        return out
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

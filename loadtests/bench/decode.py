@@ -200,16 +200,16 @@ def _scoped(name: str, fn: Any) -> Any:
 def labelled(engine: Engine) -> Iterator[None]:
     """Label the pass's phases for the profiler (patched for the duration only)."""
     runner, sched = engine.runner, engine.scheduler
-    saved = [(runner, "execute", runner.execute), (runner, "model", runner.model),
+    saved = [(runner, "prepare", runner.prepare), (runner, "model", runner.model),
              (sched, "schedule", sched.schedule), (engine, "_postprocess", engine._postprocess),
-             (runner.sampler, "sample", runner.sampler.sample),
+             (runner.sampler, "sample_on_device", runner.sampler.sample_on_device),
              (IncrementalDetokenizer, "add_token", IncrementalDetokenizer.add_token),
              (modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)]
-    runner.execute = _scoped("execute", runner.execute)
+    runner.prepare = _scoped("prepare", runner.prepare)
     runner.model = _scoped("forward", runner.model)
     sched.schedule = _scoped("schedule", sched.schedule)
     engine._postprocess = _scoped("postprocess", engine._postprocess)
-    runner.sampler.sample = _scoped("sample", runner.sampler.sample)
+    runner.sampler.sample_on_device = _scoped("sample", runner.sampler.sample_on_device)
     IncrementalDetokenizer.add_token = _scoped("detokenize", IncrementalDetokenizer.add_token)
     modeling_llama.apply_rotary_pos_emb = _scoped("rotary", modeling_llama.apply_rotary_pos_emb)
     AttentionInterface.register(model_runner.ATTN_IMPL, _scoped("attention", model_runner.paged_attention))
@@ -253,7 +253,7 @@ def profile_case(engine: Engine, steps: int) -> dict[str, float]:
     row = {"pass_ms": wall, "profiled_pass_ms": profiled}
     for phase in PHASES:
         row[phase] = ms(phase)
-    row["metadata"] = ms("execute") - ms("forward")
+    row["metadata"] = ms("prepare")  # the pass's host side: metadata, sampling plan, upload
     row["postprocess"] -= row["detokenize"]  # reported on its own
     row["linear (GEMMs)"] = ms("aten::linear")
     row["rotary"] = ms("rotary")

@@ -419,13 +419,13 @@ def test_the_pass_in_progress_is_visible_to_the_engines_drain_rate(llama):
     up to then: a long pass is not a stall) and is cleared once it ended."""
     eng = engine_for(llama, "stall_free")
     seen = []
-    execute = eng.runner.execute
+    prepare = eng.runner.prepare
 
     def watched(batch, *args):  # noqa: ANN001, ANN002, ANN202
         seen.append(eng.pass_started)
-        return execute(batch, *args)
+        return prepare(batch, *args)
 
-    eng.runner.execute = watched
+    eng.runner.prepare = watched
     eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "a")
     while eng.has_unfinished():
         eng.step()

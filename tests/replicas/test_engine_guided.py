@@ -138,15 +138,15 @@ def test_json_object_outputs_parse(model_tok) -> None:
     eng = engine(model_tok)
     tok = model_tok[1]
     closers = torch.tensor([tok.convert_tokens_to_ids(t) for t in ('"', "}")])
-    execute = eng.runner.execute
+    forward = eng.runner.forward
 
-    def closing_model(batch, *args):
-        out = execute(batch, *args)
+    def closing_model(prep, *args):
+        out = forward(prep, *args)
         sampled = out.sampled.clone()  # an inference tensor: edited as a copy
         sampled[:, closers] += 4.0
         return dataclasses.replace(out, sampled=sampled)
 
-    eng.runner.execute = closing_model
+    eng.runner.forward = closing_model
     ps = params_grid(GuidedDecoding("json_object")) * 2
     outs = eng.generate([PROMPTS[i % 4] for i in range(len(ps))], ps)
     for out in outs:

@@ -1,5 +1,5 @@
-"""One pass through the replica: `Engine.step` makes one call into the model runner, which plans
-the sampling into the pass's upload, runs the forward and samples once, returning the token ids;
+"""One pass through the replica: `Engine.step` launches the pass in the model runner (which plans
+the sampling into the pass's upload, runs the forward and samples once) and collects its token ids;
 the engine never enters the sampler itself. A request is checked once, by the engine, and a
 refusal reaches the async caller before any stream starts (a duplicate id never touches the
 request that holds it)."""
@@ -43,10 +43,10 @@ def test_each_step_calls_the_runner_once_and_the_runner_samples_once(llama) -> N
     eng = engine_for(llama)
     runner, sampler = eng.runner, eng.runner.sampler
     calls: Counter = Counter()
-    runner.run = counting(calls, "run", runner.run)
-    runner.execute = counting(calls, "execute", runner.execute)
-    sampler.plan = counting(calls, "plan", sampler.plan)
-    sampler.sample = counting(calls, "sample", sampler.sample)
+    for name in ("launch", "collect", "prepare", "forward"):
+        setattr(runner, name, counting(calls, name, getattr(runner, name)))
+    for name in ("plan", "sample_on_device", "read_back"):
+        setattr(sampler, name, counting(calls, name, getattr(sampler, name)))
     for i, params in enumerate(MIXED):  # prompts of 40 tokens: chunked over passes, then decodes
         eng.add_request(list(range(5 + i, 45 + i)), params)
     passes = 0
@@ -54,7 +54,8 @@ def test_each_step_calls_the_runner_once_and_the_runner_samples_once(llama) -> N
         before = dict(calls)
         eng.step()
         passes += 1
-        assert {k: calls[k] - before.get(k, 0) for k in calls} == {"run": 1, "execute": 1, "plan": 1, "sample": 1}
+        assert {k: calls[k] - before.get(k, 0) for k in calls} == {
+            "launch": 1, "collect": 1, "prepare": 1, "forward": 1, "plan": 1, "sample_on_device": 1, "read_back": 1}
     assert passes == len(eng.iterations) and passes > 6
 
 
@@ -65,9 +66,12 @@ class FakeRunner:
     def __init__(self) -> None:
         self.calls = 0
 
-    def run(self, batch: SchedulerOutput) -> list[int]:
+    def launch(self, batch: SchedulerOutput) -> list[int]:
         self.calls += 1
         return [7 for s in batch.seqs if s.samples]
+
+    def collect(self, launched: list[int]) -> list[int]:
+        return launched
 
 
 @pytest.mark.engine
