@@ -316,7 +316,12 @@ class Engine:
 
     def _land(self, p: InFlight) -> list[RequestOutput]:
         """The pass's tokens back on the host: advance its requests, check stops, emit deltas."""
-        token_ids = self.runner.collect(p.handle)  # the tokens of batch.seqs that sample, in order
+        try:
+            token_ids = self.runner.collect(p.handle)  # the tokens of batch.seqs that sample, in order
+        except BaseException:
+            self.pass_started = None
+            self.scheduler.abandon(p.batch)
+            raise
         now, cpu_s = time.perf_counter(), time.process_time() - p.cpu_start
         self.pass_started = None
         # Overlapped, the host's wall time between returns is not the pass's: the device's is.

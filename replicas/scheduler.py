@@ -71,22 +71,30 @@ class QueueCounts:
                            cached_blocks=self.cached_blocks, prefix_sketch=prefix_sketch)
 
 
-@dataclass
 class ScheduledSeq:
-    """`num_tokens` tokens of `request` starting at position `start` run in this pass."""
+    """`num_tokens` tokens of `request` starting at position `start` run in this pass.
 
-    request: Request
-    start: int
-    num_tokens: int
-    # The chunk reaches the end of the request's tokens (`completes`), so the pass samples one,
-    # unless the request generates nothing (max_tokens 0: its prompt is only scored). Fixed at
-    # scheduling time: they stay true after postprocess appends the sampled token.
-    completes: bool = field(init=False)
-    samples: bool = field(init=False)
+    `completes`: the chunk reaches the end of the request's tokens, so the pass samples one
+    (`samples`), unless the request generates nothing (max_tokens 0: its prompt is only scored).
+    Fixed at scheduling time: they stay true after postprocess appends the sampled token. A
+    plain class with slots: one is built per running request per pass."""
 
-    def __post_init__(self) -> None:
-        self.completes = self.start + self.num_tokens == self.request.num_tokens
-        self.samples = self.completes and self.request.params.max_tokens != 0
+    __slots__ = ("request", "start", "num_tokens", "completes", "samples")
+
+    def __init__(self, request: Request, start: int, num_tokens: int) -> None:
+        self.request, self.start, self.num_tokens = request, start, num_tokens
+        self.completes = start + num_tokens == request.num_tokens
+        self.samples = self.completes and request.params.max_tokens != 0
+
+    @classmethod
+    def decode(cls, request: Request, start: int) -> ScheduledSeq:
+        """A decode's one token (it always completes and samples): no checks to repeat."""
+        seq = cls.__new__(cls)
+        seq.request, seq.start, seq.num_tokens, seq.completes, seq.samples = request, start, 1, True, True
+        return seq
+
+    def __repr__(self) -> str:
+        return f"ScheduledSeq({self.request.request_id!r}, start={self.start}, num_tokens={self.num_tokens})"
 
 
 @dataclass
@@ -241,6 +249,16 @@ class Scheduler:
                 if end % bs == 0 and seq.request.status == RequestStatus.RUNNING:
                     self.blocks.cache_computed(seq.request, end)
         return got
+
+    def abandon(self, batch: SchedulerOutput) -> None:
+        """A launched pass failed: its tokens never land (the caller aborts its requests). Its
+        in-flight counts go, and the finished requests that waited for it free their blocks."""
+        for seq in batch.seqs:
+            req = seq.request
+            if seq.samples:
+                req.num_inflight -= 1
+            if req.is_finished and not req.num_inflight:
+                self.blocks.free(req.request_id)
 
     def _dropped(self, req: Request, seq: ScheduledSeq) -> None:
         """A finished request's pass landed: what it computed is undone (its logprobs entry, the
@@ -442,24 +460,29 @@ class Scheduler:
         Returns the running requests that are still prefilling, most urgent first.
         """
         running, allocate, decodes = self.running, self.blocks.allocate, out.decodes
+        decode = ScheduledSeq.decode
         prefilling: list[Request] = []
         i = 0
-        while i < len(running):
+        while i < len(running):  # per running request per pass: `is_prefilling` inlined
             req = running[i]
-            if req.is_prefilling:
+            inflight = req.num_inflight
+            n_out = len(req.output_token_ids) + inflight
+            num_tokens = len(req.prompt_token_ids) + n_out
+            computed = req.num_computed_tokens
+            if not n_out or num_tokens - computed > 1:
                 prefilling.append(req)
                 i += 1
                 continue
-            if req.num_inflight and len(req.output_token_ids) + req.num_inflight >= req.max_output:
+            if inflight and n_out >= req.max_output:
                 i += 1  # its last token is in flight: it finishes when that pass lands
                 continue
-            while not allocate(req.request_id, req.num_tokens):
+            while not allocate(req.request_id, num_tokens):
                 victim = running[-1]  # least urgent, latest; never one already scheduled
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                decodes.append(ScheduledSeq(req, req.num_computed_tokens, 1))
+                decodes.append(decode(req, computed))
                 i += 1
         if out.preempted:  # a preempted request left `running`
             prefilling = [r for r in prefilling if r.status == RequestStatus.RUNNING]

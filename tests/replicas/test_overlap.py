@@ -211,3 +211,37 @@ def test_passes_that_read_the_output_history_run_synchronously(llama) -> None:
                                SamplingParams(max_tokens=4, temperature=0, presence_penalty=1.0, ignore_eos=True)])
     assert not any(h and lag for h, lag in lagged)
     assert any(lag for h, lag in lagged), "no pass overlapped"
+
+
+def test_auto_overlaps_with_cuda_only(llama) -> None:
+    import torch
+
+    from replicas.engine import resolve_overlap
+    assert not resolve_overlap("auto", torch.device("cpu")) and resolve_overlap("auto", torch.device("cuda"))
+    assert resolve_overlap("on", torch.device("cpu")) and not resolve_overlap("off", torch.device("cuda"))
+    assert not engine_for(llama, "auto").overlap and engine_for(llama, "on").overlap
+
+
+def test_a_failed_pass_in_flight_leaves_no_token_in_flight(llama) -> None:
+    """A pass that fails on the device: its requests' in-flight counts go, the caller aborts them,
+    and every block comes back."""
+    eng = engine_for(llama, "on")
+    free = eng.blocks.num_free
+    for p in PROMPTS[:2]:
+        eng.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    collect = eng.runner.collect
+
+    def failing(handle):  # noqa: ANN001, ANN202
+        eng.runner.collect = collect
+        raise RuntimeError("device fault")
+
+    eng.runner.collect = failing
+    with pytest.raises(RuntimeError, match="device fault"):
+        eng.step()
+    for rid in list(eng.requests):  # what the async engine does after a failed step
+        eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.blocks.num_free == free and not eng.requests
