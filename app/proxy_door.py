@@ -184,7 +184,7 @@ def middlewares() -> list[Middleware]:
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
     return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter(), door=door),
-            Middleware(StreamLimitMiddleware, limit=limit, where="proxy")]
+            Middleware(StreamLimitMiddleware, limit=limit, where="proxy" if where == "proxy" else "door")]
 
 
 class Door:
@@ -258,10 +258,14 @@ def _refusal_counter() -> Callable[[str], None] | None:
     return lambda reason: counter.record(1, {"reason": reason})
 
 
+HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+
+
 def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment a Ray node started for this app gets: `env` with the proxy door's callback
-    set and Ray's workers at `SERVING_NICENESS` (each unless the caller set their own)."""
-    return {CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: str(SERVING_NICENESS), **env}
+    """The environment a Ray node started for this app gets: `env` with Ray's HAProxy mode on
+    (serve_config.yaml's choice), the door's callback set and Ray's workers at `SERVING_NICENESS`
+    (each unless the caller set their own)."""
+    return {HA_PROXY_ENV: "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: str(SERVING_NICENESS), **env}
 
 
 CAP_DECREASE = 0.9  # the stream cap's cut: this x the requests in flight when the gaps turned slow

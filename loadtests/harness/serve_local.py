@@ -90,6 +90,9 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
 
     With `metrics_port`, Ray exports its Prometheus metrics there, refreshed every second.
     """
+    # The node's processes get HAProxy mode and the door (its settings come from the app), its
+    # workers full priority; before Serve is imported, which reads its mode once.
+    os.environ.update(proxy_env(os.environ))
     import ray
     from ray import serve
 
@@ -98,15 +101,13 @@ def serve_forever(port: int, app_args: dict[str, Any], ray_cpus: int, metrics_po
     stop = threading.Event()
     metrics: dict[str, Any] = {} if metrics_port is None else {
         "_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
-    # The node's HTTP proxy runs the door (its settings come from the app), its workers at full priority.
-    os.environ.update(proxy_env(os.environ))
     ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False,
              configure_logging=False, log_to_driver=False, **metrics)
     # After ray.init: Ray installs a SIGTERM handler of its own that exits without cleanup.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
         serve.run(build_app(app_args), name="llm", route_prefix="/")
         print(f"{READY} http://127.0.0.1:{port}", flush=True)
         stop.wait()

@@ -12,8 +12,8 @@ import pytest
 from starlette.types import Message
 
 from app.middleware import StreamLimitMiddleware
-from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, IMPORT_PATH, NICENESS_ENV, Pending,
-                            PendingMiddleware, ProxyDoorConfig, middlewares, proxy_env)
+from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, HA_PROXY_ENV, IMPORT_PATH, NICENESS_ENV,
+                            Pending, PendingMiddleware, ProxyDoorConfig, middlewares, proxy_env)
 
 pytestmark = pytest.mark.unit
 
@@ -409,6 +409,7 @@ def test_the_doors_refusals_reach_the_controller_as_unsized_refused_demand() -> 
 
 
 def test_proxy_env_sets_the_callback_and_priority_unless_given() -> None:
-    assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: "0"}
+    assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: "0", HA_PROXY_ENV: "1"}
+    assert proxy_env({HA_PROXY_ENV: "0"})[HA_PROXY_ENV] == "0"  # Serve's Python proxy, if the caller says so
     assert proxy_env({NICENESS_ENV: "5"})[NICENESS_ENV] == "5"  # the caller's priority wins
     assert proxy_env({CALLBACK_ENV: "mine:f"})[CALLBACK_ENV] == "mine:f"

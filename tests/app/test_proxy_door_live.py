@@ -1,10 +1,12 @@
-"""Serve's HTTP proxy runs our door (`app.proxy_door`, installed through
-RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): over its in-flight limit the proxy itself answers
-429 in OpenAI's shape with Retry-After, and serves again once the request in flight ends.
+"""The door (`app.proxy_door`, installed through RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH) runs
+wherever Serve serves HTTP: over its in-flight limit it answers 429 in OpenAI's shape with
+Retry-After, and serves again once the request in flight ends; and nothing users rely on is lost
+on the way (streams with usage, /metrics on the same port, a client leaving frees its KV).
 
 The server runs in a subprocess as a user starts it: `serve run` on serve_config.yaml, whose
-controller_options set the callback (tests/support/server.py), on a Ray instance of its own, with
-the proxy's limit pinned to one generation request.
+controller_options turn on Ray's HAProxy mode and set the callback (tests/support/server.py), so
+the door runs in the ingress's own HTTP server; on a Ray instance of its own, with the door's
+limit pinned to one generation request.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from loadtests.harness import metrics_text
 from tests.support.server import serve_run
 
 pytestmark = pytest.mark.process
 
+FINISHED = "ray_stallfree_request_success_total"  # by finished_reason, from the replica
+LEFT_MID_STREAM: list[object] = []  # the streams this module's clients closed early
 SERVER_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 4096},
                "num_cpus": 1, "ingress_num_cpus": 0.1, "replica": {"stream_interval_ms": 0},
                "proxy_door": {"max_requests": 1, "min_requests": 1}}
@@ -42,6 +47,7 @@ def test_the_proxy_refuses_over_its_limit_and_serves_after(door_server: str, wai
         long_stream = {"prompt": [5, 6, 7, 8], "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with client.stream("POST", "/v1/completions", json=long_stream) as held:
             assert held.status_code == 200
+            LEFT_MID_STREAM.append(held)  # closed below, long before its last token: an abort
             lines = held.iter_lines()  # kept: a dropped iterator closes the stream
             next(lines)
             refused = client.post("/v1/completions", json=small)
@@ -50,7 +56,7 @@ def test_the_proxy_refuses_over_its_limit_and_serves_after(door_server: str, wai
             error = refused.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert error["code"] == "rate_limit_exceeded"
-            assert "in flight at this proxy, its limit is 1" in error["message"]
+            assert "its limit is 1" in error["message"]
             assert client.get("/health").status_code == 200  # only generation routes are limited
         # The held stream is gone (closed by us): the proxy admits again, a request at a time (the
         # last one counts until the proxy has finished with it, a moment after its client has it).
@@ -60,3 +66,47 @@ def test_the_proxy_refuses_over_its_limit_and_serves_after(door_server: str, wai
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})).status_code == 200 and r,
             timeout_s=60, what="a chat request admitted")
         assert json.loads(chat.text)["choices"]
+
+
+def test_haproxy_serves_and_the_door_runs_in_the_ingress(door_server: str, wait_until) -> None:  # noqa: ANN001
+    """serve_config.yaml's HTTP path: HAProxy in front, the ingress serving HTTP with the door in it."""
+    with httpx.Client(base_url=door_server, timeout=60) as client:
+        assert client.get("/health").json()["http_path"] == {"proxy": "haproxy", "door": "ingress"}
+        assert client.get("/metrics").status_code == 200  # the same port
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        events = wait_until(lambda: _events(client, body), timeout_s=60, what="a stream admitted")
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 5
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(door_server: str, wait_until) -> None:  # noqa: ANN001
+    """Through HAProxy too, a disconnect reaches the engine: the replica counts the request
+    aborted (its KV blocks freed with it), not run to its 1500 tokens, and the door's slot frees."""
+    long_stream = {"prompt": [5, 6, 7, 8], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=door_server, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=long_stream) as held:
+            assert held.status_code == 200
+            LEFT_MID_STREAM.append(held)
+            lines = held.iter_lines()
+            next(lines)
+        # Every stream this module's clients left is counted aborted, once exported.
+        wait_until(lambda: _finished(client, "abort") == len(LEFT_MID_STREAM), timeout_s=120,
+                   what="the replica's aborts exported")
+        small = {"prompt": [5, 6, 7, 8], "max_tokens": 2}
+        wait_until(lambda: client.post("/v1/completions", json=small).status_code == 200,
+                   timeout_s=60, what="the slot free once the client left")
+
+
+def _finished(client: httpx.Client, reason: str) -> float:
+    """Requests the replicas finished for `reason`, from /metrics."""
+    text = client.get("/metrics").text
+    return sum(value for name, labels, value in metrics_text.samples(text, (FINISHED,))
+               if labels.get("finished_reason") == reason)
+
+
+def _events(client: httpx.Client, body: dict) -> list[str] | None:
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return None
+        return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
