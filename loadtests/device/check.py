@@ -1,16 +1,18 @@
-"""The engine's device check for one lent H200: parity, decode MBU, prefill rate, stall-free TBT.
+"""The engine's device check for one lent GPU: parity, decode MBU, prefill rate, stall-free TBT.
 
 Prepare the wheels the bare image lacks (here, with the network; loadtests/device/wheels.py says how
-the list is found), then on the device, from the repository root (one call, under 8 minutes):
+the list is found; it carries the transformers the graphs were traced with), then on the device,
+from the repository root (one call: the probe under a minute, the check under 5 minutes):
 
     python -m loadtests.device.check --wheels loadtests/out/gpu_wheels
     python3 -m pip install -q --no-index --no-deps --target /tmp/site loadtests/out/gpu_wheels/*.whl && \\
         export PYTHONPATH=/tmp/site && python3 -m loadtests.device.check --probe --out $OUT/gpu_probe.json && \\
         python3 -m loadtests.device.check --out $OUT/gpu_check.json
 
-(device `run`: carry ["loadtests/out/gpu_wheels"], timeout_s 540; the image has `python3`, no
-`python`). The probe (`--probe`, loadtests/device/probe.py) runs first, in about a minute: if it
-shows compiles after warm-up, a fallback or a parity miss, fix that before the full check.
+(device `run`: carry ["loadtests/out/gpu_wheels"], timeout_s 420; the image has `python3`, no
+`python`). The probe (`--probe`, loadtests/device/probe.py) runs first: if it shows compiles
+after warm-up, a fallback or a parity miss, fix that before the full check. Both rewrite their
+JSON after every stage (a `run` killed at its limit still returns what finished).
 Rehearsals on CPU: `python -m loadtests.device.check --device cpu --small [--probe] --out PATH`.
 
 The model is Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, MLP 8192,
@@ -25,8 +27,13 @@ byte-level BPE tokenizer trained here (replicas.models.build_tokenizer): no hub.
 4. tbt: 63 streams decoding when a 16k-token prompt arrives: the streams' p50/p99 TBT and the
    decode-only step, under stall_free, stall_free with the SLO budget, and dynamic.
 
-Each stage has a time budget (items past it are skipped and listed) inside one deadline for the
-run; the JSON (`--out`) is rewritten after every item, so a run cut short keeps what finished.
+Each stage has a time budget inside one deadline for the run: the item running when it ends is
+cut (listed under `cut`), those after it are skipped; the JSON (`--out`) is rewritten after every
+item. Every engine shares one shape (KV size, max_num_seqs, max_model_len: `engine_shape`), so
+the device compiles each graph once and later engines take it from inductor's cache; one engine
+serves every batch size of the decode stage, and the prefill stage captures no decode graph.
+MBU is taken against the device's own peak (`peak.py`: its datasheet figure, else a measured
+copy), recorded with its source.
 """
 
 from __future__ import annotations
@@ -42,7 +49,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +56,8 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from loadtests.device import stages
+from loadtests.device.peak import peak_bandwidth
+from loadtests.device.record import Cut, save_json, time_limit
 from loadtests.device.runner import RunnerOptions
 from replicas.models import build_tokenizer
 
@@ -58,7 +66,6 @@ LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers":
 SMALL = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 2048, "max_position_embeddings": 4096}
 ROPE_THETA = 500_000.0
-PEAK_TBS = {"cuda": 4.8, "cpu": 0.1}  # H200's HBM3e; on CPU a nominal figure for the rehearsal
 # The performance stages run in bf16 on a GPU, as served; on CPU in fp32 (the engine's CPU default:
 # CPU bf16 matmuls are slow, and the rehearsal is about the code paths).
 PERF_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
@@ -93,10 +100,10 @@ class Plan:
 
 FULL = Plan(
     shape=LLAMA_1B, parity_lengths=(7, 64, 200, 333), parity_new_tokens=32, parity_chunk=128,
-    mbu_batches=(1, 16, 64), mbu_context=1024, mbu_steps=30, compiled_batches=(1, 64, 16),
+    mbu_batches=(1, 16, 64), mbu_context=1024, mbu_steps=30, compiled_batches=(64,),
     prefill_budgets=(512, 2048, 8192), prefill_prompt_len=4096, prefill_tokens=32768, prefill_repeats=2,
     tbt_streams=63, tbt_context=1024, tbt_long=16384, tbt_stream_tokens=1024, tbt_budget=2048,
-    tbt_decode_steps=20, budgets_s={"parity": 60, "mbu": 140, "prefill": 50, "tbt": 110}, deadline_s=420)
+    tbt_decode_steps=20, budgets_s={"parity": 50, "mbu": 100, "prefill": 40, "tbt": 90}, deadline_s=295)
 SMALL_PLAN = Plan(
     shape=SMALL, parity_lengths=(5, 24, 70, 131), parity_new_tokens=24, parity_chunk=32,
     mbu_batches=(1, 4, 16), mbu_context=128, mbu_steps=5, compiled_batches=(1,),
@@ -132,21 +139,20 @@ class Check:
         self.result: dict[str, Any] = {"meta": meta, "stages": {}}
 
     def save(self) -> None:
-        if self.path:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.path).write_text(json.dumps(self.result, indent=2, default=float) + "\n")
+        save_json(self.path, self.result)
 
     def stage(self, name: str, budget_s: float) -> Stage:
         return Stage(self, name, budget_s)
 
 
 class Stage:
-    """A stage's items, each run while the stage's budget (and the run's deadline) lasts."""
+    """A stage's items, each cut when the stage's budget (or the run's deadline) runs out: an item
+    running at the end is interrupted (listed under `cut`), those after it are skipped."""
 
     def __init__(self, check: Check, name: str, budget_s: float) -> None:
         self.check, self.start = check, time.perf_counter()
         self.end = min(self.start + budget_s, check.deadline)
-        self.record: dict[str, Any] = {"budget_s": budget_s, "items": {}, "skipped": [], "errors": {}}
+        self.record: dict[str, Any] = {"budget_s": budget_s, "items": {}, "skipped": [], "cut": [], "errors": {}}
         check.result["stages"][name] = self.record
 
     def left(self) -> float:
@@ -158,25 +164,44 @@ class Stage:
             self.record["skipped"].append(item)
         else:
             try:
-                row = self.record["items"][item] = fn()
+                with time_limit(self.left()):
+                    row = self.record["items"][item] = fn()
+            except Cut:
+                self.record["cut"].append(item)
+                print(f"{item}: cut at the stage's budget", file=sys.stderr)
             except Exception:  # recorded, and the run goes on: one failure must not cost the rest
                 self.record["errors"][item] = traceback.format_exc(limit=-6)
                 print(f"{item}: {self.record['errors'][item]}", file=sys.stderr)
         release(self.check.device)
         self.record["elapsed_s"] = time.perf_counter() - self.start
-        self.record["status"] = ("errors" if self.record["errors"] else
+        self.record["status"] = ("errors" if self.record["errors"] else "cut" if self.record["cut"] else
                                  "stopped_early" if self.record["skipped"] else "complete")
         self.check.save()
         return row
+
+
+def engine_shape(plan: Plan, parity_kv: int) -> dict[str, Any]:
+    """The EngineConfig fields every engine of the run shares: room for the largest stage."""
+    kv = max(parity_kv, stages.decode_kv_tokens(max(plan.mbu_batches), plan.mbu_context),
+             stages.prefill_kv_tokens(plan.prefill_tokens, plan.prefill_prompt_len),
+             stages.tbt_kv_tokens(plan.tbt_streams, plan.tbt_context, plan.tbt_long, plan.tbt_stream_tokens))
+    model_len = max(plan.mbu_context + stages.FILL_TOKENS, plan.prefill_prompt_len + 16, plan.tbt_long + 16,
+                    plan.tbt_context + plan.tbt_stream_tokens + 16, max(plan.parity_lengths) + plan.parity_new_tokens)
+    seqs = max(max(plan.mbu_batches), plan.tbt_streams + 1, len(plan.parity_lengths),
+               stages.prefill_prompts(plan.prefill_tokens, plan.prefill_prompt_len))
+    return {"max_batch_total_tokens": kv, "max_model_len": model_len, "max_num_seqs": seqs,
+            "enable_prefix_caching": False}
 
 
 def run_stages(model: LlamaForCausalLM, tokenizer: Any, plan: Plan, check: Check, runner: RunnerOptions,
                peak_bytes_s: float, slo_ms: float | None, only: set[str], perf_dtype: torch.dtype) -> None:
     build = runner.build
     vocab = model.config.vocab_size
+    ids = stages.prompts(plan.parity_lengths, vocab, seed=1)
+    runner.shape = engine_shape(plan, stages.rounded(sum(len(p) + plan.parity_new_tokens + 16 for p in ids)))
+    check.result["meta"]["engine_shape"] = runner.shape
     if "parity" in only:
         s = check.stage("parity", plan.budgets_s["parity"])
-        ids = stages.prompts(plan.parity_lengths, vocab, seed=1)
         s.run("greedy_fp32", lambda: stages.greedy_parity(model, tokenizer, build, ids, plan.parity_new_tokens,
                                                           plan.parity_chunk))
         s.run("teacher_forced_bf16", lambda: stages.bf16_logprob_error(
@@ -185,8 +210,18 @@ def run_stages(model: LlamaForCausalLM, tokenizer: Any, plan: Plan, check: Check
     if "mbu" in only:
         s = check.stage("mbu", plan.budgets_s["mbu"])
         args = (plan.mbu_context, plan.mbu_steps, peak_bytes_s)
+        # one engine, a decode bucket per batch size, for every batch size
+        engine = None
+
+        def decode(b: int) -> dict[str, Any]:
+            nonlocal engine
+            if engine is None:
+                engine = build(model, tokenizer, graphs=plan.mbu_batches, max_batch_prefill_tokens=8192)
+            return stages.engine_decode(engine, b, *args)
+
         for b in plan.mbu_batches:
-            s.run(f"engine B={b}", lambda b=b: stages.engine_decode(model, tokenizer, build, b, *args))
+            s.run(f"engine B={b}", lambda b=b: decode(b))
+        engine = None
         for b in plan.mbu_batches:
             s.run(f"hf_eager B={b}", lambda b=b: stages.hf_decode(model, b, *args, compiled=False))
         for b in plan.compiled_batches:
@@ -261,10 +296,12 @@ def _commit() -> str | None:
     return done.stdout.strip() or None
 
 
-def _meta(device: torch.device, plan: Plan, small: bool, peak: float, runner: RunnerOptions) -> dict[str, Any]:
+def _meta(device: torch.device, plan: Plan, small: bool, bandwidth: dict[str, Any],
+          runner: RunnerOptions) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {"device": str(device), "device_name": name, "shape_name": "small" if small else "llama-3.2-1b",
-            "shape": plan.shape, "rope_theta": ROPE_THETA, "tied_embeddings": True, "peak_tbs": peak / 1e12,
+            "shape": plan.shape, "rope_theta": ROPE_THETA, "tied_embeddings": True, "peak_tbs": bandwidth["tbs"],
+            "peak_bandwidth": bandwidth,
             "perf_dtype": str(PERF_DTYPE[device.type]), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "commit": _commit(),
@@ -279,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--small", action="store_true", help="a tiny model of the same family (CPU rehearsal)")
     p.add_argument("--out", default=None, help="the JSON, rewritten after every item")
     p.add_argument("--stages", default="parity,mbu,prefill,tbt")
-    p.add_argument("--peak-tbs", type=float, default=None, help="peak memory bandwidth, TB/s (H200: 4.8)")
+    p.add_argument("--peak-tbs", type=float, default=None,
+                   help="peak memory bandwidth, TB/s; default: the device's datasheet figure, else a measured copy")
     p.add_argument("--tbt-slo-ms", type=float, default=None,
                    help=f"the stall_free+slo case's SLO; default {SLO_OVER_DECODE} x stall_free's decode step")
     p.add_argument("--attention-backend", default=None, help="the runner's attention_backend, when it has one")
@@ -293,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="multiplies every stage budget and the deadline")
     p.add_argument("--probe", action="store_true",
                    help="the one-minute probe only (loadtests/device/probe.py): compiles, fallback, parity")
+    p.add_argument("--probe-deadline-s", type=float, default=None,
+                   help="the probe's deadline (default 55 s on CUDA, 600 s on CPU)")
     p.add_argument("--wheels", default=None, metavar="DIR",
                    help="download the wheels the GPU image lacks into DIR and exit")
     args = p.parse_args(argv)
@@ -303,13 +343,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           else "cpu" if args.device == "auto" else args.device)
     if args.probe:
         from loadtests.device.probe import LAYOUTS, run_probe
-        result = {"meta": {"device": str(device), "torch": torch.__version__, "commit": _commit(),
-                           "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
-                  "probe": run_probe(device, ("4:1",) if args.small else tuple(LAYOUTS))}
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result["probe"], indent=2))
+        meta = {"device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
+                "commit": _commit(), "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+        result = run_probe(device, ("4:1",) if args.small else tuple(LAYOUTS), args.probe_deadline_s,
+                           out=args.out, meta=meta, peak_tbs=args.peak_tbs)
+        print(json.dumps(result["probe"], indent=2, default=str))
         return result
     plan = SMALL_PLAN if args.small else FULL
     # One thread on a shared CPU: several spin-wait on cores other processes hold, passes slow down many-fold.
@@ -320,8 +358,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     runner = RunnerOptions.resolve({"attention_backend": args.attention_backend,
                                     "cuda_graphs": args.cuda_graphs, "compile_backend": args.compile_backend})
-    peak = (args.peak_tbs or PEAK_TBS[device.type]) * 1e12
-    meta = _meta(device, plan, args.small, peak, runner)
+    bandwidth = peak_bandwidth(device, args.peak_tbs)
+    peak = bandwidth["tbs"] * 1e12
+    meta = _meta(device, plan, args.small, bandwidth, runner)
     scale = args.budget_scale
     check = Check(args.out, meta, started + plan.deadline_s * scale, device)
     model, tokenizer = build_model(plan.shape, device)

@@ -1,32 +1,47 @@
-"""The device probe (`python3 -m loadtests.device.check --probe`): in about a minute, does the GPU
-path start, compile only at start, and agree with HF? Run it before the full check.
+"""The device probe (`python3 -m loadtests.device.check --probe --out F`): in under a minute, does
+the GPU path start, compile only at start, and agree with HF? Run it before the full check.
 
-For each head layout the loader accepts (4:1 GQA as Llama-3.2-1B, 9:3 as SmolLM2, 1:1), a
-two-layer Llama of that layout with random fp32 weights: an engine on the flex path with decode
-graphs (inductor on CUDA; on CPU, dynamo's eager backend: the same graphs and guards, no code),
-which compiles every shape group and decode bucket at start; then a schedule of staggered
-requests (one row alone, mixed passes, chunked prefill with context, every bucket, preemption)
-through it, counting compiles after warm-up; then its greedy tokens against HF `generate`.
-Last, when time is left on CUDA, the decode attention alone (B=64, 1k context, 32/8 heads) with
-and without full pages marked (attention_flex.DECODE_FULL_BLOCKS).
+Stages, each within what is left of one deadline (cut inside, not only between stages), each
+error caught and recorded, and F rewritten after every one (a killed run keeps what finished):
 
-The JSON's `probe`: compiles_after_warmup and graph_breaks (ints, summed over layouts),
-fallback (any layout fell back to SDPA), seconds, and each layout's record.
+1. `device`: name, SMs, free memory, peak bandwidth and its source, torch / transformers /
+   triton versions (transformers from the carried wheels, as traced here, or the image's own).
+2. `layout 4:1`, `layout 9:3`, `layout 1:1` (4:1 GQA as Llama-3.2-1B, 9:3 as SmolLM2, 1:1): a
+   two-layer Llama of that layout with random fp32 weights, ONE engine on the flex path with
+   decode graphs (inductor on CUDA; on CPU, dynamo's eager backend: the same graphs and guards,
+   no code) that compiles every shape group and bucket at start, with the Triton block sizes
+   inductor picks (`kernels.flex_choices`); a schedule of staggered requests (one row alone,
+   mixed passes, chunked prefill with context, every bucket) in a KV cache small enough that it
+   preempts; compiles after warm-up and graph breaks; every prompt's greedy tokens against HF.
+3. `decode_attention` (CUDA): the decode attention alone (B=64, 1k context, 32/8 heads) with and
+   without full pages marked (attention_flex.DECODE_FULL_BLOCKS).
+
+The JSON's `probe`: `stages` (each with status complete / cut / error / skipped, seconds, and
+its figures), and the verdict so far: compiles_after_warmup, graph_breaks, fallback,
+parity_passed, seconds, finished.
 """
 
 from __future__ import annotations
 
+import gc
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from loadtests.device.kernels import flex_choices
+from loadtests.device.peak import peak_bandwidth
+from loadtests.device.record import run_limited, save_json
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import build_tokenizer
 
 LAYOUTS = {"4:1": (32, 8), "9:3": (9, 3), "1:1": (4, 4)}
 SCHEDULE_LENS = (1, 70, 5, 33, 150, 12, 9, 64)
+KV_TOKENS = 320  # the schedule's KV: tight enough that it preempts (one engine tests both)
+DEADLINE_S = {"cuda": 55.0, "cpu": 600.0}  # the whole probe, stages cut inside at it (on CPU a rehearsal
+# of the code paths on a shared machine: its time means nothing)
 
 
 def probe_model(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> tuple[Any, Any]:
@@ -67,34 +82,36 @@ def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def probe_layout(name: str, device: torch.device, head_dim: int) -> dict[str, Any]:
+def probe_layout(name: str, device: torch.device, head_dim: int, rec: dict[str, Any]) -> None:
+    """One engine for the layout, its KV tight enough that the schedule preempts; `rec` filled as
+    it goes (a cut stage keeps what it had)."""
     heads, kv_heads = LAYOUTS[name]
-    started = time.perf_counter()
+    rec["heads"] = f"{heads}/{kv_heads}"
     model, tokenizer = probe_model(heads, kv_heads, head_dim, device)
     backend = "inductor" if device.type == "cuda" else "eager"
-    config = dict(max_batch_prefill_tokens=64, block_size=16, max_num_seqs=8, attention_backend="flex",
-                  cuda_graphs=True, compile_backend=backend)
+    config = EngineConfig(max_batch_prefill_tokens=64, block_size=16, max_num_seqs=8, attention_backend="flex",
+                          cuda_graphs=True, compile_backend=backend, max_batch_total_tokens=KV_TOKENS)
+    breaks = _graph_breaks()
     t0 = time.perf_counter()
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_total_tokens=2048, **config))
-    warm_s = time.perf_counter() - t0
+    with flex_choices() as kernels:
+        engine = Engine(model, tokenizer, config)
     runner = engine.runner
-    record: dict[str, Any] = {"heads": f"{heads}/{kv_heads}", "path": runner.path,
-                              "fallback_error": runner.fallback_error, "warmup_s": round(warm_s, 2),
-                              "compiles_at_warmup": runner.compiles[0]}
+    rec.update(path=runner.path, fallback_error=runner.fallback_error, warmup_s=round(time.perf_counter() - t0, 2),
+               compiles_at_warmup=runner.compiles[0], kernel_choices=kernels)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in SCHEDULE_LENS]
     got = schedule(engine, prompts)
-    tight = Engine(model, tokenizer, EngineConfig(max_batch_total_tokens=320, **config))  # preempts
-    got_tight = schedule(tight, prompts)
-    record["preemptions"] = sum(it.num_preempted for it in tight.iterations)
-    record["compiles_after_warmup"] = runner.compiles[1] + tight.runner.compiles[1]
-    record["same_tokens_under_preemption"] = got == got_tight
-    # parity: the first three prompts' greedy tokens against HF generate
-    want = {f"r{i}": hf_greedy(model, p, 6 + 3 * i) for i, p in enumerate(prompts[:3])}
-    record["parity_equal"] = sum(got[k] == v for k, v in want.items())
-    record["parity_prompts"] = len(want)
-    record["seconds"] = round(time.perf_counter() - started, 2)
-    return record
+    rec["preemptions"] = sum(it.num_preempted for it in engine.iterations)
+    rec["compiles_after_warmup"] = runner.compiles[1]
+    rec["graph_breaks"] = _graph_breaks() - breaks
+    # parity: every prompt's greedy tokens (preempted ones included) against HF generate
+    want = {f"r{i}": hf_greedy(model, p, 6 + 3 * i) for i, p in enumerate(prompts)}
+    rec["parity_equal"] = sum(got.get(k) == v for k, v in want.items())
+    rec["parity_prompts"] = len(want)
+
+
+def _graph_breaks() -> int:
+    return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
 
 
 def decode_attention_times(device: torch.device) -> dict[str, Any]:
@@ -138,27 +155,70 @@ def decode_attention_times(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def run_probe(device: torch.device, layouts: tuple[str, ...] = tuple(LAYOUTS),
-              deadline_s: float = 50.0) -> dict[str, Any]:
-    """Each layout in turn while the deadline lasts (those left are listed as skipped)."""
+def run_probe(device: torch.device, layouts: tuple[str, ...] = tuple(LAYOUTS), deadline_s: float | None = None,
+              out: str | None = None, meta: dict[str, Any] | None = None,
+              peak_tbs: float | None = None) -> dict[str, Any]:
+    """Stages in turn (the device's facts, each layout, the decode attention on CUDA), each
+    within what is left of the deadline; `out` rewritten after every stage."""
     started = time.perf_counter()
+    deadline_s = DEADLINE_S[device.type] if deadline_s is None else deadline_s
     head_dim = 64 if device.type == "cuda" else 16
-    torch._dynamo.utils.counters.clear()
-    records: dict[str, Any] = {}
-    skipped = []
-    for name in layouts:
-        if time.perf_counter() - started > deadline_s:
-            skipped.append(name)
-            continue
-        records[name] = probe_layout(name, device, head_dim)
-    probe: dict[str, Any] = {
-        "compiles_after_warmup": sum(r["compiles_after_warmup"] for r in records.values()),
-        "graph_breaks": int(sum(torch._dynamo.utils.counters["graph_break"].values())),
-        "fallback": any(r["path"] != "flex+graphs" for r in records.values()),
-        "parity_passed": all(r["parity_equal"] == r["parity_prompts"] and r["same_tokens_under_preemption"]
-                             for r in records.values()),
-        "layouts": records, "skipped": skipped}
-    if device.type == "cuda" and time.perf_counter() - started < deadline_s:
-        probe["decode_attention"] = decode_attention_times(device)
-    probe["seconds"] = round(time.perf_counter() - started, 2)
-    return probe
+    probe: dict[str, Any] = {"deadline_s": deadline_s, "stages": {}, "finished": False}
+    result = {"meta": meta or {}, "probe": probe}
+    work: list[tuple[str, Any]] = [("device", lambda rec: device_facts(device, rec, peak_tbs))]
+    work += [(f"layout {name}", lambda rec, name=name: probe_layout(name, device, head_dim, rec)) for name in layouts]
+    if device.type == "cuda":
+        work.append(("decode_attention", lambda rec: rec.update(decode_attention_times(device))))
+    for stage, fn in work:
+        rec = probe["stages"][stage] = {}
+        left = deadline_s - (time.perf_counter() - started)
+        if left <= 0:
+            rec["status"] = "skipped"
+        else:
+            run_limited(fn, rec, left)
+        release(device)
+        summarize(probe)
+        probe["seconds"] = round(time.perf_counter() - started, 2)
+        save_json(out, result)
+    probe["finished"] = True
+    save_json(out, result)
+    return result
+
+
+def summarize(probe: dict[str, Any]) -> None:
+    """The probe's verdict over the layouts so far: compiles after warm-up, graph breaks, any
+    fallback, parity (every layout complete and equal to HF)."""
+    layouts = [r for k, r in probe["stages"].items() if k.startswith("layout ")]
+    done = [r for r in layouts if "parity_prompts" in r]
+    probe["compiles_after_warmup"] = sum(r.get("compiles_after_warmup", 0) for r in layouts)
+    probe["graph_breaks"] = sum(r.get("graph_breaks", 0) for r in layouts)
+    probe["fallback"] = any(r.get("path", "flex+graphs") != "flex+graphs" for r in layouts)
+    probe["parity_passed"] = bool(done) and len(done) == len(layouts) and all(
+        r["parity_equal"] == r["parity_prompts"] for r in done)
+
+
+def device_facts(device: torch.device, rec: dict[str, Any], peak_tbs: float | None) -> None:
+    """What the run stands on: the device, its memory and peak bandwidth, the library versions
+    (transformers' above all, and where it came from: the wheels carry the version the graphs
+    were traced with here; the image's own is older)."""
+    import transformers
+
+    rec.update(device=str(device), torch=torch.__version__, transformers=transformers.__version__,
+               transformers_from=str(Path(transformers.__file__).parent.parent))
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        free, total = torch.cuda.mem_get_info(device)
+        rec.update(name=props.name, sms=props.multi_processor_count, memory_gib=round(total / 2**30, 1),
+                   free_gib=round(free / 2**30, 1), capability=f"{props.major}.{props.minor}")
+        try:
+            import triton
+            rec["triton"] = triton.__version__
+        except ImportError:
+            rec["triton"] = None
+    rec["peak_bandwidth"] = peak_bandwidth(device, peak_tbs)
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

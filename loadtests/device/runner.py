@@ -17,6 +17,10 @@ from replicas.engine import Engine
 @dataclasses.dataclass
 class RunnerOptions:
     asked: dict[str, Any]
+    # EngineConfig fields every engine of the run shares (KV size, max_num_seqs, max_model_len):
+    # the compiled graphs' input shapes then repeat from engine to engine, and inductor's graph
+    # cache hands back what an earlier engine compiled instead of compiling it cold again.
+    shape: dict[str, Any] = dataclasses.field(default_factory=dict)
     reported: dict[str, Any] = dataclasses.field(default_factory=dict)
     # every built engine's compile counter (small; the engines themselves are released)
     counters: list[Any] = dataclasses.field(default_factory=list)
@@ -31,11 +35,17 @@ class RunnerOptions:
             raise ValueError(f"not EngineConfig fields: {unknown}")
         return cls(given)
 
-    def build(self, model: Any, tokenizer: Any, **config: Any) -> Engine:
-        """An engine over `model` with `config` and these options. Unless asked otherwise, its
-        decode graphs are one bucket, max_num_seqs: every stage decodes its full batch, and each
-        bucket is a whole-model compile at start (seconds on the device, for each engine)."""
+    def build(self, model: Any, tokenizer: Any, graphs: bool | tuple[int, ...] = True, **config: Any) -> Engine:
+        """An engine over `model` with the shared shape, `config` and these options. Its decode
+        graphs: one bucket, max_num_seqs (every stage decodes its full batch, and each bucket is a
+        whole-model compile at start), or the buckets `graphs` names, or none (`graphs=False`: a
+        stage that never decodes)."""
+        config = self.shape | config
         options = {"cuda_graph_sizes": (config.get("max_num_seqs", 128),)} | self.asked
+        if graphs is False:
+            options = {k: v for k, v in options.items() if k != "cuda_graph_sizes"} | {"cuda_graphs": False}
+        elif graphs is not True:
+            options["cuda_graph_sizes"] = tuple(graphs)
         engine = Engine(model, tokenizer, EngineConfig(**config, **options))
         self.reported = {k: _plain(getattr(engine.runner, k))
                          for k in ("attention_backend", "cuda_graphs", "path", "compiles", "fallback_error")
@@ -46,10 +56,13 @@ class RunnerOptions:
 
     def record(self) -> dict[str, Any]:
         """What was asked, what the last runner reported, and over every engine built so far the
-        graphs compiled at start and after it (serving should compile none)."""
+        graphs compiled at start and after it (serving should compile none), and how many of them
+        were new to the process."""
         return {"asked": self.asked, "runner_reports": self.reported, "engines_compiled": len(self.counters),
                 "compiles_at_warmup": sum(c.compiles - c.after_warmup for c in self.counters),
-                "compiles_after_warmup": sum(c.after_warmup for c in self.counters)}
+                "compiles_after_warmup": sum(c.after_warmup for c in self.counters),
+                # graphs no earlier engine had compiled: what the device compiles cold
+                "new_graphs": sum(c.new_graphs for c in self.counters)}
 
 
 def _plain(value: Any) -> Any:

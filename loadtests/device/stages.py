@@ -1,7 +1,9 @@
 """The measurements of the GPU check (loadtests/device/check.py), one function per item of a stage.
 
 Each takes the model, its tokenizer and `build(model, tokenizer, **engine_config) -> Engine` (the
-check's engine factory: it carries the runner options) and returns one JSON-ready row. Timings
+check's engine factory: it carries the runner options and the one engine shape every engine of
+the run shares, so the device compiles each graph once: see `RunnerOptions`) and returns one
+JSON-ready row. The `*_kv_tokens` functions say what KV each stage needs of that shape. Timings
 wait for the device: `Engine.step()` ends by reading the sampled tokens back; the HF references
 synchronize after every step.
 """
@@ -53,10 +55,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _lengths(prompt_ids: Sequence[Sequence[int]], new_tokens: int) -> int:
-    return rounded(sum(len(p) + new_tokens + 16 for p in prompt_ids))
-
-
 # ---- 1. parity ----------------------------------------------------------------------------
 
 @torch.inference_mode()
@@ -72,8 +70,7 @@ def greedy_parity(model: PreTrainedModel, tokenizer: Any, build: Build, prompt_i
                              min_new_tokens=new_tokens, do_sample=False, output_scores=True,
                              return_dict_in_generate=True)
         hf.append((out.sequences[0, len(ids):].tolist(), out.scores))
-    engine = build(model, tokenizer, max_batch_prefill_tokens=chunk, max_num_seqs=len(prompt_ids),
-                   max_batch_total_tokens=_lengths(prompt_ids, new_tokens))
+    engine = build(model, tokenizer, max_batch_prefill_tokens=chunk)
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens,
                                                       temperature=0.0))
     rows = []
@@ -97,8 +94,7 @@ def bf16_logprob_error(model32: PreTrainedModel, tokenizer: Any, build: Build,
     prefills, generated ones through decodes) and of HF's bf16 forward, each against an fp64
     forward with the same bf16-rounded weights; the engine within 2x of HF's own error."""
     bf16 = copy.deepcopy(model32).to(torch.bfloat16)
-    engine = build(bf16, tokenizer, max_batch_prefill_tokens=chunk, max_num_seqs=len(prompt_ids),
-                   max_batch_total_tokens=_lengths(prompt_ids, new_tokens))
+    engine = build(bf16, tokenizer, max_batch_prefill_tokens=chunk)
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens,
                                                       temperature=0.0, logprobs=0, prompt_logprobs=0))
     del engine
@@ -139,13 +135,16 @@ def decode_row(system: str, batch: int, times: list[float], context_tokens: floa
             "steps": len(times)}
 
 
-def engine_decode(model: PreTrainedModel, tokenizer: Any, build: Build, batch: int, context: int,
-                  steps: int, peak_bytes_s: float) -> dict[str, Any]:
+def decode_kv_tokens(batch: int, context: int) -> int:
+    """The KV `engine_decode` needs at `batch` x `context`."""
+    return rounded(batch * (context + FILL_TOKENS))
+
+
+def engine_decode(engine: Engine, batch: int, context: int, steps: int, peak_bytes_s: float) -> dict[str, Any]:
     """The engine's decode step (`Engine.step()`: schedule, forward, sample, postprocess) with
-    `batch` requests at `context` tokens each."""
-    engine = build(model, tokenizer, max_num_seqs=batch, max_batch_prefill_tokens=8192,
-                   max_model_len=context + FILL_TOKENS, enable_prefix_caching=False,
-                   max_batch_total_tokens=rounded(batch * (context + FILL_TOKENS)))
+    `batch` requests at `context` tokens each. One engine serves every batch size in turn (its
+    decode graphs hold a bucket for each): it is left empty for the next."""
+    model = engine.model
     fill(engine, [context] * batch)
     times = []
     for _ in range(steps):
@@ -153,6 +152,8 @@ def engine_decode(model: PreTrainedModel, tokenizer: Any, build: Build, batch: i
         engine.step()
         times.append(time.perf_counter() - t)
     passes = list(engine.iterations)[-steps:]
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
     row = decode_row("engine", batch, times, statistics.median(p.context_tokens for p in passes), model,
                      peak_bytes_s)
     row["forward_ms"] = 1e3 * statistics.median(p.duration for p in passes)  # the pass without the loop
@@ -197,14 +198,21 @@ def hf_decode(model: PreTrainedModel, batch: int, context: int, steps: int, peak
 
 # ---- 3. prefill ---------------------------------------------------------------------------
 
+def prefill_prompts(total: int, prompt_len: int) -> int:
+    return max(1, total // prompt_len)
+
+
+def prefill_kv_tokens(total: int, prompt_len: int) -> int:
+    return rounded(prefill_prompts(total, prompt_len) * (prompt_len + 16))
+
+
 def prefill_rate(model: PreTrainedModel, tokenizer: Any, build: Build, budget: int, prompt_len: int,
                  total: int, repeats: int) -> dict[str, Any]:
     """Prompt tokens per second through prefill-only passes of at most `budget` tokens: `total`
     tokens in prompts of `prompt_len`, one token generated each; a run first to warm up."""
-    n = max(1, total // prompt_len)
-    engine = build(model, tokenizer, max_batch_prefill_tokens=budget, max_num_seqs=n,
-                   max_model_len=prompt_len + 16, enable_prefix_caching=False,
-                   max_batch_total_tokens=rounded(n * (prompt_len + 16)))
+    n = prefill_prompts(total, prompt_len)
+    # one token each: no decode pass, so no decode graph to compile or capture
+    engine = build(model, tokenizer, graphs=False, max_batch_prefill_tokens=budget)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     runs = []
     for r in range(repeats + 1):
@@ -226,6 +234,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
+def tbt_kv_tokens(streams: int, context: int, long_len: int, stream_tokens: int) -> int:
+    """The KV `tbt_case` needs: every stream to its end, and the long prompt."""
+    return rounded(streams * (context + stream_tokens + 16) + long_len + 64)
+
+
 def tbt_case(model: PreTrainedModel, tokenizer: Any, build: Build, policy: str, budget: int,
              slo_ms: float | None, streams: int, context: int, long_len: int, stream_tokens: int,
              decode_steps: int, deadline: float) -> dict[str, Any]:
@@ -233,10 +246,7 @@ def tbt_case(model: PreTrainedModel, tokenizer: Any, build: Build, policy: str, 
     the gaps between the streams' tokens from its arrival until its second token (the pass after
     its prefill, so a stream stalled by it has the gap counted), against the decode-only step time
     measured just before it."""
-    engine = build(model, tokenizer, policy=policy, max_batch_prefill_tokens=budget, tbt_slo_ms=slo_ms,
-                   max_num_seqs=streams + 1, enable_prefix_caching=False,
-                   max_model_len=max(long_len, context + stream_tokens) + 16,
-                   max_batch_total_tokens=rounded(streams * (context + stream_tokens + 16) + long_len + 64))
+    engine = build(model, tokenizer, policy=policy, max_batch_prefill_tokens=budget, tbt_slo_ms=slo_ms)
     params = SamplingParams(max_tokens=stream_tokens, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts([context] * streams, engine.vocab_size, seed=20)]
     while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):

@@ -11,6 +11,11 @@ versions older than this venv's; no network. Two rules make the list:
   own imports through the repo) travels unless the image names it, with what only it requires:
   an older transformers on the image may not pull it in as this venv's does (pydantic comes here
   through typer), and the engine should run against the versions it was tested with.
+- transformers travels although the image has one (`TRACED`): the compiled graphs were traced, and
+  their graph breaks checked, under this venv's version; the image's older one may break a graph
+  that does not break here. With it goes everything it requires but torch and numpy (the image's
+  CUDA builds), at this venv's versions: the image's older tokenizers or huggingface-hub may not
+  satisfy it. Installed with `--target` and put first on PYTHONPATH, they shadow the image's.
 - Then `loadtests.device.check` is imported with `python -S` (no site-packages), with only the image's
   distributions and those above linked into a scratch directory on the path. An import that fails
   names a missing module: its distribution joins the list and the import is tried again.
@@ -39,6 +44,8 @@ ENTRY = "loadtests.device.check"  # importing it imports the engine and all the 
 # Travel although the image has them: the wheels above need newer ones than it may hold
 # (pydantic 2.14 imports typing_extensions.Sentinel, new in 4.16).
 NEWER_THAN_IMAGE = ("typing-extensions",)
+TRACED = ("transformers",)  # travel with their requirements, at this venv's versions
+KEEP_IMAGE = ("torch", "numpy", "triton")  # never travel: the image's builds (CUDA) are the ones to run
 REPO = Path(__file__).resolve().parents[2]
 PIP_PLATFORM = ("--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                 "--platform", "manylinux_2_31_x86_64", "--platform", "manylinux_2_28_x86_64",
@@ -122,7 +129,8 @@ def image_site(entry: str = ENTRY, image: Iterable[str] = IMAGE) -> tuple[list[s
     direct = {canonical(d) for top in repo_imports(entry) for d in owners.get(top, [])} - named
     on_image = closure(image, stop=direct)
     wanted = closure(direct)
-    needed = sorted(wanted - on_image | {canonical(n) for n in NEWER_THAN_IMAGE} & wanted)
+    traced = closure(TRACED, stop=KEEP_IMAGE)
+    needed = sorted(wanted - on_image | {canonical(n) for n in NEWER_THAN_IMAGE} & wanted | traced)
     allowed = on_image | set(needed)
     for _ in range(30):
         with tempfile.TemporaryDirectory() as scratch:

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def rehearsal(image, tmp_path_factory) -> dict:
 def test_the_probe_rehearsal_starts_compiles_only_at_start_and_agrees_with_hf(image, tmp_path) -> None:
     """`python -m loadtests.device.check --device cpu --small --probe` as the bare image runs it: the
     flex path with decode graphs starts (no fallback), nothing compiles after warm-up over a
-    schedule with preemption, no graph breaks, HF's greedy tokens."""
+    schedule that preempts, no graph breaks, HF's greedy tokens for every prompt; one engine."""
     site = tmp_path / "site"
     site.mkdir()
     out = tmp_path / "probe.json"
@@ -49,9 +50,37 @@ def test_the_probe_rehearsal_starts_compiles_only_at_start_and_agrees_with_hf(im
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(out.read_text())["probe"]
     assert probe["compiles_after_warmup"] == 0 and probe["graph_breaks"] == 0 and probe["fallback"] is False
-    assert probe["parity_passed"] and list(probe["layouts"]) == ["4:1"] and probe["seconds"] > 0
-    layout = probe["layouts"]["4:1"]
-    assert layout["path"] == "flex+graphs" and layout["preemptions"] > 0 and layout["compiles_at_warmup"] >= 4 + 4
+    assert probe["parity_passed"] and probe["finished"] and list(probe["stages"]) == ["device", "layout 4:1"]
+    device, layout = probe["stages"]["device"], probe["stages"]["layout 4:1"]
+    assert device["status"] == "complete" and device["peak_bandwidth"]["source"] == "nominal (cpu)"
+    assert device["transformers"] and device["transformers_from"]
+    assert layout["status"] == "complete" and layout["path"] == "flex+graphs" and layout["preemptions"] > 0
+    assert layout["parity_equal"] == layout["parity_prompts"] == 8 and layout["compiles_at_warmup"] >= 4 + 4
+    assert layout["kernel_choices"]["available"] and layout["kernel_choices"]["choices"] == []  # none lowered on CPU
+
+
+def test_a_probe_killed_after_its_first_stage_leaves_that_stage(tmp_path) -> None:
+    """The probe rewrites its JSON (atomically) after every stage: kill -9 while the second stage
+    runs, and the file holds the first, whole."""
+    out = tmp_path / "probe.json"
+    proc = subprocess.Popen([sys.executable, "-m", "loadtests.device.check", "--device", "cpu", "--small", "--probe",
+                             "--out", str(out)], cwd=gpu_wheels.REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running = proc.poll() is None  # the layout stage (seconds of compiling) is still to come
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert running, "the probe ended before it could be killed"
+    probe = json.loads(out.read_text())["probe"]
+    assert probe["finished"] is False and list(probe["stages"]) == ["device"]
+    assert probe["stages"]["device"]["status"] == "complete" and probe["stages"]["device"]["torch"]
+    assert not list(tmp_path.glob("*.tmp")) or json.loads(out.read_text())  # the file itself is whole
 
 
 def test_the_wheels_are_what_the_image_lacks(image) -> None:
@@ -60,7 +89,9 @@ def test_the_wheels_are_what_the_image_lacks(image) -> None:
     assert "typing-extensions" in needed  # pydantic 2.14 needs 4.16's Sentinel; the image's may be older
     # llguidance is imported on the first constrained request (replicas/guided.py), so it does not travel
     assert "llguidance" not in gpu_wheels.repo_imports("replicas.guided") and "llguidance" not in needed
-    assert not {"ray", "torch", "transformers", "numpy"} & set(needed)
+    assert not {"ray", "torch", "numpy", "triton"} & set(needed)  # the image's CUDA builds run
+    # the transformers the graphs were traced with here travels, with what it requires
+    assert {"transformers", "tokenizers", "huggingface-hub", "safetensors"} <= set(needed)
     assert "ray" not in allowed and "torch" in allowed
     command = gpu_wheels.download_command(needed, "DIR")
     assert command[command.index("--python-version") + 1] == "3.12" and "--no-deps" in command
