@@ -85,6 +85,7 @@ class AsyncEngine:
         self.engine = engine
         self.wedge_timeout_s = wedge_timeout_s
         self.stream_interval_s = stream_interval_s
+        engine.stream_interval_s = stream_interval_s  # deltas it would merge are not built at all
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}

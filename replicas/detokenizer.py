@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self._backend_decode = _backend_decode(tokenizer)
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._num_context = len(self.ids)  # `ids` is these, then every output token added
         self._stream = _decode_stream(self.ids) if self._backend_decode is not None else None
         self._backend = getattr(tokenizer, "_tokenizer", None)
         self.prefix_offset = 0
@@ -83,6 +84,12 @@ class IncrementalDetokenizer:
                     self.pending = self.pending[:hit[0]]
                     return hit[1]
         return None
+
+    def catch_up(self, output_ids: list[int]) -> None:
+        """Add the output tokens not added yet (a request without stop strings is detokenized
+        only when a delta of it goes out: the same tokens in the same order, so the same text)."""
+        for token_id in output_ids[len(self.ids) - self._num_context:]:
+            self.add_token(token_id, find_stop=False)
 
     def _release_held(self) -> str | None:
         """A long held run: the text of all but its last `_TAIL_TOKENS` tokens, if that is where

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import itertools
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -19,10 +18,13 @@ from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.drain import DrainMeter
 from replicas.guided import Grammars
+from replicas.attention import resolve_block_size
 from replicas.kv_cache import BlockManager
+from replicas.kv_memory import (activation_bytes, device_memory_bytes, free_memory_bytes, kv_memory_bytes,
+                                weight_bytes)
 from replicas.logits_processors import LogitsProcessors
 from replicas.model_runner import ModelRunner
-from replicas.model_support import kv_shape, model_max_length, text_config
+from replicas.model_support import kv_shape, model_max_length
 from replicas.models import load_model
 from replicas.overlap import InFlight, needs_history
 from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
@@ -112,8 +114,10 @@ class Engine:
         model_len = model_max_length(model.config)
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        device = next(model.parameters()).device
+        self.block_size = resolve_block_size(config.block_size, config.attention_backend, device)
         num_blocks = self._num_blocks(model)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         # With a TBT SLO: the pass-time model, fitted online, and under stall_free the SLO budget
         # (each pass's prefill tokens) and admission built on it, handed to the scheduler.
         self.pass_time, self.slo_budget, self.slo_admission = slo_control(
@@ -143,6 +147,10 @@ class Engine:
         self.recent_tbt: deque[float] = deque(maxlen=config.tbt_sample_window)
         self.last_pass = PassSamples()
         self.num_tbt_samples = 0
+        # A running request's delta goes out at most this often (its first and last at once), the
+        # tokens between detokenized and sent together (the async engine's stream interval; 0:
+        # every pass).
+        self.stream_interval_s = 0.0
         # The rate its waiting prompt tokens drain, from its own passes (`drain_rate`).
         self.drain = DrainMeter(self.iterations, config.max_batch_prefill_tokens)
         # The scheduler's counts, refreshed after every change (`_changed`): the replica's load
@@ -162,22 +170,27 @@ class Engine:
         return cls(hf_model, tokenizer, config)
 
     def _num_blocks(self, model: PreTrainedModel) -> int:
-        cfg = self.config
+        cfg, block_size = self.config, self.block_size
         if cfg.max_batch_total_tokens is not None:
-            return cfg.max_batch_total_tokens // cfg.block_size
+            return max(1, cfg.max_batch_total_tokens // block_size)
         layers, kv_heads, head_dim = kv_shape(model.config)
         elem = next(model.parameters()).element_size()
         bytes_per_token = 2 * layers * kv_heads * head_dim * elem
         memory = cfg.kv_cache_memory_bytes
         if cfg.kv_cache_memory_fraction is not None:
-            memory = kv_memory_bytes(device_memory_bytes(next(model.parameters()).device),
-                                     cfg.kv_cache_memory_fraction, weight_bytes(model),
-                                     activation_bytes(model.config, cfg, self.max_model_len, elem))
-            log.info("KV cache: %.2f of the device's memory less weights and activations = %d MiB",
-                     cfg.kv_cache_memory_fraction, memory >> 20)
-        blocks = memory // (bytes_per_token * cfg.block_size)
+            device = next(model.parameters()).device
+            graphs = device.type == "cuda" and cfg.cuda_graphs is not False
+            memory, source = kv_memory_bytes(device_memory_bytes(device), cfg.kv_cache_memory_fraction,
+                                             weight_bytes(model),
+                                             activation_bytes(model.config, cfg, self.max_model_len, elem),
+                                             free_memory_bytes(device), graphs)
+            log.info("KV cache: %d MiB (%s)", memory >> 20,
+                     f"{cfg.kv_cache_memory_fraction:.2f} of the device's memory less weights and activations"
+                     if source == "total" else "the memory free after the weights, less activations, graph "
+                     "pool and compile workspace: less than the fraction allows")
+        blocks = memory // (bytes_per_token * block_size)
         # More blocks than every sequence slot at full length could ever use is waste.
-        most = -(-cfg.max_num_seqs * self.max_model_len // cfg.block_size)
+        most = -(-cfg.max_num_seqs * self.max_model_len // block_size)
         return max(1, min(blocks, most))
 
     @property
@@ -366,6 +379,7 @@ class Engine:
         samples = self.last_pass = PassSamples()
         gaps = samples.gaps
         finish, emit, check_stop, detoks = self.scheduler.finish, self._emit, self._check_stop, self._detok
+        due = now - self.stream_interval_s  # a delta sent before this is due again
         for req in self.scheduler.landed(batch, token_ids, now):
             detok = detoks[req.request_id]
             times = req.token_times  # its last entry is `now` (none: a prompt only scored)
@@ -379,7 +393,10 @@ class Engine:
             if status is not None:
                 finish(req, status)
                 samples.finished.append(req)
-            outputs.append(emit(req, detok))
+                outputs.append(emit(req, detok))
+            elif req.sent_at <= due or not req.num_sent_tokens:
+                req.sent_at = now
+                outputs.append(emit(req, detok))
         self.recent_tbt.extend(gaps)
         self.num_tbt_samples += len(gaps)
         return outputs
@@ -391,10 +408,11 @@ class Engine:
             token = out[-1]
             # As vLLM: nothing stops the first min_tokens tokens (EOS and stop ids are masked too).
             may_stop = n_out > params.min_tokens
-            stop = detok.add_token(token, find_stop=may_stop)
-            if stop is not None:
-                req.stop_reason = stop
-                return RequestStatus.FINISHED_STOPPED
+            if detok.stop:  # else its text waits for its next delta (`_emit`)
+                stop = detok.add_token(token, find_stop=may_stop)
+                if stop is not None:
+                    req.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
             if may_stop and token in req.stop_ids:
                 req.stop_reason = token if token in params.stop_token_ids else None
                 return RequestStatus.FINISHED_STOPPED
@@ -406,6 +424,7 @@ class Engine:
 
     def _emit(self, req: Request, detok: IncrementalDetokenizer | None = None) -> RequestOutput:
         detok = detok if detok is not None else self._detok[req.request_id]
+        detok.catch_up(req.output_token_ids)
         finished = req.status in FINISHED
         if finished and not isinstance(req.stop_reason, str):
             detok.flush()  # a stop string already cut the text; anything else keeps it all
@@ -519,40 +538,6 @@ def resolve_overlap(mode: str, device: torch.device) -> bool:
     """`EngineConfig.overlap`: auto is on with CUDA only. On CPU the forward runs on the loop's
     own thread, so the host's work cannot hide behind it; measured, the lag only adds a pass."""
     return mode == "on" or (mode == "auto" and device.type == "cuda")
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """The device's total memory: the GPU's, or the machine's RAM on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def weight_bytes(model: PreTrainedModel) -> int:
-    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-def activation_bytes(model_config: Any, cfg: EngineConfig, max_model_len: int, elem: int) -> int:
-    """What one pass may hold besides weights and KV, over-estimated: the hidden states and MLP
-    activations of a full token budget, one prefill chunk's attention scores over the longest
-    context, and fp32 logits for every running sequence."""
-    text = text_config(model_config)
-    tokens = cfg.max_batch_prefill_tokens
-    hidden = tokens * (6 * text.hidden_size + 3 * text.intermediate_size) * elem
-    scores = tokens * max_model_len * text.num_attention_heads * 4
-    logits = (cfg.max_num_seqs + tokens // 8) * text.vocab_size * 4
-    return hidden + scores + logits
-
-
-def kv_memory_bytes(total: int, fraction: float, weights: int, activations: int) -> int:
-    """The KV cache's share of `fraction` of a device's `total` memory: what the weights and one
-    pass's activations leave of it (vLLM's gpu_memory_utilization rule)."""
-    kv = int(total * fraction) - weights - activations
-    if kv <= 0:
-        raise ValueError(f"kv_cache_memory_fraction {fraction:g} of {total >> 20} MiB leaves no KV "
-                         f"cache after {weights >> 20} MiB of weights and {activations >> 20} MiB of "
-                         "activations: raise it, or lower max_batch_prefill_tokens / max_model_len")
-    return kv
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -61,6 +61,7 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_sent_tokens: int = 0  # output tokens already streamed to the caller
+    sent_at: float = float("-inf")  # perf_counter when its latest delta went out
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None

@@ -90,6 +90,7 @@ class SystemSpec:
     kind: str  # "hf_static" | "hf_cb" | "engine"
     policy: str | None = None
     mbp: int | None = None  # engine: max_batch_prefill_tokens; hf_cb: max_batch_tokens
+    overlap: str = "auto"  # engine: EngineConfig.overlap
 
 
 # ---- metrics ----------------------------------------------------------------------------
@@ -289,13 +290,15 @@ def whole_prompt_mbp(workload: Workload, multiple: int = 256) -> int:
     return -(-max(workload.prompt_lens) // multiple) * multiple
 
 
-def systems_for(workload: Workload, chunk_mbp: int, baselines: bool) -> list[SystemSpec]:
+def systems_for(workload: Workload, chunk_mbp: int, baselines: bool, overlap: bool = False) -> list[SystemSpec]:
+    """`overlap`: stall_free's overlapped loop too (EngineConfig.overlap on), beside the auto one."""
     whole = whole_prompt_mbp(workload)
     specs = [SystemSpec("hf_generate_static16", "hf_static"),
              SystemSpec("hf_generate_batch", "hf_cb", mbp=chunk_mbp)] if baselines else []
+    overlapped = [SystemSpec("engine_stall_free_overlap", "engine", "stall_free", chunk_mbp, "on")] if overlap else []
     return specs + [SystemSpec("engine_static", "engine", "static", whole),
                     SystemSpec("engine_dynamic", "engine", "dynamic", whole),
-                    SystemSpec("engine_stall_free", "engine", "stall_free", chunk_mbp)]
+                    SystemSpec("engine_stall_free", "engine", "stall_free", chunk_mbp)] + overlapped
 
 
 class Runner:
@@ -330,7 +333,7 @@ class Runner:
         config = EngineConfig(policy=spec.policy, max_batch_prefill_tokens=spec.mbp,
                               max_batch_total_tokens=kv, block_size=self.block_size,
                               max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.prefix_caching,
-                              compile_decode_attention=self.compile_decode_attention)
+                              compile_decode_attention=self.compile_decode_attention, overlap=spec.overlap)
         engine = Engine(lm, tok, config)
         engine.generate([[5, 6, 7, 8] * 4] * 2, _greedy(4))  # warm-up
         engine.iterations.clear()
@@ -451,6 +454,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context-longs", type=int, default=2, help="long-context requests in long_context")
     p.add_argument("--context-shorts", type=int, help="override the number of short requests in long_context")
     p.add_argument("--systems", help="comma-separated subset of system names to run")
+    p.add_argument("--overlap", action="store_true",
+                   help="also run stall_free with the overlapped loop (engine_stall_free_overlap)")
     p.add_argument("--compile-decode-attention", action="store_true",
                    help="the engine systems with EngineConfig.compile_decode_attention")
     args = p.parse_args(argv)
@@ -479,7 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
             "long_context": args.context_mbp}
     plan = []
     for w in workloads:
-        specs = systems_for(w, mbps[w.name], baselines=w.name != "long_prompt" or args.long_baselines)
+        specs = systems_for(w, mbps[w.name], baselines=w.name != "long_prompt" or args.long_baselines,
+                            overlap=args.overlap)
         plan += [(w, s) for s in specs if chosen is None or s.name in chosen]
 
     runs: dict[tuple[str, str], list[dict]] = {}

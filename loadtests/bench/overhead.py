@@ -1,6 +1,6 @@
 """Engine overhead per iteration outside the forward pass, at N running decodes.
 
-    python -m loadtests.bench.overhead [--decodes 256] [--steps 60] [--json PATH]
+    python -m loadtests.bench.overhead [--decodes 256] [--steps 60] [--stream-interval-ms MS] [--json PATH]
 
 Fills the engine with N requests (short prompts, ignore_eos, long max_tokens), runs until every
 one of them is decoding, then times `steps` iterations of what the replica's loop thread does
@@ -26,6 +26,7 @@ import torch
 
 from loadtests.harness.report import OMIT, bench_parser, write_json
 from replicas import Engine, EngineConfig, SamplingParams
+from replicas.config import DEFAULT_STREAM_INTERVAL_MS
 from replicas.metrics import EngineMetrics, PrometheusBackend
 
 
@@ -57,10 +58,12 @@ def _publish(engine: Engine) -> None:
 
 
 def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
-            long_prompt: int = 0) -> dict[str, float]:
+            long_prompt: int = 0, stream_interval_ms: float = 0.0) -> dict[str, float]:
     config = EngineConfig(max_num_seqs=decodes, max_batch_prefill_tokens=max(512, decodes * 2),
                           max_batch_total_tokens=decodes * 512, num_threads=threads)
     engine = Engine.from_pretrained(model, config)
+    if stream_interval_ms:  # as the replica's async engine sets it (replica.stream_interval_ms)
+        engine.stream_interval_s = stream_interval_ms / 1000
     engine.observers.append(EngineMetrics(PrometheusBackend(), model, tbt_slo_s=0.1))
     vocab = engine.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -102,19 +105,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--long-prompt", type=int, default=1536,
                    help="greedy+long: one of the decodes has this long a context")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0,
+                   help="a stream's deltas built at most this often, as a replica's (its default: "
+                        f"{DEFAULT_STREAM_INTERVAL_MS:g}); 0: every pass")
     args = p.parse_args(argv)
     rows = {}
     print(f"{args.model}, {args.decodes} running decodes, {args.steps} timed passes, medians")
     print(f"{'case':<12} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12} {'overhead cpu ms':>16}")
     for name, sampled, long_prompt in (("greedy", False, 0), ("mixed", True, 0),
                                        ("greedy+long", False, args.long_prompt)):
-        row = measure(args.model, args.decodes, args.steps, sampled, args.threads, long_prompt)
+        row = measure(args.model, args.decodes, args.steps, sampled, args.threads, long_prompt,
+                      args.stream_interval_ms)
         rows[name] = row
         print(f"{name:<12} {row['iteration_ms']:>13.2f} {row['forward_ms']:>11.2f} {row['overhead_ms']:>12.2f}"
               f" {row['overhead_cpu_ms']:>16.2f}")
     if args.json:
         write_json(args.json, {"model": args.model, "decodes": args.decodes, "steps": args.steps,
-                               "threads": args.threads, "results": rows})
+                               "threads": args.threads, "stream_interval_ms": args.stream_interval_ms,
+                               "results": rows})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""With a stream interval (`Engine.stream_interval_s`, set by the async engine from the replica's
+stream_interval_ms) a request's delta is built only when it is due, its first and last at once:
+the tokens between are detokenized then, together, and the client gets the same text, tokens
+and logprobs as pass by pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.models import load_model
+from replicas.protocol import RequestOutput
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [list(range(5 + 3 * i, 45 + 3 * i)) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("embedded:tiny")
+
+
+def streams(llama, interval: float, params: list[SamplingParams]) -> dict[str, list[RequestOutput]]:
+    eng = Engine(*llama, EngineConfig(max_batch_prefill_tokens=64, max_batch_total_tokens=2048))
+    eng.stream_interval_s = interval
+    ids = [eng.add_request(p, sp).request_id for p, sp in zip(PROMPTS, params)]
+    out: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id].append(o)
+    return out
+
+
+def test_deltas_held_to_the_interval_carry_the_same_text(llama) -> None:
+    every = streams(llama, 0.0, [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 3)
+    text = {rid: "".join(o.delta_text for o in outs) for rid, outs in every.items()}
+    # stop strings taken from the text pass by pass: found as the tokens come, not when sent
+    stop = text["req-1"][len(text["req-1"]) // 2:][:2]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)]
+    every = streams(llama, 0.0, params)
+    held = streams(llama, 1e9, params)  # never due but the first and the last
+    for rid in every:
+        assert [len(held[rid]), held[rid][0].num_output_tokens, held[rid][-1].finished] == [2, 1, True]
+        assert "".join(o.delta_text for o in held[rid]) == "".join(o.delta_text for o in every[rid])
+        assert [t for o in held[rid] for t in o.delta_token_ids] == [t for o in every[rid] for t in o.delta_token_ids]
+        assert held[rid][-1].finish_reason == every[rid][-1].finish_reason
+    assert every["req-1"][-1].finish_reason == "stop" and every["req-1"][-1].num_output_tokens < 20
+    lps = [lp.logprob for o in held["req-2"] for lp in o.logprobs]
+    assert lps == [lp.logprob for o in every["req-2"] for lp in o.logprobs] and len(lps) == 20
