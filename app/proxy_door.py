@@ -80,6 +80,7 @@ SLO_GAP_QUANTILE = 0.99  # a TBT SLO is a p99 (the autoscaler reads it so: autos
 KV_KEY, KV_NAMESPACE = b"proxy_door", "stallfree"
 REFRESH_S = 2.0  # how often a door reads its settings again
 PASSED_HEADER = b"x-stallfree-proxy-door"  # on every request the door lets through: its settings
+REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"  # how Serve names a replica's actor
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -160,11 +161,13 @@ def runs_in() -> str:
     """Where Serve builds this door: "proxy" (Serve's Python proxy) or "ingress" (an ingress
     replica's own HTTP server: direct ingress, behind HAProxy)."""
     try:
-        from ray.serve.context import _get_internal_replica_context
+        import ray
 
-        return "ingress" if _get_internal_replica_context() is not None else "proxy"
+        name = ray.get_runtime_context().get_actor_name() or ""
     except Exception:  # noqa: BLE001 - no Ray (unit tests)
         return "proxy"
+    # By the actor's name: Serve may start a replica's server before its replica context is set.
+    return "ingress" if name.startswith(REPLICA_ACTOR_PREFIX) else "proxy"
 
 
 def middlewares() -> list[Middleware]:

@@ -51,6 +51,18 @@ def role_of(cmdline: str) -> str:
     return {"ProxyActor": "proxy", "OpenAIIngress": "ingress", "LLMServer": "engine"}.get(group or "", "ray")
 
 
+def processes(server: Server) -> dict[str, list[str]]:
+    """Each role's process titles (what the figures add up)."""
+    out: dict[str, list[str]] = {r: [] for r in ROLES}
+    for pid in server.pids():
+        try:
+            title = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+        out[role_of(title)].append(title[:60])
+    return {r: sorted(titles) for r, titles in out.items()}
+
+
 def cpu_by_role(server: Server) -> dict[str, float]:
     """CPU seconds (user + system, all threads) each role's processes have used so far."""
     out = dict.fromkeys(ROLES, 0.0)
@@ -118,7 +130,7 @@ def run_server(server: Server, args: Any) -> dict[str, Any]:
             return sum(send(False) * 0 + 1 for _ in range(args.requests))
 
         out: dict[str, Any] = {"proxy_door": server.health.get("proxy_door") is not None,
-                               "http_path": server.health.get("http_path")}
+                               "http_path": server.health.get("http_path"), "processes": processes(server)}
         cpu, wall, events = measured(server, stream)
         out["stream_ms_per_request"] = net_ms(cpu, wall, idle, args.requests)
         out["stream_ms_per_event"] = net_ms(cpu, wall, idle, events)
