@@ -21,6 +21,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from replicas.config import DEFAULT_BLOCK_SIZE, FLEX_BLOCK_SIZE
 from replicas.transfer import HostPack
 
 ATTN_IMPL = "stallfree_paged"
@@ -107,6 +108,15 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 
 AttentionInterface.register(ATTN_IMPL, paged_attention)
+
+
+def resolve_block_size(block_size: int | None, backend: str, device: torch.device) -> int:
+    """EngineConfig.block_size, null resolved: FLEX_BLOCK_SIZE on the flex backend on CUDA (the
+    kernels read a block per KV tile), DEFAULT_BLOCK_SIZE elsewhere."""
+    if block_size is not None:
+        return block_size
+    flex = resolve_backend(backend, device) == "flex" and device.type == "cuda"
+    return FLEX_BLOCK_SIZE if flex else DEFAULT_BLOCK_SIZE
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

@@ -15,6 +15,10 @@ from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
 POLICIES = ("static", "dynamic", "stall_free")
+# block_size null: one KV tile of the flex kernels on CUDA (16-slot tiles leave their loads small),
+# else the finer unit the prefix cache shares by (replicas.attention.resolve_block_size)
+FLEX_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 16
 Policy = Literal[POLICIES]  # type: ignore[valid-type]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AttentionBackend = Literal["auto", "sdpa", "flex"]
@@ -51,7 +55,9 @@ class EngineConfig:
         "its weights, activations and KV cache together (vLLM's gpu_memory_utilization), taken of "
         "the replica's share of the device when several share one (num_gpus < 1); the KV cache "
         "gets what the weights and a pass's activations leave. Replaces kv_cache_memory_bytes")
-    block_size: int = Field(16, description="tokens per KV block (the paging unit)")
+    block_size: int | None = Field(None, description=
+        "tokens per KV block (the paging unit, and the prefix cache's unit of sharing); null: 64 "
+        "on the flex backend on CUDA (a block is one KV tile of its kernels), 16 elsewhere")
     max_num_seqs: int = Field(128, description="requests running at once, at most")
     max_model_len: int | None = Field(None, description=
         "longest prompt + output a request may have; null: the model's own context length")
@@ -127,14 +133,15 @@ class EngineConfig:
         _positive("max_batch_prefill_tokens", self.max_batch_prefill_tokens)
         if self.max_batch_total_tokens is not None:
             _positive("max_batch_total_tokens", self.max_batch_total_tokens)
-            if self.max_batch_total_tokens < self.block_size:
+            if self.max_batch_total_tokens < (self.block_size or DEFAULT_BLOCK_SIZE):
                 raise ValueError("max_batch_total_tokens must hold at least one KV block "
                                  f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         fraction = self.kv_cache_memory_fraction
         if fraction is not None and not 0 < fraction < 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), got {fraction}")
-        _positive("block_size", self.block_size)
+        if self.block_size is not None:
+            _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         if self.cuda_graph_sizes is not None:
             if not self.cuda_graph_sizes or not all(0 < b <= self.max_num_seqs for b in self.cuda_graph_sizes):

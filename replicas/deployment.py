@@ -243,7 +243,7 @@ class LLMServer:
             "max_batch_prefill_tokens": engine.config.max_batch_prefill_tokens,
             "vocab_size": engine.vocab_size,
             "policy": engine.config.policy,
-            "block_size": engine.config.block_size,
+            "block_size": engine.block_size,
             "max_queued_tokens": self.config.options.max_queued_tokens,
             "tbt_slo_ms": self.config.engine.tbt_slo_ms,
         }

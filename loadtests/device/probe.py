@@ -7,14 +7,16 @@ error caught and recorded, and F rewritten after every one (a killed run keeps w
 1. `device`: name, SMs, free memory, peak bandwidth and its source, torch / transformers /
    triton versions (transformers from the carried wheels, as traced here, or the image's own).
 2. `layout 4:1`, `layout 9:3`, `layout 1:1` (4:1 GQA as Llama-3.2-1B, 9:3 as SmolLM2, 1:1): a
-   two-layer Llama of that layout with random fp32 weights, ONE engine on the flex path with
+   two-layer Llama of that layout with random fp32 weights, ONE engine (the default block size:
+   64 on CUDA, 16 on CPU) on the flex path with
    decode graphs (inductor on CUDA; on CPU, dynamo's eager backend: the same graphs and guards,
    no code) that compiles every shape group and bucket at start, with the Triton block sizes
    inductor picks (`kernels.flex_choices`); a schedule of staggered requests (one row alone,
    mixed passes, chunked prefill with context, every bucket) in a KV cache small enough that it
    preempts; compiles after warm-up and graph breaks; every prompt's greedy tokens against HF.
-3. `decode_attention` (CUDA): the decode attention alone (B=64, 1k context, 32/8 heads) with and
-   without full pages marked (attention_flex.DECODE_FULL_BLOCKS).
+3. `decode_attention` (CUDA): the decode attention alone (B=64, 1k context, 32/8 heads) with pages
+   of 64 slots (the flex default on CUDA) and 16, with and without full pages marked
+   (attention_flex.DECODE_FULL_BLOCKS).
 
 The JSON's `probe`: `stages` (each with status complete / cut / error / skipped, seconds, and
 its figures), and the verdict so far: compiles_after_warmup, graph_breaks, fallback,
@@ -89,7 +91,7 @@ def probe_layout(name: str, device: torch.device, head_dim: int, rec: dict[str, 
     rec["heads"] = f"{heads}/{kv_heads}"
     model, tokenizer = probe_model(heads, kv_heads, head_dim, device)
     backend = "inductor" if device.type == "cuda" else "eager"
-    config = EngineConfig(max_batch_prefill_tokens=64, block_size=16, max_num_seqs=8, attention_backend="flex",
+    config = EngineConfig(max_batch_prefill_tokens=64, max_num_seqs=8, attention_backend="flex",
                           cuda_graphs=True, compile_backend=backend, max_batch_total_tokens=KV_TOKENS)
     breaks = _graph_breaks()
     t0 = time.perf_counter()
@@ -114,45 +116,48 @@ def _graph_breaks() -> int:
     return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
 
 
-def decode_attention_times(device: torch.device) -> dict[str, Any]:
-    """The decode attention call alone at B=64, 1k context, 32/8 heads of 64, pages of 16 in a
-    shuffled pool, compiled: us per call with every page partial and with full pages marked."""
+def decode_attention_times(device: torch.device, rec: dict[str, Any]) -> None:
+    """The decode attention call alone at B=64, 1k context, 32/8 heads of 64, compiled, its pages
+    shuffled in a pool of 128k slots: us per call with pages of 16 and of 64 slots (a page is a KV
+    tile: 64 tiles a row or 16), each with every page partial and with full pages marked. `rec`
+    gets each case as it finishes."""
     import numpy as np
 
     from replicas.attention_flex import PageMap, decode_block_mask, decode_lists, flex_call, kernel_options
 
-    b, ctx, bs, heads, kv_heads, d = 64, 1021, 16, 32, 8, 64
-    pages = 8192
-    npg = -(-ctx // bs)
-    table = np.random.default_rng(0).permutation(pages)[:b * npg].reshape(b, npg)
-    pm = PageMap(b + 1, pages, device)
-    for r in range(b):
-        pm.table[r, torch.as_tensor(table[r], device=device)] = torch.arange(npg, dtype=torch.int32, device=device)
-    kc = torch.randn(pages * bs, kv_heads, d, dtype=torch.bfloat16, device=device)
-    vc = torch.randn_like(kc)
+    b, ctx, heads, kv_heads, d, slots = 64, 1021, 32, 8, 64, 1 << 17
+    rec.update(batch=b, context=ctx, kv_gb=2 * b * ctx * kv_heads * d * 2 / 1e9)
     q = torch.randn(b, heads, 1, d, dtype=torch.bfloat16, device=device)
     rows = torch.arange(b, device=device)
     pos = torch.full((b,), ctx - 1, device=device)
-    out: dict[str, Any] = {"batch": b, "context": ctx, "kv_gb": 2 * b * ctx * kv_heads * d * 2 / 1e9}
-    for full in (False, True):
-        lists = {k: torch.as_tensor(v, device=device) for k, v in
-                 decode_lists(table, list(range(b)), [ctx] * b, bs, full_blocks=full).items()}
-        mask = decode_block_mask(lists, pm.table, rows, pos, bs, pages * bs)
-        fn = torch.compile(flex_call, dynamic=False)
-        args = (q, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], mask, d ** -0.5, True,
-                kernel_options(bs, prefill=False))
-        fn(*args)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
+    kc = torch.randn(slots, kv_heads, d, dtype=torch.bfloat16, device=device)
+    vc = torch.randn_like(kc)
+    for bs in (64, 16):
+        pages = slots // bs
+        npg = -(-ctx // bs)
+        table = np.random.default_rng(0).permutation(pages)[:b * npg].reshape(b, npg)
+        pm = PageMap(b + 1, pages, device)
+        for r in range(b):
+            pm.table[r, torch.as_tensor(table[r], device=device)] = torch.arange(npg, dtype=torch.int32,
+                                                                                 device=device)
+        for full in (False, True):
+            lists = {k: torch.as_tensor(v, device=device) for k, v in
+                     decode_lists(table, list(range(b)), [ctx] * b, bs, full_blocks=full).items()}
+            mask = decode_block_mask(lists, pm.table, rows, pos, bs, slots)
+            fn = torch.compile(flex_call, dynamic=False)
+            args = (q, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], mask, d ** -0.5, True,
+                    kernel_options(bs, prefill=False))
             fn(*args)
-        end.record()
-        torch.cuda.synchronize()
-        us = start.elapsed_time(end) / 50 * 1e3
-        out["full_pages" if full else "all_partial"] = {"us": round(us, 1),
-                                                        "gb_per_s": round(out["kv_gb"] / (us / 1e6), 1)}
-    return out
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                fn(*args)
+            end.record()
+            torch.cuda.synchronize()
+            us = start.elapsed_time(end) / 50 * 1e3
+            rec[f"page{bs}_{'full' if full else 'partial'}"] = {
+                "us": round(us, 1), "gb_per_s": round(rec["kv_gb"] / (us / 1e6), 1), "tiles_per_row": npg}
 
 
 def run_probe(device: torch.device, layouts: tuple[str, ...] = tuple(LAYOUTS), deadline_s: float | None = None,
@@ -168,7 +173,7 @@ def run_probe(device: torch.device, layouts: tuple[str, ...] = tuple(LAYOUTS), d
     work: list[tuple[str, Any]] = [("device", lambda rec: device_facts(device, rec, peak_tbs))]
     work += [(f"layout {name}", lambda rec, name=name: probe_layout(name, device, head_dim, rec)) for name in layouts]
     if device.type == "cuda":
-        work.append(("decode_attention", lambda rec: rec.update(decode_attention_times(device))))
+        work.append(("decode_attention", lambda rec: decode_attention_times(device, rec)))
     for stage, fn in work:
         rec = probe["stages"][stage] = {}
         left = deadline_s - (time.perf_counter() - started)

@@ -22,7 +22,8 @@ import torch
 from transformers import PreTrainedModel, StaticCache
 
 from loadtests.bench.decode import fill
-from replicas.engine import Engine, weight_bytes
+from replicas.engine import Engine
+from replicas.kv_memory import weight_bytes
 from replicas.model_support import kv_shape
 from replicas.protocol import SamplingParams
 from replicas.request import Request

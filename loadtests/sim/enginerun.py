@@ -56,7 +56,7 @@ def serve_runs(args: argparse.Namespace) -> tuple[dict[str, EngineRun], dict[str
     out = drive(runs)
     info = {"engine_config": {"policy": args.policy, "max_batch_prefill_tokens": args.mbp,
                               "max_batch_total_tokens": args.mbt, "max_num_seqs": args.max_num_seqs,
-                              "block_size": cfg.block_size},
+                              "block_size": engine.block_size},
             "num_blocks": engine.blocks.num_blocks, "max_model_len": engine.max_model_len}
     return out, info
 

@@ -15,7 +15,7 @@ import pytest
 from replicas import Engine, EngineConfig, RequestOutput, SamplingParams
 from replicas.config import ReplicaConfig, ReplicaOptions
 from replicas.deployment import LLMServer, build_engine
-from replicas.engine import activation_bytes, kv_memory_bytes, weight_bytes
+from replicas.kv_memory import activation_bytes, kv_memory_bytes, weight_bytes
 from replicas.models import load_model, model_max_length
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError, ReplicaLoad,
                                ReplicaUnhealthyError, RequestRejected)
@@ -214,5 +214,6 @@ def test_kv_cache_sized_from_a_memory_fraction(monkeypatch: pytest.MonkeyPatch) 
     assert half.blocks.num_blocks == 100
     with pytest.raises(ValueError, match="leaves no KV cache"):
         kv_memory_bytes(1000, 0.5, weights=400, activations=200)
+
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         EngineConfig(kv_cache_memory_fraction=1.5)
