@@ -87,9 +87,31 @@ class IncrementalDetokenizer:
 
     def catch_up(self, output_ids: list[int]) -> None:
         """Add the output tokens not added yet (a request without stop strings is detokenized
-        only when a delta of it goes out: the same tokens in the same order, so the same text)."""
-        for token_id in output_ids[len(self.ids) - self._num_context:]:
-            self.add_token(token_id, find_stop=False)
+        only when a delta of it goes out: the same tokens in the same order, so the same text).
+        `add_token`'s steps without stop strings, inlined: one call for a delta's tokens."""
+        new = output_ids[len(self.ids) - self._num_context:]
+        if self.stop or self._stream is None:
+            for token_id in new:
+                self.add_token(token_id, find_stop=False)
+            return
+        ids, backend, stream = self.ids, self._backend, self._stream
+        chunks: list[str] = []
+        for j, token_id in enumerate(new):
+            if self._stream is None:  # a held run was released: the windowed decode from here
+                self.pending += "".join(chunks)
+                for rest in new[j:]:
+                    self.add_token(rest, find_stop=False)
+                return
+            ids.append(token_id)
+            chunk = stream.step(backend, token_id)
+            if chunk is not None:
+                self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
+                self.read_offset = len(ids)
+            elif len(ids) - self.read_offset > (_TAIL_TOKENS if self._releasing else _MAX_HELD_TOKENS):
+                chunk = self._release_held()
+            if chunk:
+                chunks.append(chunk)
+        self.pending += "".join(chunks)
 
     def _release_held(self) -> str | None:
         """A long held run: the text of all but its last `_TAIL_TOKENS` tokens, if that is where

@@ -94,3 +94,25 @@ def test_byte_soup_joins_to_the_full_decode(tok, stream: bool) -> None:  # noqa:
         ids = [rng.choice(pieces) for _ in range(rng.randrange(5, 120))]
         full = tok.decode(prompt + ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert "".join(run(tok, ids, prompt, stream)[0]) == full[len(start):]
+
+
+def test_catching_up_gives_the_text_of_token_by_token(tok) -> None:  # noqa: ANN001
+    """A request detokenized only when its delta goes out (`catch_up`, a few tokens at a time)
+    has, delta after delta, the text of adding its tokens one by one: byte soup with held runs
+    released included."""
+    pieces = [tok.convert_tokens_to_ids(t) for t in ("»", "ð", "Ł", "Ã", "¶", "æ")]
+    pieces += tok.encode(" naïve 日本 🙂 x", add_special_tokens=False)
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    rng = random.Random(2)
+    for _ in range(30):
+        ids = [rng.choice(pieces) for _ in range(rng.randrange(5, 120))]
+        one, caught = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+        text_one, text_caught, end = [], [], 0
+        while end < len(ids):
+            end = min(len(ids), end + rng.randrange(1, 12))
+            for i in ids[len(one.ids) - len(prompt[-5:]):end]:
+                one.add_token(i)
+            caught.catch_up(ids[:end])
+            text_one.append(one.take_delta(False))
+            text_caught.append(caught.take_delta(False))
+        assert text_caught == text_one and len(caught.ids) == len(one.ids)
