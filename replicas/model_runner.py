@@ -27,10 +27,11 @@ from torch.fx.experimental import _config as shape_config  # torch.compile's sym
 from transformers import PreTrainedModel
 
 from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, paged_attention, resolve_backend
-from replicas.attention_flex import Q_TILE, FlexBackend, PageMap, flex_call
+from replicas.attention_flex import Q_TILE, FlexBackend, PageMap, bucket_width, flex_call
 from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
 from replicas.compiling import CompileCounter, own_copy
-from replicas.cuda_graphs import DecodeGraphs, bucket_sizes
+from replicas.cuda_graphs import DecodeGraphs
+from replicas.flex_buckets import DecodeBuckets, bucket_sizes
 from replicas.kv_cache import BlockManager
 from replicas.model_support import kv_shape, text_config
 from replicas.request import Request
@@ -108,6 +109,7 @@ class ModelRunner:
         # rows, and one more for the padding rows of captured passes (the page map's last).
         width = -(-max_model_len // blocks.block_size)
         rows = 2 * max_num_seqs + 1
+        self.max_num_seqs = max_num_seqs
         self._table = np.zeros((rows, width), dtype=np.int64)
         self._free_rows: list[int] = list(range(rows - 2, -1, -1))
         # request -> [row, blocks written, preemptions when written]
@@ -166,10 +168,15 @@ class ModelRunner:
         if compile_backend is None and self.device.type == "cuda":
             compile_backend = "inductor"
         self.compiler = CompileCounter(compile_backend) if compile_backend else None
-        attend_fn = None
+        attend_fn = decode_buckets = None
         if self.compiler is not None:  # dynamic in rows and list widths; 0/1 sizes warm up apart
             attend_fn = torch.compile(own_copy(flex_call), backend=self.compiler, dynamic=True)
-        self.backend = FlexBackend(bs, self.num_pages, self.page_map, self.device, attend_fn)
+            # the decodes of mixed passes at static shapes, a call per bucket (flex's decoding kernel)
+            decode_buckets = DecodeBuckets(
+                bucket_sizes(self.max_num_seqs), bucket_width(-(-self.max_model_len // bs)), self.page_map.pad_row,
+                self.device, lambda: torch.compile(own_copy(flex_call), backend=self.compiler, dynamic=False))
+        self.backend = FlexBackend(bs, self.num_pages, self.page_map, self.device, attend_fn,
+                                   decode_buckets=decode_buckets)
         if self.cuda_graphs:
             self.graphs = DecodeGraphs(self, buckets, self.blocks.reserve(), self.compiler,
                                        capture=self.device.type == "cuda")
@@ -201,13 +208,15 @@ class ModelRunner:
 
     def _warm_attention(self) -> None:
         """One layer's attention, reading nothing (the page map has no entry for these rows), for
-        each shape group: decodes alone (1 and 3), chunks alone (1 row, 3 rows, two tiles)."""
+        each shape group: decodes alone (each bucket), chunks alone (1 row, 3 rows, two tiles),
+        decodes with a chunk."""
         bs, heads = self.blocks.block_size, text_config(self.model.config).num_attention_heads
         head_dim = self.k_cache.shape[-1]
         attn = next(m for m in self.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling"))
         width = -(-(2 + Q_TILE + 3) // bs)
-        table = np.arange(width, dtype=np.int64)[None].repeat(3, 0) % self.num_pages
-        for decodes, chunk in ((1, 0), (3, 0), (0, 1), (0, 3), (2, Q_TILE + 3)):
+        buckets = self.backend.decode_buckets.buckets
+        table = np.arange(width, dtype=np.int64)[None].repeat(max(3, buckets[-1]), 0) % self.num_pages
+        for decodes, chunk in [(b, 0) for b in buckets] + [(0, 1), (0, 3), (2, Q_TILE + 3)]:
             start = 2 if chunk else 0
             spans = [PrefillSpan(decodes, chunk, start, 2)] if chunk else []
             layout = PassLayout(table, bs, list(range(decodes)), [2 + i for i in range(decodes)], spans,
@@ -339,11 +348,21 @@ class ModelRunner:
         token is still in flight (`Request.num_inflight`, the overlapped loop) gets it on the
         device, from its row's slot.
         """
-        order = sorted(range(len(batch.decodes)), key=lambda i: batch.decodes[i].start)
+        starts = [seq.start for seq in batch.decodes]
+        order = sorted(range(len(starts)), key=starts.__getitem__)
         decodes = [batch.decodes[i] for i in order]
-        # A decode runs its last sampled token at position `start`.
-        ids = [0 if seq.request.num_inflight else seq.request.output_token_ids[-1] for seq in decodes]
-        positions = [seq.start for seq in decodes]
+        positions = [starts[i] for i in order]
+        # A decode runs its last sampled token at position `start`; one still in flight is read
+        # from its row's slot on the device (`fill_at`: its packed row).
+        ids: list[int] = []
+        fill_at: list[int] = []
+        for r, seq in enumerate(decodes):
+            req = seq.request
+            if req.num_inflight:
+                fill_at.append(r)
+                ids.append(0)
+            else:
+                ids.append(req.output_token_ids[-1])
         token_rows = self._decode_rows(decodes)  # each packed token's block-table row
         # Every decode samples; its row in the packed batch is its place in `order`.
         sampled = [0] * len(order)
@@ -351,7 +370,6 @@ class ModelRunner:
         for row, i in enumerate(order):
             sampled[i] = row
             slot_rows[i] = token_rows[row]
-        fill_at = [r for r, seq in enumerate(decodes) if seq.request.num_inflight]
         prefills: list[PrefillSpan] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int]] = []
