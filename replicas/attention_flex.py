@@ -23,15 +23,18 @@ in every table that holds it (prefix matching is positional).
 Kernels (torch 2.11, the device image's): a short query with a power-of-two GQA group lowers to
 the flex decoding kernel, whose row block next_pow2(q_len x group) must divide the mask's query
 tile, which fails for chunks of 33-127 rows at 4:1 (pytorch#185349); so prefill calls force
-the main kernel (`PREFILL_OPTIONS`), and decode calls have q_len 1 (a row block of 16). Both
-take KV tiles of `block_size` slots (`BLOCK_N`), so on CUDA the block size is a power of two
-of at least 16 (`check_block_size`).
+the main kernel (`PREFILL_OPTIONS`), and decode calls have q_len 1 (a row block of 16). Inductor
+takes the decoding kernel only for a static batch: the decodes of every compiled pass, mixed
+ones too, are padded to a bucket of entries, a static call each (`DecodeBuckets`). Both kernels
+take KV tiles of `block_size` slots (`BLOCK_N`), so on CUDA the block size is a power of two of
+at least 16 (`check_block_size`), 64 by default (EngineConfig.block_size).
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -208,26 +211,34 @@ class FlexPlan:
     decode: dict[str, Part] | None
     decode_rows: Part | None
     prefills: list[tuple[int, int, Part, dict[str, Part]]]  # (q_start, n, runner row (1,), lists)
+    bucketed: dict[str, Part] | None = None  # the decodes through `DecodeBuckets`
+    num_decodes: int = 0
 
 
 class FlexBackend:
     name = "flex"
 
     def __init__(self, block_size: int, num_pages: int, page_map: PageMap, device: torch.device,
-                 attend_fn=None, full_blocks: bool = DECODE_FULL_BLOCKS) -> None:
+                 attend_fn=None, full_blocks: bool = DECODE_FULL_BLOCKS,
+                 decode_buckets: Any = None) -> None:
         """`attend_fn`: flex_attention compiled (the runner's, CUDA); None: torch's unfused
-        flex_attention (CPU: every slot scored, for tests, not for serving)."""
+        flex_attention (CPU: every slot scored, for tests, not for serving). `decode_buckets`:
+        the decodes' static calls (`flex_buckets.DecodeBuckets`, with a compiled attend_fn)."""
         check_block_size(block_size, device)
         self.block_size, self.num_pages, self.page_map = block_size, num_pages, page_map
         self.full_blocks = full_blocks
+        self.decode_buckets = decode_buckets
         if attend_fn is None:
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
             attend_fn = flex_attention
         self.attend_fn = attend_fn
 
     def plan(self, layout: PassLayout, pack: HostPack) -> FlexPlan:
-        bs, decode, rows = self.block_size, None, None
-        if layout.decode_rows:
+        bs, decode, rows, bucketed = self.block_size, None, None, None
+        if layout.decode_rows and self.decode_buckets is not None:
+            pos = np.asarray(layout.decode_lens, dtype=np.int64) - 1
+            bucketed = self.decode_buckets.plan(layout.table, layout.decode_rows, layout.decode_lens, pos, bs, pack)
+        if layout.decode_rows and bucketed is None:
             lists = decode_lists(layout.table, layout.decode_rows, layout.decode_lens, bs,
                                  full_blocks=self.full_blocks)
             decode = {k: pack.add(v) for k, v in lists.items()}
@@ -238,12 +249,14 @@ class FlexBackend:
             lists = prefill_lists(pages, p.start, p.q_len, bs)
             prefills.append((p.q_start, p.q_len, pack.add([p.table_row]),
                              {k: pack.add(v) for k, v in lists.items()}))
-        return FlexPlan(decode, rows, prefills)
+        return FlexPlan(decode, rows, prefills, bucketed, len(layout.decode_rows))
 
     def metadata(self, plan: FlexPlan, pack: HostPack, pos: torch.Tensor) -> FlexMeta:
         bs, slots, pmap = self.block_size, self.num_pages * self.block_size, self.page_map.table
-        decode = None
-        if plan.decode is not None:
+        decode, decode_fn = None, None
+        if plan.bucketed is not None:
+            decode, decode_fn = self.decode_buckets.metadata(plan.bucketed, pack, pmap, bs, slots)
+        elif plan.decode is not None:
             lists = {k: pack.get(v) for k, v in plan.decode.items()}
             n = lists["kv_num"].shape[0]
             decode = decode_block_mask(lists, pmap, pack.get(plan.decode_rows), pos[:n], bs, slots)
@@ -253,7 +266,7 @@ class FlexBackend:
             map_row = pmap.index_select(0, pack.get(row))[0]  # a copy: one compiled shape for any row
             mask = prefill_block_mask(lists, map_row, pos[q_start:q_start + n], bs, slots)
             prefills.append((q_start, n, mask))
-        return FlexMeta(decode, prefills, self.attend_fn, bs)
+        return FlexMeta(decode, prefills, self.attend_fn, bs, decode_fn, plan.num_decodes)
 
 
 def _canonical(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -268,6 +281,8 @@ class FlexMeta:
     prefills: list[tuple[int, int, BlockMask]] = field(default_factory=list)  # (q_start, n, mask)
     attend_fn: object = flex_attention
     block_size: int = 16
+    decode_fn: object = None  # the decodes' bucket call (`DecodeBuckets`); None: attend_fn
+    num_decodes: int | None = None  # real decode entries (a bucket's mask pads after them); None: all
 
     def attend(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kc: torch.Tensor, vc: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -275,13 +290,19 @@ class FlexMeta:
         vf = vc.transpose(0, 1).unsqueeze(0)
         outs = []
         if self.decode is not None:
-            n = self.decode.kv_num_blocks.shape[0]
+            b = self.decode.kv_num_blocks.shape[0]
+            n = b if self.num_decodes is None else self.num_decodes
             # (B, H, 1, D), one entry per sequence. Laid out anew (`_canonical`): the model's q
             # is strided by the pass's row count, and a compiled call guards on strides
-            qd = _canonical(q[:n], (n, q.shape[1], 1, q.shape[2]))
-            out = self.attend_fn(qd, kf, vf, block_mask=self.decode, scale=scaling, enable_gqa=True,
-                                 kernel_options=kernel_options(self.block_size, prefill=False))
-            outs.append(out.squeeze(2))
+            if self.decode_fn is None:
+                qd = _canonical(q[:n], (n, q.shape[1], 1, q.shape[2]))
+            else:  # padded to the bucket's b entries
+                qd = q.new_zeros((b, q.shape[1], 1, q.shape[2]))
+                qd[:n, :, 0] = q[:n]
+            fn = self.attend_fn if self.decode_fn is None else self.decode_fn
+            out = fn(qd, kf, vf, block_mask=self.decode, scale=scaling, enable_gqa=True,
+                     kernel_options=kernel_options(self.block_size, prefill=False))
+            outs.append(out[:n].squeeze(2))
         for q_start, n, mask in self.prefills:
             qp = _canonical(q[q_start:q_start + n].transpose(0, 1), (1, q.shape[1], n, q.shape[2]))
             out = self.attend_fn(qp, kf, vf, block_mask=mask, scale=scaling, enable_gqa=True,

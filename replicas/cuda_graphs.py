@@ -27,21 +27,10 @@ from torch.nn.attention.flex_attention import flex_attention
 from replicas.attention import PassMeta
 from replicas.attention_flex import FlexMeta, bucket_width, decode_block_mask, decode_lists
 from replicas.compiling import CompileCounter, own_copy
+from replicas.flex_buckets import bucket_sizes, choose_bucket
 from replicas.transfer import HostPack, Part
 
-def bucket_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes captured: powers of two below max_num_seqs, then max_num_seqs itself (so
-    every decode-only pass has one)."""
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_num_seqs]
-
-
-def choose_bucket(n: int, buckets: list[int]) -> int | None:
-    """The smallest bucket holding n rows; None when n is beyond the largest (run eagerly)."""
-    return next((b for b in buckets if b >= n), None)
+__all__ = ["DecodeGraphs", "bucket_sizes", "choose_bucket"]
 
 
 def _decode_forward(runner, ids, pos, slots, rows, kv_num, kv_idx):

@@ -75,15 +75,28 @@ def test_nothing_compiles_after_warm_up_over_a_realistic_schedule(llama):
     runner = eng.runner
     assert runner.path == "flex+graphs" and runner.fallback_error is None
     warm, after = runner.compiles
-    # 4 attention shape groups (decodes: 1 / several entries; chunks: 1 / several rows) and
-    # one decode step per bucket (1, 2, 4, 8, 12)
-    assert (warm, after) == (4 + 5 + 1, 0)  # + the first bucket again (see ModelRunner.warm_up)
+    # the decodes' attention call per bucket (1, 2, 4, 8, 12: static, flex's decoding kernel),
+    # 2 chunk shape groups (1 / several rows) and one decode step per bucket
+    assert (warm, after) == (5 + 2 + 5 + 1, 0)  # + the first bucket again (see ModelRunner.warm_up)
+    decode_calls: list[tuple[int, int]] = []  # (decodes, their bucket) of each pass through the backend
+    buckets_of = runner.backend.decode_buckets
+    plan = buckets_of.plan
+
+    def spy(table, rows, lens, pos, bs, pack):
+        parts = plan(table, rows, lens, pos, bs, pack)
+        decode_calls.append((len(rows), parts["padded"].shape[1] if parts else 0))
+        return parts
+
+    buckets_of.plan = spy
     with torch._dynamo.config.patch(error_on_recompile=True):
         got, buckets = run_schedule(eng)
     assert runner.compiles == (warm, 0)
     assert set(buckets) == {1, 2, 4, 8, 12}  # decode-only passes in every bucket
     its = list(eng.iterations)
-    assert any(it.num_prefill_tokens and it.num_decode_tokens for it in its)  # mixed passes
+    mixed = [it for it in its if it.num_prefill_tokens and it.num_decode_tokens]
+    assert mixed  # mixed passes: their decodes padded to a static bucket each (flex decoding)
+    assert len(decode_calls) == len(mixed) and all(
+        n <= b == min(x for x in buckets_of.buckets if x >= n) for n, b in decode_calls)
     assert eng.blocks.num_used == 0
     want, _ = run_schedule(Engine(*llama, config()))
     assert got == want
