@@ -14,7 +14,7 @@ from ray.serve import Application
 from app.args import AppArgs
 from app.builder import build_app, llm_deployment_options
 from app.errors import OpenAIError, from_exception
-from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
+from app.proxy_door import CALLBACK_ENV, HA_PROXY_ENV, IMPORT_PATH
 from replicas.protocol import InvalidRequestError, QueueFullError, ReplicaUnhealthyError
 
 pytestmark = pytest.mark.unit
@@ -120,9 +120,11 @@ def test_serve_config_yaml_is_valid_and_local() -> None:
     assert application["import_path"] == "app.builder:build_app"
     args = AppArgs.model_validate(application["args"])
     assert args.model == "embedded:smollm2" and args.max_ongoing_requests > 5
-    # The proxies of the Serve instance it starts run the door, however Ray was started.
+    # The Serve instance it starts runs HAProxy mode and the door, however Ray was started.
     env = config["controller_options"]["runtime_env"]["env_vars"]
-    assert env == {CALLBACK_ENV: IMPORT_PATH}
+    assert env == {CALLBACK_ENV: IMPORT_PATH, HA_PROXY_ENV: "1"}
+    # Serve's Python proxy, where it runs instead, writes no access log line per request.
+    assert config["logging_config"] == {"enable_access_log": False}
 
 
 def test_replica_refusals_map_to_4xx_through_ray_wrappers() -> None:
