@@ -99,7 +99,9 @@ def probe_layout(name: str, device: torch.device, head_dim: int, rec: dict[str, 
         engine = Engine(model, tokenizer, config)
     runner = engine.runner
     rec.update(path=runner.path, fallback_error=runner.fallback_error, warmup_s=round(time.perf_counter() - t0, 2),
-               compiles_at_warmup=runner.compiles[0], kernel_choices=kernels)
+               compiles_at_warmup=runner.compiles[0], kernel_choices=kernels, block_size=engine.blocks.block_size)
+    if device.type == "cuda":
+        rec["free_gib_after_warmup"] = round(torch.cuda.mem_get_info(device)[0] / 2**30, 2)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in SCHEDULE_LENS]
     got = schedule(engine, prompts)

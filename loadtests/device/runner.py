@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 
@@ -50,6 +52,11 @@ class RunnerOptions:
         self.reported = {k: _plain(getattr(engine.runner, k))
                          for k in ("attention_backend", "cuda_graphs", "path", "compiles", "fallback_error")
                          if hasattr(engine.runner, k)}
+        device = engine.runner.device
+        if device.type == "cuda":  # what the KV cache, weights, graph pools and workspace left
+            self.reported["free_gib_after_build"] = round(torch.cuda.mem_get_info(device)[0] / 2**30, 2)
+            self.reported["kv_blocks"] = engine.blocks.num_blocks
+            self.reported["block_size"] = engine.blocks.block_size
         if getattr(engine.runner, "compiler", None) is not None:
             self.counters.append(engine.runner.compiler)
         return engine
