@@ -32,6 +32,7 @@ from app import prometheus, proxy_door
 from app.admission import AdmissionGate, controller_fetch
 from app.args import AppArgs
 from app.errors import RETRY_AFTER_OVERLOAD_S, OpenAIError, from_exception, install_handlers, replica_gone
+from app.http_path import proxy_kind
 from app.proxy_door import CALLBACK_ENV, IMPORT_PATH, PASSED_HEADER
 from app.middleware import (BodyLimitMiddleware, StatusCountMiddleware, StreamLimitMiddleware, arrival_time,
                             is_client_retry)
@@ -75,17 +76,6 @@ def _cancel(gen: DeploymentResponseGenerator) -> None:
         gen.cancel()
     except Exception as exc:  # the call already failed or ended: nothing left to cancel
         logger.debug("cancel of a finished handle call: %r", exc)
-
-
-def _proxy_kind() -> str:
-    """Which proxy serves HTTP: "haproxy" (Ray's HAProxy mode: a C proxy in front of each ingress
-    replica's own HTTP server), "direct" (the ingress replicas' own servers alone) or "serve"
-    (Serve's Python proxy, relaying each request and event to the ingress over Ray)."""
-    from ray.serve._private import constants
-
-    if constants.RAY_SERVE_ENABLE_HA_PROXY:
-        return "haproxy"
-    return "direct" if constants.RAY_SERVE_ENABLE_DIRECT_INGRESS else "serve"
 
 
 def _json(body: BaseModel) -> Response:
@@ -186,7 +176,7 @@ class OpenAIIngress:
                            "instance it starts; a running one keeps its own): overload is refused "
                            "late, by the ingress (README, 'On a Ray cluster')", CALLBACK_ENV, IMPORT_PATH)
         return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness, "runner": runner,
-                             "http_path": {"proxy": _proxy_kind(), "door": door and door.get("runs_in", "proxy")}})
+                             "http_path": {"proxy": proxy_kind(), "door": door and door.get("runs_in", "proxy")}})
 
     @api.get("/metrics")
     async def metrics(self) -> Response:

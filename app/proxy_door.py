@@ -56,6 +56,7 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
+from app.http_path import HA_PROXY_ENV, runs_in
 from autoscale.demand import DemandCounter, DemandCounts
 from replicas.config import STRICT
 from replicas.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
@@ -80,7 +81,6 @@ SLO_GAP_QUANTILE = 0.99  # a TBT SLO is a p99 (the autoscaler reads it so: autos
 KV_KEY, KV_NAMESPACE = b"proxy_door", "stallfree"
 REFRESH_S = 2.0  # how often a door reads its settings again
 PASSED_HEADER = b"x-stallfree-proxy-door"  # on every request the door lets through: its settings
-REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"  # how Serve names a replica's actor
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -155,19 +155,6 @@ def published() -> DoorSettings | None:
     except Exception:  # noqa: BLE001 - no Ray connection (unit tests)
         return None
     return DoorSettings(**json.loads(raw)) if raw else None
-
-
-def runs_in() -> str:
-    """Where Serve builds this door: "proxy" (Serve's Python proxy) or "ingress" (an ingress
-    replica's own HTTP server: direct ingress, behind HAProxy)."""
-    try:
-        import ray
-
-        name = ray.get_runtime_context().get_actor_name() or ""
-    except Exception:  # noqa: BLE001 - no Ray (unit tests)
-        return "proxy"
-    # By the actor's name: Serve may start a replica's server before its replica context is set.
-    return "ingress" if name.startswith(REPLICA_ACTOR_PREFIX) else "proxy"
 
 
 def middlewares() -> list[Middleware]:
@@ -259,9 +246,6 @@ def _refusal_counter() -> Callable[[str], None] | None:
     except Exception:  # noqa: BLE001 - no Ray (unit tests)
         return None
     return lambda reason: counter.record(1, {"reason": reason})
-
-
-HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
 def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
