@@ -89,7 +89,13 @@ class IncrementalDetokenizer:
         """Add the output tokens not added yet (a request without stop strings is detokenized
         only when a delta of it goes out: the same tokens in the same order, so the same text).
         `add_token`'s steps without stop strings, inlined: one call for a delta's tokens."""
-        new = output_ids[len(self.ids) - self._num_context:]
+        added = len(self.ids) - self._num_context
+        if added >= len(output_ids):
+            return
+        if added + 1 == len(output_ids):  # a delta every pass: one token
+            self.add_token(output_ids[-1], find_stop=False)
+            return
+        new = output_ids[added:]
         if self.stop or self._stream is None:
             for token_id in new:
                 self.add_token(token_id, find_stop=False)
