@@ -336,7 +336,8 @@ class Engine:
             self.scheduler.abandon(p.batch)
             raise
         now, cpu_s = time.perf_counter(), time.process_time() - p.cpu_start
-        self.pass_started = None
+        if self._in_flight is None:  # overlapped, the next pass is in progress already
+            self.pass_started = None
         # Overlapped, the host's wall time between returns is not the pass's: the device's is.
         start = now - self.runner.pass_seconds(p.handle) if self.overlap else p.host_start
         stats = self._record(p.batch, start, now, p.shape, p.predicted, cpu_s)

@@ -245,3 +245,15 @@ def test_a_failed_pass_in_flight_leaves_no_token_in_flight(llama) -> None:
     while eng.has_unfinished():
         eng.step()
     assert eng.blocks.num_free == free and not eng.requests
+
+
+def test_the_pass_in_progress_stays_visible_between_steps(llama) -> None:
+    """Overlapped, a step returns while the next pass runs: `pass_started` (the drain rate's
+    pass in progress) is that pass's start, and None only once nothing is in flight."""
+    eng = engine_for(llama, "on")
+    eng.add_request(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    seen = []
+    while eng.has_unfinished():
+        eng.step()
+        seen.append((eng._in_flight is not None, eng.pass_started is not None))
+    assert all(busy == started for busy, started in seen) and seen[0] == (True, True) and seen[-1] == (False, False)
