@@ -135,7 +135,7 @@ class EngineConfig:
             _positive("max_batch_total_tokens", self.max_batch_total_tokens)
             if self.max_batch_total_tokens < (self.block_size or DEFAULT_BLOCK_SIZE):
                 raise ValueError("max_batch_total_tokens must hold at least one KV block "
-                                 f"({self.block_size} tokens), got {self.max_batch_total_tokens}")
+                                 f"({self.block_size or DEFAULT_BLOCK_SIZE} tokens), got {self.max_batch_total_tokens}")
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         fraction = self.kv_cache_memory_fraction
         if fraction is not None and not 0 < fraction < 1:

@@ -172,7 +172,10 @@ class Engine:
     def _num_blocks(self, model: PreTrainedModel) -> int:
         cfg, block_size = self.config, self.block_size
         if cfg.max_batch_total_tokens is not None:
-            return max(1, cfg.max_batch_total_tokens // block_size)
+            if cfg.max_batch_total_tokens < block_size:  # checked again: a null block_size is resolved now
+                raise ValueError(f"max_batch_total_tokens must hold at least one KV block ({block_size} "
+                                 f"tokens), got {cfg.max_batch_total_tokens}")
+            return cfg.max_batch_total_tokens // block_size
         layers, kv_heads, head_dim = kv_shape(model.config)
         elem = next(model.parameters()).element_size()
         bytes_per_token = 2 * layers * kv_heads * head_dim * elem
@@ -250,7 +253,8 @@ class Engine:
     def enqueue(self, req: Request) -> None:
         """Queue a request built by `make_request`: no checks again but the id's uniqueness, the
         one check of it (the async engine answers its caller before any delta streams)."""
-        if req.request_id in self.requests:
+        # A finished request keeps its blocks (keyed by its id) until its last pass lands.
+        if req.request_id in self.requests or self.blocks.block_table(req.request_id):
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use", "request_id")
         self.requests[req.request_id] = req
         params = req.params

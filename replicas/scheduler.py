@@ -200,13 +200,6 @@ class Scheduler:
                 req.num_inflight += 1
                 num_sampled += 1
         self.num_running_tokens += num_sampled
-        if self.blocks.enable_caching:
-            # A chunk's tokens are all known (prompt, or output that landed before a recompute),
-            # so its full blocks join the prefix cache now: a later pass that reads them runs
-            # after this one on the device, and a request admitted while it is in flight hits
-            # them as it would after it.
-            for seq in batch.prefills:
-                self.blocks.cache_computed(seq.request, seq.start + seq.num_tokens)
 
     def landed(self, batch: SchedulerOutput, sampled: list[int], now: float) -> list[Request]:
         """The launched pass in `batch` finished: those that sample get their token (`sampled`, in
@@ -242,9 +235,15 @@ class Scheduler:
                 req.token_times.append(now)
             if seq.completes:
                 got.append(req)
-        if self.blocks.enable_caching:  # a decode's full block joins the prefix cache once its
-            bs = self.blocks.block_size  # token is known (its input may have been in flight)
-            for seq in batch.decodes:  # it fills a block only when it reaches its end
+        if self.blocks.enable_caching:
+            # Blocks join the prefix cache once the pass that wrote their KV has landed (a pass
+            # that fails leaves nothing cached): a chunk's full blocks, and a decode's block when
+            # its token filled it (its input may have been in flight).
+            for seq in batch.prefills:
+                if seq.request.status == RequestStatus.RUNNING:
+                    self.blocks.cache_computed(seq.request, seq.start + seq.num_tokens)
+            bs = self.blocks.block_size
+            for seq in batch.decodes:
                 end = seq.start + 1
                 if end % bs == 0 and seq.request.status == RequestStatus.RUNNING:
                     self.blocks.cache_computed(seq.request, end)
@@ -252,7 +251,8 @@ class Scheduler:
 
     def abandon(self, batch: SchedulerOutput) -> None:
         """A launched pass failed: its tokens never land (the caller aborts its requests). Its
-        in-flight counts go, and the finished requests that waited for it free their blocks."""
+        in-flight counts go, and the finished requests that waited for it free their blocks (none
+        of its blocks joined the prefix cache: they join when a pass lands)."""
         for seq in batch.seqs:
             req = seq.request
             if seq.samples:

@@ -15,11 +15,11 @@ import torch
 
 # (substring of torch.cuda.get_device_name, TB/s), first match wins: the specific names first.
 DATASHEET_TBS: tuple[tuple[str, float], ...] = (
+    ("GH200", 4.0),  # before "H200", which it contains
     ("H200", 4.8),
     ("H100 NVL", 3.9),
     ("H100 PCIe", 2.0),
     ("H100", 3.35),  # SXM5 ("NVIDIA H100 80GB HBM3")
-    ("GH200", 4.0),
     ("B200", 8.0),
     ("A100-SXM4-80GB", 2.039),
     ("A100 80GB PCIe", 1.935),

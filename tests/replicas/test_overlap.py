@@ -257,3 +257,50 @@ def test_the_pass_in_progress_stays_visible_between_steps(llama) -> None:
         eng.step()
         seen.append((eng._in_flight is not None, eng.pass_started is not None))
     assert all(busy == started for busy, started in seen) and seen[0] == (True, True) and seen[-1] == (False, False)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_failed_pass_leaves_nothing_in_the_prefix_cache(llama, overlap: str) -> None:
+    """The forward of a pass fails (its KV never written): none of its chunks' blocks joins the
+    prefix cache, so the same prompt sent again is computed, not read from unwritten blocks, and
+    gets the tokens it gets on a fresh engine."""
+    prompt = list(range(40, 90))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = engine_for(llama, overlap).generate([prompt], params)[0].token_ids
+    eng = engine_for(llama, overlap)
+    forward = eng.runner.forward
+
+    def failing(prep):  # noqa: ANN001, ANN202
+        eng.runner.forward = forward
+        raise RuntimeError("device fault")
+
+    eng.runner.forward = failing
+    eng.add_request(prompt, params)
+    with pytest.raises(RuntimeError, match="device fault"):
+        while eng.has_unfinished():
+            eng.step()
+    for rid in list(eng.requests):  # what the async engine does after a failed step
+        eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    out = eng.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == want
+
+
+def test_an_id_is_not_reused_while_its_request_still_holds_blocks(llama) -> None:
+    """A request that stopped keeps its blocks until its in-flight pass lands: its id is refused
+    until then (the block manager keys tables by id), and accepted after."""
+    from replicas.protocol import InvalidRequestError
+
+    eng = engine_for(llama, "on")
+    eng.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), request_id="a")
+    for _ in range(3):
+        eng.step()
+    eng.abort("a")
+    assert "a" not in eng.requests and eng.blocks.block_table("a")  # the pass in flight still writes them
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.add_request(PROMPTS[1], SamplingParams(max_tokens=2), request_id="a")
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng.blocks.block_table("a")
+    eng.add_request(PROMPTS[1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), request_id="a")

@@ -71,7 +71,7 @@ def test_mbu_peak_is_the_devices_own() -> None:
     assert datasheet_tbs("NVIDIA H100 80GB HBM3") == 3.35  # SXM
     assert datasheet_tbs("NVIDIA H100 PCIe") == 2.0
     assert datasheet_tbs("NVIDIA H100 NVL") == 3.9
-    assert datasheet_tbs("NVIDIA H200") == 4.8
+    assert datasheet_tbs("NVIDIA H200") == 4.8 and datasheet_tbs("NVIDIA GH200 480GB") == 4.0
     assert datasheet_tbs("NVIDIA GeForce RTX 4090") is None
     assert peak_bandwidth(torch.device("cpu")) == {"tbs": 0.1, "source": "nominal (cpu)"}
     assert peak_bandwidth(torch.device("cpu"), given_tbs=3.0) == {"tbs": 3.0, "source": "given"}
