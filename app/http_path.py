@@ -1,7 +1,7 @@
 """Which HTTP path serves the app: Ray's HAProxy mode (a C proxy holding the port, each ingress
 replica serving HTTP itself) or Serve's Python proxy (relaying every request and streamed event to
-an ingress over Ray), and in which process the door runs. serve_config.yaml turns HAProxy mode
-on; the reasons, measured: docs/architecture.md, "The HTTP path"."""
+an ingress over Ray), and in which process the door runs. serve_config.yaml leaves HAProxy mode
+off (opt-in); the reasons, measured: docs/architecture.md, "The HTTP path"."""
 
 from __future__ import annotations
 

@@ -249,10 +249,10 @@ def _refusal_counter() -> Callable[[str], None] | None:
 
 
 def proxy_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment a Ray node started for this app gets: `env` with Ray's HAProxy mode on
-    (serve_config.yaml's choice), the door's callback set and Ray's workers at `SERVING_NICENESS`
-    (each unless the caller set their own)."""
-    return {HA_PROXY_ENV: "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: str(SERVING_NICENESS), **env}
+    """The environment a Ray node started for this app gets: `env` with the door's callback set
+    and Ray's workers at `SERVING_NICENESS` (each unless the caller set their own; HAProxy mode
+    only where the caller sets `HA_PROXY_ENV`, as serve_config.yaml leaves it off)."""
+    return {CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: str(SERVING_NICENESS), **env}
 
 
 CAP_DECREASE = 0.9  # the stream cap's cut: this x the requests in flight when the gaps turned slow

@@ -120,9 +120,10 @@ def test_serve_config_yaml_is_valid_and_local() -> None:
     assert application["import_path"] == "app.builder:build_app"
     args = AppArgs.model_validate(application["args"])
     assert args.model == "embedded:smollm2" and args.max_ongoing_requests > 5
-    # The Serve instance it starts runs HAProxy mode and the door, however Ray was started.
+    # The Serve instance it starts runs the door in Serve's proxy, however Ray was started
+    # (HAProxy mode is opt-in: docs/architecture.md).
     env = config["controller_options"]["runtime_env"]["env_vars"]
-    assert env == {CALLBACK_ENV: IMPORT_PATH, HA_PROXY_ENV: "1"}
+    assert env == {CALLBACK_ENV: IMPORT_PATH} and HA_PROXY_ENV not in env
     # Serve's Python proxy, where it runs instead, writes no access log line per request.
     assert config["logging_config"] == {"enable_access_log": False}
 

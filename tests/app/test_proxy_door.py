@@ -409,7 +409,7 @@ def test_the_doors_refusals_reach_the_controller_as_unsized_refused_demand() -> 
 
 
 def test_proxy_env_sets_the_callback_and_priority_unless_given() -> None:
-    assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: "0", HA_PROXY_ENV: "1"}
-    assert proxy_env({HA_PROXY_ENV: "0"})[HA_PROXY_ENV] == "0"  # Serve's Python proxy, if the caller says so
+    assert proxy_env({"A": "1"}) == {"A": "1", CALLBACK_ENV: IMPORT_PATH, NICENESS_ENV: "0"}
+    assert proxy_env({HA_PROXY_ENV: "1"})[HA_PROXY_ENV] == "1"  # HAProxy mode, if the caller says so
     assert proxy_env({NICENESS_ENV: "5"})[NICENESS_ENV] == "5"  # the caller's priority wins
     assert proxy_env({CALLBACK_ENV: "mine:f"})[CALLBACK_ENV] == "mine:f"

@@ -4,9 +4,8 @@ Retry-After, and serves again once the request in flight ends; and nothing users
 on the way (streams with usage, /metrics on the same port, a client leaving frees its KV).
 
 The server runs in a subprocess as a user starts it: `serve run` on serve_config.yaml, whose
-controller_options turn on Ray's HAProxy mode and set the callback (tests/support/server.py), so
-the door runs in the ingress's own HTTP server; on a Ray instance of its own, with the door's
-limit pinned to one generation request.
+controller_options set the callback (tests/support/server.py), so the door runs in Serve's HTTP
+proxy; on a Ray instance of its own, with the door's limit pinned to one generation request.
 """
 
 from __future__ import annotations
@@ -68,10 +67,11 @@ def test_the_proxy_refuses_over_its_limit_and_serves_after(door_server: str, wai
         assert json.loads(chat.text)["choices"]
 
 
-def test_haproxy_serves_and_the_door_runs_in_the_ingress(door_server: str, wait_until) -> None:  # noqa: ANN001
-    """serve_config.yaml's HTTP path: HAProxy in front, the ingress serving HTTP with the door in it."""
+def test_serve_config_yaml_serves_through_the_proxy_with_its_door(door_server: str, wait_until) -> None:  # noqa: ANN001
+    """serve_config.yaml's HTTP path: Serve's proxy with the door in it; a stream with usage and
+    /metrics on the same port."""
     with httpx.Client(base_url=door_server, timeout=60) as client:
-        assert client.get("/health").json()["http_path"] == {"proxy": "haproxy", "door": "ingress"}
+        assert client.get("/health").json()["http_path"] == {"proxy": "serve", "door": "proxy"}
         assert client.get("/metrics").status_code == 200  # the same port
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -81,7 +81,7 @@ def test_haproxy_serves_and_the_door_runs_in_the_ingress(door_server: str, wait_
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request(door_server: str, wait_until) -> None:  # noqa: ANN001
-    """Through HAProxy too, a disconnect reaches the engine: the replica counts the request
+    """A disconnect reaches the engine: the replica counts the request
     aborted (its KV blocks freed with it), not run to its 1500 tokens, and the door's slot frees."""
     long_stream = {"prompt": [5, 6, 7, 8], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=door_server, timeout=60) as client:

@@ -90,8 +90,8 @@ def test_a_cluster_server_answers_and_leaves_nothing_behind(tmp_path) -> None:  
     with served(args, tmp_path / "server.log", start="cluster", timeout_s=300) as server:
         assert server.start == "cluster" and server.health["status"] == "ok"
         assert server.health["proxy_door"] is not None  # serve_config.yaml's controller_options
-        # which also turn on HAProxy mode: the door runs in the ingress's own HTTP server
-        assert server.health["http_path"] == {"proxy": "haproxy", "door": "ingress"}
+        # Serve's Python proxy serves, with the door in it (HAProxy mode is opt-in)
+        assert server.health["http_path"] == {"proxy": "serve", "door": "proxy"}
         # ignore_eos: random weights may sample EOS within 3 tokens (it happened once in a full run)
         answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
                             json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
