@@ -182,18 +182,19 @@ def test_a_compiled_pass_writes_the_kv_cache_in_place(llama):
 
 
 def test_serving_stays_compiled_past_the_recompile_limit(llama):
-    """10 decode buckets (max_num_seqs 512), past dynamo's 8 graphs per code object (a shared
-    step failed the 9th, at 256, and the runner fell back to SDPA): each bucket's step is a code
-    object of its own, so none falls back, and a batch in the ninth bucket compiles nothing."""
-    max_num_seqs = 512
+    """9 decode buckets (max_num_seqs 256), past dynamo's 8 graphs per code object (a shared step
+    failed the 9th, and the runner fell back to SDPA; at the default 128 too, whose first bucket
+    compiles twice): each bucket's step and decode attention are code objects of their own, so
+    none falls back, and a batch in the ninth bucket compiles nothing."""
+    max_num_seqs = 256
     eng = Engine(*llama, config(attention_backend="flex", cuda_graphs=True, compile_backend="eager",
                                 max_num_seqs=max_num_seqs, max_batch_prefill_tokens=2 * max_num_seqs,
                                 max_batch_total_tokens=2048))
     runner = eng.runner
     assert runner.path == "flex+graphs", runner.fallback_error
-    assert len(runner.graphs.buckets) == 10  # 1, 2, 4, ..., 256, 512
+    assert len(runner.graphs.buckets) == 9  # 1, 2, 4, ..., 128, 256
     # dynamo keeps graphs on the code object itself: ten objects (equal in content, so by id)
-    assert len({id(step._torchdynamo_orig_callable.__code__) for step in runner.graphs.steps.values()}) == 10
+    assert len({id(step._torchdynamo_orig_callable.__code__) for step in runner.graphs.steps.values()}) == 9
     n = 136  # decode-only passes in bucket 256, the ninth (a prefill chunk per request: costly here)
     buckets: list[int] = []
     plan = runner.graphs.plan
