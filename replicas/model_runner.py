@@ -93,7 +93,6 @@ class ModelRunner:
         self.k_layers, self.v_layers = self.k_cache.unbind(0), self.v_cache.unbind(0)  # see PassMeta
         model.set_attn_implementation(ATTN_IMPL)
         self._keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._staging = Staging(self.device)  # the warm-up's
         # Two upload buffers, in turn: on CPU a pass's device side reads its buffer in place, and
         # in the overlapped loop the next pass is prepared while it runs.
         self._stagings = (Staging(self.device), Staging(self.device))
@@ -225,7 +224,7 @@ class ModelRunner:
             plan = self.backend.plan(layout, pack)
             pos = np.array([1 + i for i in range(decodes)] + list(range(start, start + chunk)), dtype=np.int64)
             pos_part = pack.add(pos)
-            pack.send(self.device, self._staging)
+            pack.send(self.device, self._stagings[0])
             meta = self.backend.metadata(plan, pack, pack.get(pos_part))
             q = torch.zeros((decodes + chunk, heads, head_dim), dtype=self.dtype, device=self.device)
             kc, vc = self.k_cache[0], self.v_cache[0]
@@ -366,10 +365,8 @@ class ModelRunner:
         token_rows = self._decode_rows(decodes)  # each packed token's block-table row
         # Every decode samples; its row in the packed batch is its place in `order`.
         sampled = [0] * len(order)
-        slot_rows = [0] * len(order)  # each sampling sequence's runner row, in batch order
         for row, i in enumerate(order):
             sampled[i] = row
-            slot_rows[i] = token_rows[row]
         prefills: list[PrefillSpan] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int]] = []
@@ -388,7 +385,6 @@ class ModelRunner:
             prefills.append(PrefillSpan(row, n, start, table_row))
             if seq.samples:
                 sampled.append(len(ids) - 1)
-                slot_rows.append(table_row)
         bs = self.blocks.block_size
         pos = np.array(positions, dtype=np.int64)
         slots = self._table[token_rows, pos // bs] * bs + pos % bs  # where each token's k/v goes
@@ -407,7 +403,7 @@ class ModelRunner:
             prep.tokens, prep.attn = pack.add(tokens), self.backend.plan(layout, pack)
         prep.keep = pack.add(sampled + prompt_rows)
         if self.token_slots is not None:
-            prep.slot_rows = pack.add(slot_rows)
+            prep.slot_rows = pack.add([token_rows[r] for r in sampled])  # each sampler's runner row
             if fill_at:
                 prep.fill = (pack.add(fill_at), pack.add([token_rows[r] for r in fill_at]))
         prep.logits_plan = self.sampler.plan([s.request for s in batch.seqs if s.samples], prompt_spans, pack)

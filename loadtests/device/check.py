@@ -41,13 +41,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gc
 import json
 import platform
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +55,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from loadtests.device import stages
 from loadtests.device.peak import peak_bandwidth
-from loadtests.device.record import Cut, save_json, time_limit
+from loadtests.device.record import release, run_limited, save_json
 from loadtests.device.runner import RunnerOptions
 from replicas.models import build_tokenizer
 
@@ -125,12 +123,6 @@ def build_model(shape: dict[str, int], device: torch.device, seed: int = 0) -> t
     return model.eval().requires_grad_(False), tokenizer
 
 
-def release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 class Check:
     """The run's record: rewritten to `path` after every item, so a cut run keeps what finished."""
 
@@ -163,15 +155,16 @@ class Stage:
         if self.left() <= 0:
             self.record["skipped"].append(item)
         else:
-            try:
-                with time_limit(self.left()):
-                    row = self.record["items"][item] = fn()
-            except Cut:
+            out: dict[str, Any] = {}
+            status = run_limited(lambda rec: rec.update(row=fn()), out, self.left())
+            if status == "complete":
+                row = self.record["items"][item] = out["row"]
+            elif status == "cut":
                 self.record["cut"].append(item)
                 print(f"{item}: cut at the stage's budget", file=sys.stderr)
-            except Exception:  # recorded, and the run goes on: one failure must not cost the rest
-                self.record["errors"][item] = traceback.format_exc(limit=-6)
-                print(f"{item}: {self.record['errors'][item]}", file=sys.stderr)
+            else:  # recorded, and the run goes on: one failure must not cost the rest
+                self.record["errors"][item] = out["error"]
+                print(f"{item}: {out['error']}", file=sys.stderr)
         release(self.check.device)
         self.record["elapsed_s"] = time.perf_counter() - self.start
         self.record["status"] = ("errors" if self.record["errors"] else "cut" if self.record["cut"] else

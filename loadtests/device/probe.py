@@ -25,7 +25,6 @@ parity_passed, seconds, finished.
 
 from __future__ import annotations
 
-import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from loadtests.device.kernels import flex_choices
 from loadtests.device.peak import peak_bandwidth
-from loadtests.device.record import run_limited, save_json
+from loadtests.device.record import release, run_limited, save_json
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.models import build_tokenizer
 
@@ -223,9 +222,3 @@ def device_facts(device: torch.device, rec: dict[str, Any], peak_tbs: float | No
         except ImportError:
             rec["triton"] = None
     rec["peak_bandwidth"] = peak_bandwidth(device, peak_tbs)
-
-
-def release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ the main thread at the next Python bytecode, in the middle of a compile or a dec
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -19,6 +20,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 
 class Cut(BaseException):
@@ -54,6 +57,13 @@ def save_json(path: str | Path | None, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=float) + "\n")
     os.replace(tmp, path)
+
+
+def release(device: torch.device) -> None:
+    """What a finished stage held, back to the device (its engines are garbage by now)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_limited(fn: Callable[[dict[str, Any]], Any], record: dict[str, Any], seconds: float) -> str:
