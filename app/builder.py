@@ -19,7 +19,7 @@ from app.ingress import OpenAIIngress
 from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
 from autoscale.reporter import LoadReporter
 from autoscale.serve_options import deployment_options, graceful_shutdown_timeout
-from replicas.deployment import LLMServer
+from replicas.serving.deployment import LLMServer
 
 LLM_DEPLOYMENT = "LLMServer"
 # The shutdown grace of a replica is sized before the model loads: without an SLO or a length

@@ -43,10 +43,10 @@ from app.streaming import (DONE, Gathered, StreamMeta, chat_events, chat_respons
                            completion_events, completion_response, sse)
 from autoscale.keys import deployment_key_of
 from autoscale.demand import DemandCounter, DemandCounts
-from replicas.model_files import load_tokenizer
+from replicas.loading.model_files import load_tokenizer
 from replicas.protocol import ReplicaUnhealthyError, RequestRejected
-from replicas.priority import serve_at_full_priority
-from replicas.serve_logs import use_serve_log
+from replicas.serving.priority import serve_at_full_priority
+from replicas.serving.serve_logs import use_serve_log
 
 logger = logging.getLogger(__name__)
 

@@ -205,7 +205,7 @@ class StatusCountMiddleware:
     def _count(self, path: str, status: int) -> None:
         if self._counter is None:
             try:
-                from replicas.metrics import PREFIX, RayBackend
+                from replicas.serving.metrics import PREFIX, RayBackend
                 self._counter = RayBackend().counter(
                     PREFIX + "http_responses_total", "HTTP responses by route and status code.",
                     ("route", "status_code"))

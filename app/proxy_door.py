@@ -59,7 +59,7 @@ from app.errors import OpenAIError
 from app.http_path import HA_PROXY_ENV, runs_in
 from autoscale.demand import DemandCounter, DemandCounts
 from replicas.config import STRICT
-from replicas.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
+from replicas.serving.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
 from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, is_client_retry, refuse
 from app.stream_limit import (DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS, MAX_RETRY_AFTER_S, StreamLimit,
                               limit_observer)
@@ -240,7 +240,7 @@ class Door:
 def _refusal_counter() -> Callable[[str], None] | None:
     """`stallfree_proxy_refusals_total{reason}` when Ray is here (the proxy), else None."""
     try:
-        from replicas.metrics import PREFIX, RayBackend
+        from replicas.serving.metrics import PREFIX, RayBackend
         counter = RayBackend().counter(PREFIX + "proxy_refusals_total", "Generation requests the proxy "
                                        "answered 429 itself, by why (app/proxy_door.py).", ("reason",))
     except Exception:  # noqa: BLE001 - no Ray (unit tests)

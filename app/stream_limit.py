@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from replicas.admission import MAX_RETRY_AFTER_S, STALLED_RETRY_AFTER_S  # one Retry-After bound, every 429
+from replicas.scheduling.admission import MAX_RETRY_AFTER_S, STALLED_RETRY_AFTER_S  # one Retry-After bound, every 429
 
 DEFAULT_TARGET_MS = 50.0  # AppArgs.ingress_lag_target_ms
 DEFAULT_MIN_LIMIT = 8  # AppArgs.ingress_min_requests
@@ -185,7 +185,7 @@ def limit_observer(limit: StreamLimit, role: str, logger: logging.Logger) -> Cal
     every LOG_EVERY_S while it holds requests back or refuses."""
     gauges: dict[str, Any] = {}
     try:
-        from replicas.metrics import PREFIX, RayBackend
+        from replicas.serving.metrics import PREFIX, RayBackend
         backend = RayBackend()
         gauges = {name: backend.gauge(PREFIX + name, doc, ()) for name, doc in (
             (f"{role}_requests_in_flight", f"Generation requests in flight at this {role}."),

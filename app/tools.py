@@ -1,6 +1,6 @@
 """Tool calls: the grammar a forced call is generated under, and reading calls out of the text.
 
-- `tool_choice` "required" or a named function: the output is constrained (`replicas.guided`)
+- `tool_choice` "required" or a named function: the output is constrained (`replicas.execution.guided`)
   to the JSON of one call, so it always parses once the grammar is complete. A named function's
   output is its arguments object; "required" generates `{"name": ..., "arguments": {...}}`,
   one alternative (anyOf) per tool. One call per response.

@@ -36,7 +36,7 @@ import ray
 from autoscale.demand import DemandCounts, DemandLog
 from autoscale.keys import deployment_key
 from autoscale.load import ClusterSnapshot, LogHistogram, ReplicaLoad, TbtWindow, fleet_interval, relay_hubs
-from replicas.histogram import NUM_BINS
+from replicas.scheduling.histogram import NUM_BINS
 
 DEFAULT_CONTROLLER_NAME = "stallfree_controller"
 DEFAULT_NAMESPACE = "stallfree"

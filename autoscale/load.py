@@ -2,14 +2,14 @@
 
 A replica pushes its `replicas.protocol.ReplicaLoad` (the one load record, built by its
 scheduler) to the controller at iteration granularity, with a histogram of the TBT gaps new since
-its previous report (`replicas.histogram.LogHistogram`); a `ClusterSnapshot` is what the router,
+its previous report (`replicas.scheduling.histogram.LogHistogram`); a `ClusterSnapshot` is what the router,
 the door's admission and the scaling decision read back. Both are plain frozen dataclasses,
 pickled as they are across Ray, and nothing here imports Ray: the simulator builds the same
 snapshots from its own replicas.
 
 TBT over a window is a merge of per-slice histograms (`TbtWindow`): its cost is the number of
 slices times the bins in use, whatever the traffic, and its percentiles are within
-`replicas.histogram.RELATIVE_ERROR` (0.99%) of the exact nearest-rank ones.
+`replicas.scheduling.histogram.RELATIVE_ERROR` (0.99%) of the exact nearest-rank ones.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from replicas.histogram import NUM_BINS, LogHistogram
+from replicas.scheduling.histogram import NUM_BINS, LogHistogram
 from replicas.protocol import ReplicaLoad
 
 __all__ = ["ClusterSnapshot", "LogHistogram", "ReplicaLoad", "ReportThrottle", "TbtWindow", "fleet_interval",

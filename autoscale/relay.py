@@ -43,7 +43,7 @@ import ray
 
 from autoscale.controller import get_or_create_controller, without_tbt
 from autoscale.keys import deployment_key
-from replicas.histogram import LogHistogram
+from replicas.scheduling.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
 logger = logging.getLogger(__name__)

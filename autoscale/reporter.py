@@ -13,7 +13,7 @@ falls back to its local view meanwhile. With `relay` (the default) reports go to
 `autoscale.relay.NodeRelay`, which forwards the node's reports to the controller in one call every
 100 ms, so the controller's intake grows with the nodes, not the replicas.
 
-The app builder hands the replica a factory for it (`replicas.deployment.LoadSink`); the replica
+The app builder hands the replica a factory for it (`replicas.serving.deployment.LoadSink`); the replica
 calls `start(load, iterations, tbt)`, `autoscaling_stats()` and `stop()`.
 """
 
@@ -34,7 +34,7 @@ from autoscale.keys import current_replica_key
 from autoscale.load import ReportThrottle, TbtWindow
 from autoscale.relay import get_or_create_relay
 from autoscale.scaling import DEFAULT_WINDOW_S
-from replicas.histogram import LogHistogram
+from replicas.scheduling.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
 logger = logging.getLogger(__name__)

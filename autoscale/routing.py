@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoscale.router_tuning import RouterTuning
-from replicas.admission import admits
-from replicas.prefix_hash import block_hashes
+from replicas.scheduling.admission import admits
+from replicas.scheduling.prefix_hash import block_hashes
 from replicas.protocol import ReplicaLoad
 
 CHARS_PER_TOKEN = 4  # a text prompt's token estimate when the caller did not tokenize

@@ -8,7 +8,7 @@ import time
 
 from replicas.config import POLICIES, EngineConfig
 from replicas.engine import Engine
-from replicas.models import DEFAULT_MODEL
+from replicas.loading.models import DEFAULT_MODEL
 from replicas.request import SamplingParams
 
 

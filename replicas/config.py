@@ -16,7 +16,7 @@ from pydantic.dataclasses import dataclass
 
 POLICIES = ("static", "dynamic", "stall_free")
 # block_size null: one KV tile of the flex kernels on CUDA (16-slot tiles leave their loads small),
-# else the finer unit the prefix cache shares by (replicas.attention.resolve_block_size)
+# else the finer unit the prefix cache shares by (replicas.execution.attention.resolve_block_size)
 FLEX_BLOCK_SIZE = 64
 DEFAULT_BLOCK_SIZE = 16
 Policy = Literal[POLICIES]  # type: ignore[valid-type]

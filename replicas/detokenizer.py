@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from replicas.sampler import find_stop_string
+from replicas.execution.sampler import find_stop_string
 
 # Trailing prompt tokens decoded as context so the first output token gets its leading
 # space right (sentencepiece-style tokenizers drop it when a token is decoded alone).

@@ -16,23 +16,23 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
-from replicas.drain import DrainMeter
-from replicas.guided import Grammars
-from replicas.attention import resolve_block_size
-from replicas.kv_cache import BlockManager
-from replicas.kv_memory import (activation_bytes, device_memory_bytes, free_memory_bytes, kv_memory_bytes,
+from replicas.scheduling.drain import DrainMeter
+from replicas.execution.guided import Grammars
+from replicas.execution.attention import resolve_block_size
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.execution.kv_memory import (activation_bytes, device_memory_bytes, free_memory_bytes, kv_memory_bytes,
                                 weight_bytes)
-from replicas.logits_processors import LogitsProcessors
-from replicas.model_runner import ModelRunner
-from replicas.model_support import kv_shape, model_max_length
-from replicas.models import load_model
-from replicas.overlap import InFlight, needs_history
-from replicas.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
+from replicas.execution.logits_processors import LogitsProcessors
+from replicas.execution.model_runner import ModelRunner
+from replicas.loading.model_support import kv_shape, model_max_length
+from replicas.loading.models import load_model
+from replicas.execution.overlap import InFlight, needs_history
+from replicas.scheduling.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
 from replicas.protocol import (InvalidRequestError, Limits, RequestOutput, SamplingParams, TokenLogprob,
                                check_priority, sample_id)
 from replicas.request import FINISHED, Request, RequestStatus
-from replicas.sampler import Sampler
-from replicas.scheduler import QueueCounts, Scheduler, SchedulerOutput, watermark_blocks
+from replicas.execution.sampler import Sampler
+from replicas.scheduling.scheduler import QueueCounts, Scheduler, SchedulerOutput, watermark_blocks
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from replicas.histogram import LogHistogram
-from replicas.prefix_hash import PrefixSketch
+from replicas.scheduling.histogram import LogHistogram
+from replicas.scheduling.prefix_hash import PrefixSketch
 
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no limit
@@ -100,7 +100,7 @@ def _invalid(param: str, message: str) -> InvalidRequestError:
 @dataclass(frozen=True)
 class GuidedDecoding:
     """Structured output: the generated text must match this grammar. Checked for shape here;
-    compiled on the replica, where the tokenizer is (`replicas.guided`), before the request is
+    compiled on the replica, where the tokenizer is (`replicas.execution.guided`), before the request is
     acknowledged, so a grammar that does not compile is a 400 naming `param`.
 
     kind `json_schema`: `spec` is the schema as JSON text; `json_object`: any JSON object (no
@@ -243,7 +243,7 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Anything changes this request's logits before sampling (`replicas.logits_processors`)."""
+        """Anything changes this request's logits before sampling (`replicas.execution.logits_processors`)."""
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
@@ -395,7 +395,7 @@ class ReplicaLoad:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
-    # Waiting prompt tokens it admits (replicas.admission.queue_bound; 0: only while its queue is
+    # Waiting prompt tokens it admits (replicas.scheduling.admission.queue_bound; 0: only while its queue is
     # empty, a stalled queue); None: not reported (the scheduler's own share of a report).
     queue_bound_tokens: int | None = None
     drain_tps: float = 0.0  # waiting prompt tokens it prefills per second lately

@@ -85,7 +85,7 @@ class Request:
     # Choice 0 of the same client request; None for choice 0 itself. Once it has been scheduled
     # the client has a stream, so this choice no longer expires in the queue.
     first_choice: Request | None = None
-    # With params.guided: the grammar's state after the output so far (replicas.guided).
+    # With params.guided: the grammar's state after the output so far (replicas.execution.guided).
     guide: LLMatcher | None = None
     # The token ids that end it (stop_token_ids, and EOS unless ignore_eos: set by the engine when
     # it queues the request), so each pass checks a token with one lookup.

@@ -32,19 +32,25 @@ def section(title: str) -> str:
 
 
 def module_map() -> dict[str, dict[str, str]]:
-    """{top-level folder: {entry: description}} from the map's code block."""
+    """{folder: {entry: description}} from the map's code block; a subpackage's entries are
+    indented under it and listed under its own folder ("replicas/execution")."""
     block = section("The module map").split("```")[1]
     tree: dict[str, dict[str, str]] = {}
+    folders: list[str] = []  # the folder at each depth of indentation
     for line in block.splitlines()[1:]:
         if not line.strip():
             continue
         entry, _, description = line.strip().partition(" ")
         assert description.strip(), f"the module map's line for {entry} says nothing"
-        if line.startswith(" "):
-            tree[top][entry] = description.strip()
-        else:
-            top = entry.rstrip("/")
-            tree[top] = {}
+        depth = (len(line) - len(line.lstrip())) // 2
+        assert depth <= len(folders), f"the module map's line for {entry} is indented too deep"
+        del folders[depth:]
+        if depth:
+            tree[folders[-1]][entry] = description.strip()
+        if depth == 0 or entry.endswith("/"):
+            folder = entry.rstrip("/") if depth == 0 else f"{folders[-1]}/{entry.rstrip('/')}"
+            tree.setdefault(folder, {})
+            folders.append(folder)
     return tree
 
 
@@ -56,10 +62,15 @@ def parts(folder: Path) -> set[str]:
 
 def test_the_module_map_names_every_product_module_and_nothing_gone() -> None:
     tree = module_map()
-    for package in PRODUCT:
+    packages = [p for p in tree if p.split("/")[0] in PRODUCT]
+    assert "replicas/execution" in packages  # subpackages are read, and checked like the rest
+    for package in packages:
         listed, present = set(tree[package]), parts(REPO / package)
         assert listed - present == set(), f"the README's map lists what {package}/ no longer has"
         assert present - listed == set(), f"the README's map omits modules of {package}/"
+    for package in PRODUCT:  # every subpackage on disk is mapped too
+        for sub in (REPO / package).rglob("__init__.py"):
+            assert str(sub.parent.relative_to(REPO)) in tree, f"the README's map omits {sub.parent}"
 
 
 def test_the_module_map_names_every_part_of_loadtests() -> None:
@@ -135,7 +146,7 @@ def table_headers(text: str) -> list[str]:
 
 
 def test_the_pins_the_readme_names_are_the_ones_make_installs() -> None:
-    from replicas.model_files import wheel_requirements
+    from replicas.loading.model_files import wheel_requirements
 
     pins = set(re.findall(r"[\w.-]+==[\w.]+", README.read_text()))
     cpu_torch = re.findall(r"^CPU_TORCH \?= (\S+)", (REPO / "Makefile").read_text(), re.M)

@@ -40,7 +40,7 @@ from transformers.models.llama import modeling_llama
 
 from loadtests.harness.report import OMIT, bench_parser, report
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas import model_runner
+from replicas.execution import model_runner
 from replicas.detokenizer import IncrementalDetokenizer
 
 EQUAL_BATCHES = (8, 32, 64)

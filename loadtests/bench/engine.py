@@ -67,7 +67,7 @@ from loadtests.harness.workloads import (PROMPT_SOURCES, ChatPromptPool, LengthD
                                  chat_workload, default_prompt_source, long_context_workload,
                                  long_prompt_workload, with_chat_prompts, with_poisson_arrivals)
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import load_model
+from replicas.loading.models import load_model
 
 HF_BATCH = 16  # static padded batch size of the HF `generate` baseline
 WORKLOADS = ("chat", "chat_poisson", "long_prompt", "long_context")

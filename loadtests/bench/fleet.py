@@ -45,7 +45,7 @@ from autoscale.keys import deployment_key
 from autoscale.load import relay_hubs
 from autoscale.relay import ReportRelay
 from autoscale.routing import choose_replica
-from replicas.histogram import LogHistogram
+from replicas.scheduling.histogram import LogHistogram
 from loadtests.harness.report import OMIT, bench_parser, report
 from replicas.protocol import ReplicaLoad
 

@@ -21,14 +21,14 @@ def main() -> None:
     p.add_argument("--served-name", help="the name clients send (default: the model with ':' made '-')")
     p.add_argument("--hf", action="store_true", help="also score with HF in this process and compare")
     args = p.parse_args()
-    from replicas.model_files import load_tokenizer
+    from replicas.loading.model_files import load_tokenizer
 
     pairs = encode_pairs(load_tokenizer(args.model), MULTIPLE_CHOICE)
     served = args.served_name or args.model.replace(":", "-")
     http_picks = mc_picks(MULTIPLE_CHOICE, score_http(args.url, served, pairs))
     print(f"through the server: {mc_accuracy(MULTIPLE_CHOICE, http_picks):.0%} of {len(MULTIPLE_CHOICE)} items")
     if args.hf:
-        from replicas.models import load_model
+        from replicas.loading.models import load_model
 
         hf_picks = mc_picks(MULTIPLE_CHOICE, score_hf(load_model(args.model)[0], pairs))
         same = sum(a == b for a, b in zip(http_picks, hf_picks))

@@ -27,7 +27,7 @@ import torch
 from loadtests.harness.report import OMIT, bench_parser, write_json
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.config import DEFAULT_STREAM_INTERVAL_MS
-from replicas.metrics import EngineMetrics, PrometheusBackend
+from replicas.serving.metrics import EngineMetrics, PrometheusBackend
 
 
 class _Timed:

@@ -4,7 +4,7 @@
 
 Without a GPU: each pass's device side (the real forward and sampling) runs on a worker thread
 that then holds the pass until `--device-ms` after it started, sleeping so the host thread runs
-meanwhile (`replicas.device_queue.StandInDevice`), as a GPU would. With N running decodes the
+meanwhile (`replicas.execution.device_queue.StandInDevice`), as a GPU would. With N running decodes the
 engine steps `--steps` times in each loop, alternately; per pass we print the device's idle time
 (from the end of one pass to the start of the next), the pass's device time and the step's wall
 time, medians. Synchronously the device idles for the host's whole work per pass (postprocess,
@@ -21,8 +21,8 @@ import torch
 
 from loadtests.harness.report import OMIT, bench_parser, write_json
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.device_queue import StandInDevice
-from replicas.metrics import EngineMetrics, PrometheusBackend
+from replicas.execution.device_queue import StandInDevice
+from replicas.serving.metrics import EngineMetrics, PrometheusBackend
 
 
 def decoding_engine(model: str, decodes: int, overlap: str, device_s: float, threads: int) -> Engine:

@@ -21,7 +21,7 @@ import numpy as np
 
 from loadtests.harness.report import write_json
 from loadtests.harness.workloads import multi_turn_conversations, random_prompt, shared_prefix_workload
-from replicas.prefix_hash import block_hashes
+from replicas.scheduling.prefix_hash import block_hashes
 
 VOCAB = 2048
 CONTEXT = 1024  # the decode row of the device check's MBU stage

@@ -1,4 +1,4 @@
-"""Read a replica's pass trace (`pass_trace_dir`, replicas/pass_trace.py): how its passes ran.
+"""Read a replica's pass trace (`pass_trace_dir`, replicas/serving/pass_trace.py): how its passes ran.
 
     python -m loadtests.bench.pass_report loadtests/out/sweep/passes_stall_free+slo/passes-*.jsonl --slo-ms 1000
 

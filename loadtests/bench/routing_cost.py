@@ -31,7 +31,7 @@ from autoscale.inflight import InFlightBook
 from autoscale.router_tuning import RouterTuning
 from autoscale.routing import RequestCost, choose_by_prefix, choose_by_ttft, choose_replica
 from loadtests.harness.report import bench_parser, report
-from replicas.prefix_hash import PrefixSketch, block_hashes
+from replicas.scheduling.prefix_hash import PrefixSketch, block_hashes
 from replicas.protocol import ReplicaLoad
 
 KEY = "SERVE_REPLICA::llm#LLMServer#{:05d}"  # Serve's replica key shape

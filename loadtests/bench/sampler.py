@@ -16,7 +16,7 @@ import torch
 from loadtests.harness.report import OMIT, bench_parser, report
 from replicas.protocol import SamplingParams
 from replicas.request import Request
-from replicas.sampler import _sample_rows
+from replicas.execution.sampler import _sample_rows
 
 CASES = (("top_p 0.9", {"temperature": 0.8, "top_p": 0.9}),
          ("top_k 50 + top_p 0.9", {"temperature": 0.8, "top_p": 0.9, "top_k": 50}),

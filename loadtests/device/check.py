@@ -17,7 +17,7 @@ Rehearsals on CPU: `python -m loadtests.device.check --device cpu --small [--pro
 
 The model is Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, MLP 8192,
 vocab 128256, tied embeddings, rope theta 500000) with random weights made on the device, and a
-byte-level BPE tokenizer trained here (replicas.models.build_tokenizer): no hub. Stages:
+byte-level BPE tokenizer trained here (replicas.loading.models.build_tokenizer): no hub. Stages:
 
 1. parity: fp32 greedy tokens of the engine vs HF `generate`; bf16 teacher-forced log-probabilities
    of the engine and of HF, each against fp64 with the same weights (the engine within 2x of HF).
@@ -57,7 +57,7 @@ from loadtests.device import stages
 from loadtests.device.peak import peak_bandwidth
 from loadtests.device.record import release, run_limited, save_json
 from loadtests.device.runner import RunnerOptions
-from replicas.models import build_tokenizer
+from replicas.loading.models import build_tokenizer
 
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072}

@@ -36,7 +36,7 @@ from loadtests.device.kernels import flex_choices
 from loadtests.device.peak import peak_bandwidth
 from loadtests.device.record import release, run_limited, save_json
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import build_tokenizer
+from replicas.loading.models import build_tokenizer
 
 LAYOUTS = {"4:1": (32, 8), "9:3": (9, 3), "1:1": (4, 4)}
 SCHEDULE_LENS = (1, 70, 5, 33, 150, 12, 9, 64)
@@ -124,7 +124,7 @@ def decode_attention_times(device: torch.device, rec: dict[str, Any]) -> None:
     gets each case as it finishes."""
     import numpy as np
 
-    from replicas.attention_flex import PageMap, decode_block_mask, decode_lists, flex_call, kernel_options
+    from replicas.execution.attention_flex import PageMap, decode_block_mask, decode_lists, flex_call, kernel_options
 
     b, ctx, heads, kv_heads, d, slots = 64, 1021, 32, 8, 64, 1 << 17
     rec.update(batch=b, context=ctx, kv_gb=2 * b * ctx * kv_heads * d * 2 / 1e9)

@@ -23,8 +23,8 @@ from transformers import PreTrainedModel, StaticCache
 
 from loadtests.bench.decode import fill
 from replicas.engine import Engine
-from replicas.kv_memory import weight_bytes
-from replicas.model_support import kv_shape
+from replicas.execution.kv_memory import weight_bytes
+from replicas.loading.model_support import kv_shape
 from replicas.protocol import SamplingParams
 from replicas.request import Request
 

@@ -45,7 +45,7 @@ def load_bench_model(args: argparse.Namespace) -> Any:
     import torch
     import transformers
 
-    from replicas.models import load_model
+    from replicas.loading.models import load_model
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()

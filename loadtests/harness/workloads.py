@@ -38,7 +38,7 @@ import numpy as np
 from loadtests.harness.arrivals import poisson
 from tests.support.real_text import LONG_FRACTION, chat_prompts
 from loadtests.harness.stats import percentile
-from replicas.model_files import EMBEDDED_MODELS, EMBEDDED_PREFIX, load_tokenizer
+from replicas.loading.model_files import EMBEDDED_MODELS, EMBEDDED_PREFIX, load_tokenizer
 
 DistKind = Literal["lognormal", "pareto", "uniform", "fixed"]
 

@@ -20,7 +20,7 @@ traffic) or `sum` (a plain linear model).
   token at HBM bandwidth * efficiency, both split over tensor-parallel ranks; two ring
   all-reduces per layer over the link for TP > 1.
 - `fit(x, y, form)` fits the same coefficients to timings the real engine recorded (the
-  engine's own non-negative least squares, `replicas.pass_time.fit_nonnegative`; features the
+  engine's own non-negative least squares, `replicas.scheduling.pass_time.fit_nonnegative`; features the
   engine did not record are all-zero columns and keep coefficient 0).
   `form="max"` is a segmented fit: each iteration is assigned to the branch that binds, the
   branches are refitted, repeat.
@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from loadtests.harness.stats import percentile
-from replicas.pass_time import chunk_pairs, fit_nonnegative
+from replicas.scheduling.pass_time import chunk_pairs, fit_nonnegative
 
 PROFILES_PATH = Path(__file__).with_name("profiles.json")
 Form = Literal["max", "sum"]

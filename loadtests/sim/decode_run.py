@@ -25,9 +25,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from replicas.histogram import LogHistogram, bin_index
+from replicas.scheduling.histogram import LogHistogram, bin_index
 from replicas.request import Request
-from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.scheduling.scheduler import Scheduler, SchedulerOutput
 
 TRIM_PASSES = 1024  # pass end times kept before every member is brought up to date
 

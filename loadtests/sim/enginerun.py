@@ -37,7 +37,7 @@ def serve_runs(args: argparse.Namespace) -> tuple[dict[str, EngineRun], dict[str
     import torch
 
     from replicas import Engine, EngineConfig
-    from replicas.models import load_model
+    from replicas.loading.models import load_model
 
     torch.set_num_threads(args.threads)
     cfg = EngineConfig(policy=args.policy, max_batch_prefill_tokens=args.mbp, max_batch_total_tokens=args.mbt,

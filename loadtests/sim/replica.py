@@ -20,11 +20,11 @@ from loadtests.sim.costmodel import CostModel, batch_features
 from loadtests.sim.decode_run import DecodeSet, count_gaps
 from loadtests.sim.metrics import Recorder
 from replicas.config import EngineConfig
-from replicas.kv_cache import BlockManager
-from replicas.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes, slo_hooks
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.scheduling.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes, slo_hooks
 from replicas.protocol import InvalidRequestError, Limits
 from replicas.request import Request, RequestStatus
-from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from replicas.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 FINISHED = RequestStatus.FINISHED_LENGTH
 # `SimReplica.batch` while a pass of the `DecodeSet` is in flight (its decodes are the set's,

@@ -36,8 +36,8 @@ from autoscale.router_tuning import RouterTuning
 from autoscale.routing import (RequestCost, choose_by_prefix, choose_by_ttft, choose_replica, power_of_two,
                                round_robin)
 from loadtests.sim.replica import SimReplica
-from replicas.kv_cache import BlockManager
-from replicas.prefix_hash import block_hashes
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.scheduling.prefix_hash import block_hashes
 
 ROUTERS = ("token_load", "ttft", "prefix", "power_of_two", "round_robin")
 WHAT_IF_ROUTERS = ("prefill_backlog", "settled")

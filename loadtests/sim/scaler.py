@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from autoscale.demand import DemandLog
 from autoscale.load import ClusterSnapshot, LogHistogram, TbtWindow
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
-from replicas.histogram import NUM_BINS
+from replicas.scheduling.histogram import NUM_BINS
 
 
 @dataclass

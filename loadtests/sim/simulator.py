@@ -29,7 +29,7 @@ from loadtests.sim.replica import ReplicaSpec, SimClock, SimReplica
 from loadtests.sim.routers import Router, make_router
 from loadtests.sim.scaler import Autoscaler
 from loadtests.sim.traffic import Trace
-from replicas.admission import admits, queue_bound
+from replicas.scheduling.admission import admits, queue_bound
 from replicas.config import ReplicaOptions
 from replicas.request import Request, SamplingParams
 
@@ -53,7 +53,7 @@ class SimConfig:
     # Decode-only passes in closed form (`decode_run.DecodeRun`); False: every pass through
     # schedule() and advance(), the reference the closed form must equal exactly.
     decode_runs: bool = True
-    # Load shedding as a replica does it (`replicas.admission`): with `shed`, a prompt the chosen
+    # Load shedding as a replica does it (`replicas.scheduling.admission`): with `shed`, a prompt the chosen
     # replica's queue bound cannot take (max_queued_tokens, and what the replica prefills within
     # queue_timeout_s at its modelled prompt rate; None: no deadline) is refused at arrival.
     shed: bool = False

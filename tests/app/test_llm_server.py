@@ -1,7 +1,7 @@
 """The replica class without Ray: it streams an acknowledgement then deltas, refuses bad or
 overflowing requests as values (no traceback storms), frees KV blocks when its caller goes
 away, keeps serving after one request fails, and fails health checks when its loop is dead
-or wedged. (Covers replicas/deployment.py; it lives here beside the app that drives it.)"""
+or wedged. (Covers replicas/serving/deployment.py; it lives here beside the app that drives it.)"""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from replicas import Engine, EngineConfig, RequestOutput, SamplingParams
 from replicas.config import ReplicaConfig, ReplicaOptions
-from replicas.deployment import LLMServer, build_engine
-from replicas.kv_memory import activation_bytes, kv_memory_bytes, weight_bytes
-from replicas.models import load_model, model_max_length
+from replicas.serving.deployment import LLMServer, build_engine
+from replicas.execution.kv_memory import activation_bytes, kv_memory_bytes, weight_bytes
+from replicas.loading.models import load_model, model_max_length
 from replicas.protocol import (Acknowledged, InvalidRequestError, QueueFullError, QueueTimeoutError, ReplicaLoad,
                                ReplicaUnhealthyError, RequestRejected)
 
@@ -209,7 +209,7 @@ def test_kv_cache_sized_from_a_memory_fraction(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr("replicas.engine.device_memory_bytes", lambda device: total)
     engine = build_engine(ReplicaConfig(model=MODEL, engine=config))
     assert engine.blocks.num_blocks == (total // 2 - used) // block_bytes
-    monkeypatch.setattr("replicas.deployment._gpu_share", lambda: 0.5)  # two replicas on one device
+    monkeypatch.setattr("replicas.serving.deployment._gpu_share", lambda: 0.5)  # two replicas on one device
     half = build_engine(ReplicaConfig(model=MODEL, engine=config))
     assert half.blocks.num_blocks == 100
     with pytest.raises(ValueError, match="leaves no KV cache"):

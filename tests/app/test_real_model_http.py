@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import torch
 
-from replicas.models import load_model
+from replicas.loading.models import load_model
 from tests.support.multiple_choice import MULTIPLE_CHOICE, encode_pairs, mc_accuracy, mc_picks, score_hf, score_http
 from tests.support.real_text import PASSAGES
 

@@ -16,7 +16,7 @@ from autoscale.controller import (DEFAULT_MAX_REPORTS_PER_S, LoadBook, get_or_cr
                                   load_view)
 from autoscale.keys import deployment_key, replica_key
 from autoscale.load import ClusterSnapshot, relay_hubs
-from replicas.histogram import RELATIVE_ERROR, LogHistogram
+from replicas.scheduling.histogram import RELATIVE_ERROR, LogHistogram
 from replicas.protocol import ReplicaLoad
 
 
@@ -347,7 +347,7 @@ def test_reporter_survives_a_dead_controller(controller, wait_until):
 def test_prefix_sketches_go_only_to_who_asks():
     """A replica's Bloom sketch rides in its load; only the prefix router's snapshot carries it
     (the door, the policy and the token-load router get the loads without it)."""
-    from replicas.prefix_hash import PrefixSketch
+    from replicas.scheduling.prefix_hash import PrefixSketch
 
     book = LoadBook(window_s=10.0, stale_after_s=2.0, clock=Clock())
     sketch = PrefixSketch.of([12345], 20)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autoscale.load import ClusterSnapshot, ReplicaLoad, ReportThrottle, TbtWindow, fleet_interval, percentile
-from replicas.histogram import RELATIVE_ERROR, LogHistogram
+from replicas.scheduling.histogram import RELATIVE_ERROR, LogHistogram
 
 pytestmark = pytest.mark.unit
 
@@ -70,10 +70,10 @@ def test_replica_load_from_the_scheduler_and_the_replica():
     import dataclasses
 
     from replicas.config import EngineConfig
-    from replicas.kv_cache import BlockManager
+    from replicas.scheduling.kv_cache import BlockManager
     from replicas.protocol import SamplingParams
     from replicas.request import Request
-    from replicas.scheduler import Scheduler
+    from replicas.scheduling.scheduler import Scheduler
 
     sched = Scheduler(EngineConfig(max_batch_prefill_tokens=64), BlockManager(64, 16), clock=lambda: 0.0)
     for i, n in enumerate((300, 500)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autoscale.prefix_hints import PrefixHints, kept, marks
-from replicas.prefix_hash import block_hashes
+from replicas.scheduling.prefix_hash import block_hashes
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import pytest
 
 from autoscale.controller import DEFAULT_MAX_REPORTS_PER_S, LoadBook
 from autoscale.relay import ReportRelay, hub_index, hub_name, relay_name
-from replicas.histogram import LogHistogram
+from replicas.scheduling.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,7 @@ import pytest
 
 from autoscale.controller import LoadBook
 from autoscale.reporter import LoadReporter, new_tbt_samples
-from replicas.histogram import RELATIVE_ERROR, LogHistogram
+from replicas.scheduling.histogram import RELATIVE_ERROR, LogHistogram
 from replicas.protocol import ReplicaLoad
 
 pytestmark = pytest.mark.unit

@@ -108,7 +108,7 @@ def test_a_large_fleet_gets_the_ranked_sample_of_the_controllers_loads():
 
 
 def test_prefix_ranking_sends_the_next_turn_where_the_history_went():
-    from replicas.prefix_hash import PrefixSketch, block_hashes
+    from replicas.scheduling.prefix_hash import PrefixSketch, block_hashes
 
     keys = [f"r{i:04d}" for i in range(200)]
     turn1 = list(range(1000, 1000 + 16 * 20))

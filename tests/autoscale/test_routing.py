@@ -167,7 +167,7 @@ def test_ttft_prefers_a_replica_whose_queue_bound_admits_the_prompt() -> None:
 
 def cached(rid: str, prompts: list[list[int]], running: int = 0, block: int = 16) -> ReplicaLoad:
     """A replica whose prefix cache holds the full blocks of `prompts` (its reported sketch)."""
-    from replicas.prefix_hash import PrefixSketch, block_hashes
+    from replicas.scheduling.prefix_hash import PrefixSketch, block_hashes
 
     hashes = [h for p in prompts for h in block_hashes(p, block)]
     return dataclasses.replace(load(rid, running=running), prefix_sketch=PrefixSketch.of(hashes, 1000))

@@ -21,9 +21,9 @@ from loadtests.sim.replica import ReplicaSpec
 from loadtests.sim.simulator import SimConfig, Simulator
 from loadtests.sim.traffic import Trace, make_trace
 from replicas.config import EngineConfig
-from replicas.kv_cache import BlockManager
+from replicas.scheduling.kv_cache import BlockManager
 from replicas.request import Request, RequestStatus, SamplingParams
-from replicas.scheduler import Scheduler
+from replicas.scheduling.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 

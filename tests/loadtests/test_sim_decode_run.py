@@ -88,10 +88,10 @@ def test_a_decode_set_allocates_blocks_at_the_schedulers_passes():
     a request that finishes leaves it up to date."""
     from loadtests.sim.decode_run import DecodeSet
     from replicas.config import EngineConfig
-    from replicas.kv_cache import BlockManager
+    from replicas.scheduling.kv_cache import BlockManager
     from loadtests.sim.costmodel import batch_features
     from replicas.request import Request, RequestStatus, SamplingParams
-    from replicas.scheduler import Scheduler
+    from replicas.scheduling.scheduler import Scheduler
 
     def decoding(prompts=(5, 16, 17, 30), max_tokens=(40, 9, 40, 40)) -> tuple[Scheduler, list[Request]]:
         cfg = EngineConfig(policy="stall_free", max_batch_prefill_tokens=128, max_batch_total_tokens=512,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from replicas.admission import (MAX_RETRY_AFTER_S, MIN_BACKLOG_S, QUEUE_FILL, STALLED_RETRY_AFTER_S,
+from replicas.scheduling.admission import (MAX_RETRY_AFTER_S, MIN_BACKLOG_S, QUEUE_FILL, STALLED_RETRY_AFTER_S,
                                 QueueView, admits, door_decision, drain_rate, queue_bound,
                                 retry_after_s)
 

@@ -11,11 +11,11 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.attention import PassLayout, PrefillSpan, resolve_backend
-from replicas.attention_flex import (PageMap, decode_block_mask, decode_lists, prefill_block_mask, prefill_lists,
+from replicas.execution.attention import PassLayout, PrefillSpan, resolve_backend
+from replicas.execution.attention_flex import (PageMap, decode_block_mask, decode_lists, prefill_block_mask, prefill_lists,
                                      tile_visits)
-from replicas.models import load_model
-from replicas.transfer import HostPack, Staging
+from replicas.loading.models import load_model
+from replicas.execution.transfer import HostPack, Staging
 
 pytestmark = pytest.mark.engine
 

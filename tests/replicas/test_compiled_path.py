@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.cuda_graphs import DecodeGraphs
-from replicas.models import load_model
+from replicas.execution.cuda_graphs import DecodeGraphs
+from replicas.loading.models import load_model
 
 pytestmark = pytest.mark.engine
 
@@ -133,7 +133,7 @@ def test_a_flex_path_that_fails_to_start_falls_back_to_sdpa(llama, monkeypatch, 
         raise RuntimeError("NoValidChoicesError: injected")
 
     monkeypatch.setattr(DecodeGraphs, "warm_up", broken)
-    with caplog.at_level(logging.WARNING, logger="replicas.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="replicas.execution.model_runner"):
         eng = Engine(*llama, config(attention_backend="flex", cuda_graphs=True, compile_backend="eager"))
     runner = eng.runner
     assert runner.path == "sdpa (fallback)" and runner.attention_backend == "sdpa"
@@ -152,7 +152,7 @@ def test_a_compiled_pass_writes_the_kv_cache_in_place(llama):
     cache tensor inside the graph (what the runner did before) copies the cache in and back."""
     from torch._inductor.utils import run_and_get_code
 
-    from replicas.attention import PassMeta, paged_attention
+    from replicas.execution.attention import PassMeta, paged_attention
 
     class Echo:
         def attend(self, module, q, k, v, kc, vc, scaling):  # noqa: ANN001, ANN201

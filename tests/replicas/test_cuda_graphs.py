@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.cuda_graphs import bucket_sizes, choose_bucket
-from replicas.kv_cache import BlockManager
-from replicas.models import load_model
-from replicas.transfer import HostPack
+from replicas.execution.cuda_graphs import bucket_sizes, choose_bucket
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.loading.models import load_model
+from replicas.execution.transfer import HostPack
 
 pytestmark = pytest.mark.engine
 

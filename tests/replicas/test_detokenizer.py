@@ -8,7 +8,7 @@ import random
 import pytest
 
 from replicas.detokenizer import IncrementalDetokenizer
-from replicas.model_files import load_tokenizer
+from replicas.loading.model_files import load_tokenizer
 
 pytestmark = pytest.mark.engine
 

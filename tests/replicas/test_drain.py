@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.drain import DRAIN_REFRESH_S, DrainMeter, newest
-from replicas.models import load_model
+from replicas.scheduling.drain import DRAIN_REFRESH_S, DrainMeter, newest
+from replicas.loading.models import load_model
 
 
 @dataclass

@@ -12,8 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.protocol import InvalidRequestError
-from replicas.async_engine import AsyncEngine
-from replicas.models import load_model
+from replicas.serving.async_engine import AsyncEngine
+from replicas.loading.models import load_model
 
 POLICIES = ["static", "dynamic", "stall_free"]
 PROMPT_LENS = [5, 17, 40, 3, 64, 9, 33, 100, 1, 70]

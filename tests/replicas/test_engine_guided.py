@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import load_model
+from replicas.loading.models import load_model
 from replicas.protocol import GuidedDecoding
 
 pytestmark = pytest.mark.engine

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import load_model
+from replicas.loading.models import load_model
 from replicas.protocol import RequestOutput
 
 pytestmark = pytest.mark.engine

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replicas import gguf as gguf_source
-from replicas import model_files
-from replicas.model_files import EMBEDDED_GGUF_MODELS, WheelGguf, resolve_model_path
-from replicas.prepare import prepare
+from replicas.loading import gguf as gguf_source
+from replicas.loading import model_files
+from replicas.loading.model_files import EMBEDDED_GGUF_MODELS, WheelGguf, resolve_model_path
+from replicas.loading.prepare import prepare
 
 
 def write_gguf(path: Path, arch: str, tensor: np.ndarray) -> Path:
@@ -85,7 +85,7 @@ def test_a_gguf_path_converts_once_per_file_version(cache: Path, tmp_path: Path,
 ])
 def test_what_cannot_be_dequantized_is_refused_by_name(cache: Path, tmp_path: Path, arch: str,
                                                        dtype: type, message: str) -> None:
-    from replicas.models import load_model
+    from replicas.loading.models import load_model
 
     src = write_gguf(tmp_path / "bad.gguf", arch, np.zeros((4, 8), dtype))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 import torch
 
-from replicas import guided as guided_module
-from replicas.guided import CACHE_SIZE, POOL_MIN_ROWS, Grammars
-from replicas.models import load_model
+from replicas.execution import guided as guided_module
+from replicas.execution.guided import CACHE_SIZE, POOL_MIN_ROWS, Grammars
+from replicas.loading.models import load_model
 from replicas.protocol import GuidedDecoding, InvalidRequestError, SamplingParams
 from replicas.request import Request
 

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from autoscale.load import percentile
-from replicas.histogram import (EDGES, GAMMA, HIGHEST, LOWEST, OVERFLOW, RELATIVE_ERROR, LogHistogram,
+from replicas.scheduling.histogram import (EDGES, GAMMA, HIGHEST, LOWEST, OVERFLOW, RELATIVE_ERROR, LogHistogram,
                                 bin_index, edge_subset)
 
 pytestmark = pytest.mark.unit

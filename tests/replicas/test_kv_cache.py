@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from replicas.kv_cache import BlockManager
-from replicas.prefix_hash import PrefixSketch, block_hashes
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.scheduling.prefix_hash import PrefixSketch, block_hashes
 from replicas.request import Request, SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from replicas.kv_cache import BlockManager
+from replicas.scheduling.kv_cache import BlockManager
 from replicas.request import Request, SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicas.attention import resolve_block_size
-from replicas.kv_memory import kv_memory_bytes
+from replicas.execution.attention import resolve_block_size
+from replicas.execution.kv_memory import kv_memory_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 def test_on_a_gpu_the_kv_cache_also_fits_the_memory_free_now() -> None:
     """What is free after the weights caps the cache: less a pass's activations, the graph pool
     (another pass's worth when decode graphs are captured) and the compile workspace."""
-    from replicas.kv_memory import COMPILE_WORKSPACE
+    from replicas.execution.kv_memory import COMPILE_WORKSPACE
 
     gib = 1 << 30
     assert kv_memory_bytes(80 * gib, 0.9, 2 * gib, gib) == (69 * gib, "total")  # no free figure (CPU)

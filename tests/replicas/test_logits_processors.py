@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.logits_processors import LogitsProcessors
-from replicas.models import load_model
+from replicas.execution.logits_processors import LogitsProcessors
+from replicas.loading.models import load_model
 from replicas.protocol import InvalidRequestError
 from replicas.request import Request, RequestStatus
-from replicas.sampler import sample_logits as sample
+from replicas.execution.sampler import sample_logits as sample
 
 V = 8
 EOS = frozenset({0, 2})

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.metrics import EngineMetrics, PrometheusBackend
+from replicas.serving.metrics import EngineMetrics, PrometheusBackend
 
 pytestmark = pytest.mark.engine
 
@@ -62,7 +62,7 @@ def test_stalls_are_counted_under_dynamic():
 
 
 def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles(wait_until):
-    from replicas.async_engine import AsyncEngine
+    from replicas.serving.async_engine import AsyncEngine
 
     reg = CollectorRegistry()
     eng = Engine.from_pretrained("embedded:tiny", EngineConfig(max_batch_total_tokens=512))

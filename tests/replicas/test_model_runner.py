@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.attention import PassLayout
-from replicas.attention_sdpa import SdpaBackend
-from replicas.model_runner import PAD_MIN, PAD_SLACK, ModelRunner
-from replicas.models import load_model
-from replicas.scheduler import ScheduledSeq
-from replicas.transfer import HostPack, Staging
+from replicas.execution.attention import PassLayout
+from replicas.execution.attention_sdpa import SdpaBackend
+from replicas.execution.model_runner import PAD_MIN, PAD_SLACK, ModelRunner
+from replicas.loading.models import load_model
+from replicas.scheduling.scheduler import ScheduledSeq
+from replicas.execution.transfer import HostPack, Staging
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,4 @@
-"""Tests for replicas.models: the embedded model build, loading and the support checks."""
+"""Tests for replicas.loading.models: the embedded model build, loading and the support checks."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, BertConfig, Bloom
                           OPTConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3Config,
                           T5Config)
 
-from replicas import models
-from replicas.models import (DEFAULT_MODEL, check_supported, load_model, model_max_length,
+from replicas.loading import models
+from replicas.loading.models import (DEFAULT_MODEL, check_supported, load_model, model_max_length,
                              resolve_model_path)
 
 

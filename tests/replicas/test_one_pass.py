@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.async_engine import AsyncEngine
-from replicas.models import load_model
+from replicas.serving.async_engine import AsyncEngine
+from replicas.loading.models import load_model
 from replicas.protocol import InvalidRequestError
-from replicas.scheduler import SchedulerOutput
+from replicas.scheduling.scheduler import SchedulerOutput
 
 
 @pytest.fixture(scope="module")

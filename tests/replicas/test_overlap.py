@@ -8,7 +8,7 @@ import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.engine import CompletionOutput
-from replicas.models import load_model
+from replicas.loading.models import load_model
 from replicas.protocol import GuidedDecoding, RequestOutput
 from replicas.request import RequestStatus
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.device_queue import StandInDevice
-from replicas.models import load_model
+from replicas.execution.device_queue import StandInDevice
+from replicas.loading.models import load_model
 
 pytestmark = pytest.mark.engine
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import load_model
-from replicas.kv_cache import BlockManager
-from replicas.pass_time import (MAX_PREDICTION_ERROR, MIN_RATIOS, RATIO_WINDOW, PassShape, PassTimeModel,
+from replicas.loading.models import load_model
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.scheduling.pass_time import (MAX_PREDICTION_ERROR, MIN_RATIOS, RATIO_WINDOW, PassShape, PassTimeModel,
                                 SloBudget, calibrated_target, chunk_pairs, fit_nonnegative, kv_pass_target,
                                 slo_prefill_budget, tail_ratio)
 from replicas.request import Request
-from replicas.scheduler import ScheduledSeq
+from replicas.scheduling.scheduler import ScheduledSeq
 
 # ---- the rule, with a known cost function ------------------------------------------------
 

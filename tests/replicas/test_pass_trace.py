@@ -7,8 +7,8 @@ import json
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import load_model
-from replicas.pass_trace import PassTrace
+from replicas.loading.models import load_model
+from replicas.serving.pass_trace import PassTrace
 
 pytestmark = pytest.mark.engine
 

@@ -10,10 +10,10 @@ import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.config import POLICIES
-from replicas.kv_cache import BlockManager
-from replicas.models import load_model
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.loading.models import load_model
 from replicas.request import Request, RequestStatus
-from replicas.scheduler import Scheduler
+from replicas.scheduling.scheduler import Scheduler
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

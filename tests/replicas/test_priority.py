@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from replicas import priority
+from replicas.serving import priority
 
 pytestmark = pytest.mark.unit
 

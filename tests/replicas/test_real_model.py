@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.models import load_model
+from replicas.loading.models import load_model
 from replicas.protocol import GuidedDecoding
 from tests.support.real_text import chat_prompts
 

@@ -8,7 +8,7 @@ import torch
 
 from replicas.protocol import SamplingParams
 from replicas.request import Request
-from replicas.sampler import sample_logits as sample
+from replicas.execution.sampler import sample_logits as sample
 
 pytestmark = pytest.mark.unit
 
@@ -104,7 +104,7 @@ def test_a_seeded_request_over_a_large_vocabulary_ignores_its_batch() -> None:
 def test_a_seeded_request_draws_the_same_on_the_device_strategy(monkeypatch) -> None:
     """The accelerator's path (top-p rows sort their whole vocabulary, nothing read on the host)
     gives a seeded request the same tokens as the host's candidates-first path."""
-    from replicas import sampler
+    from replicas.execution import sampler
 
     torch.manual_seed(2)
     steps = torch.randn(4, 3, 1000) * 3
@@ -122,7 +122,7 @@ def test_a_seeded_request_draws_the_same_on_the_device_strategy(monkeypatch) -> 
 
 
 def test_seeded_uniforms_are_uniform_and_independent_across_draws() -> None:
-    from replicas.sampler import _seed_keys, _uniforms
+    from replicas.execution.sampler import _seed_keys, _uniforms
 
     r = req(temperature=1.0, seed=5)
     keys = torch.tensor([k for _ in range(2) for k in _seed_keys([r])])  # two consecutive draws

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from replicas.config import EngineConfig
-from replicas.kv_cache import BlockManager
+from replicas.scheduling.kv_cache import BlockManager
 from replicas.request import Request, RequestStatus, SamplingParams
-from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.scheduling.scheduler import Scheduler, SchedulerOutput
 
 
 class FakeClock:
@@ -315,12 +315,17 @@ def test_a_prompt_only_request_samples_nothing_and_leaves_after_its_prefill(poli
 
 @pytest.mark.process
 def test_the_scheduler_path_imports_no_torch() -> None:
-    """The scheduler, its request state, the block manager and the pass-time model are what the
-    simulator and the router reuse: they must load without torch."""
+    """Every module of replicas/scheduling (the scheduler, the block manager, the pass-time model,
+    the load figures) is what the simulator and the router reuse: none may load torch."""
     import subprocess
     import sys
 
-    code = ("import sys, replicas.scheduler, replicas.request, replicas.kv_cache, replicas.pass_time; "
+    from pathlib import Path
+
+    import replicas.scheduling
+    names = sorted(p.stem for p in Path(replicas.scheduling.__file__).parent.glob("*.py") if p.stem != "__init__")
+    assert {"scheduler", "kv_cache", "pass_time", "admission"} <= set(names)
+    code = ("import sys, replicas.request, " + ", ".join(f"replicas.scheduling.{n}" for n in names) + "; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.kv_cache import BlockManager
-from replicas.models import load_model
-from replicas.pass_time import PassTimeModel, SloAdmission
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.loading.models import load_model
+from replicas.scheduling.pass_time import PassTimeModel, SloAdmission
 from replicas.request import Request
-from replicas.scheduler import Scheduler
+from replicas.scheduling.scheduler import Scheduler
 
 # 1 ms per pass + 2 ms per decoding sequence (nothing else costs): target 10 ms.
 COEF = np.array([1e-3, 0.0, 2e-3, 0.0, 0.0, 0.0])

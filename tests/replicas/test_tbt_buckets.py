@@ -1,5 +1,5 @@
 """/metrics' TBT histogram is the controller's, in Prometheus's form: its buckets are bin edges of
-`replicas.histogram`, so each cumulative bucket counts exactly what `LogHistogram.count_le` of its
+`replicas.scheduling.histogram`, so each cumulative bucket counts exactly what `LogHistogram.count_le` of its
 edge counts over the same gaps (prometheus_client backend, no Ray, no engine)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from replicas.histogram import EDGES, GAMMA, LogHistogram
-from replicas.metrics import PREFIX, TBT_BUCKETS, EngineMetrics, PrometheusBackend
+from replicas.scheduling.histogram import EDGES, GAMMA, LogHistogram
+from replicas.serving.metrics import PREFIX, TBT_BUCKETS, EngineMetrics, PrometheusBackend
 
 pytestmark = pytest.mark.unit
 

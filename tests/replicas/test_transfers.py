@@ -172,7 +172,7 @@ def count_passes(engine: Engine, prompts: list[str], params: list[SamplingParams
 
 @pytest.mark.engine
 def test_each_pass_copies_in_once_and_out_once(monkeypatch) -> None:
-    from replicas import sampler
+    from replicas.execution import sampler
 
     # The accelerator's sampling strategy (top-p rows sort their vocabulary, nothing is checked
     # or picked on the host), on CPU.
@@ -229,7 +229,7 @@ def main() -> None:
     p.add_argument("--greedy", action="store_true", help="plain greedy requests only (the common pass)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    from replicas import sampler
+    from replicas.execution import sampler
 
     if args.device_sampling and hasattr(sampler, "is_host"):
         sampler.is_host = lambda device: False
@@ -262,7 +262,7 @@ if __name__ == "__main__":
 
 @pytest.mark.unit
 def test_download_takes_empty_parts_whatever_their_strides() -> None:
-    from replicas.transfer import download
+    from replicas.execution.transfer import download
 
     import numpy as np
 

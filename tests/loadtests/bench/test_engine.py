@@ -14,7 +14,7 @@ import pytest
 from loadtests.bench.engine import (POISSON_RATE, WORKLOADS, Trace, build_workloads, check_targets,
                                     kv_capacity, main, summarize)
 from loadtests.harness.workloads import ChatPromptPool, long_prompt_workload
-from replicas.model_files import load_tokenizer
+from replicas.loading.model_files import load_tokenizer
 
 ENGINE = ["engine_static", "engine_dynamic", "engine_stall_free"]
 ALL = ["hf_generate_static16", "hf_generate_batch", *ENGINE]

@@ -87,8 +87,8 @@ def test_the_wheels_are_what_the_image_lacks(image) -> None:
     needed, allowed = image
     assert {"pydantic", "pydantic-core"} <= set(needed)  # replicas/config.py's records
     assert "typing-extensions" in needed  # pydantic 2.14 needs 4.16's Sentinel; the image's may be older
-    # llguidance is imported on the first constrained request (replicas/guided.py), so it does not travel
-    assert "llguidance" not in gpu_wheels.repo_imports("replicas.guided") and "llguidance" not in needed
+    # llguidance is imported on the first constrained request (replicas/execution/guided.py), so it does not travel
+    assert "llguidance" not in gpu_wheels.repo_imports("replicas.execution.guided") and "llguidance" not in needed
     assert not {"ray", "torch", "numpy", "triton"} & set(needed)  # the image's CUDA builds run
     # the transformers the graphs were traced with here travels, with what it requires
     assert {"transformers", "tokenizers", "huggingface-hub", "safetensors"} <= set(needed)

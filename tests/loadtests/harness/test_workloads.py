@@ -13,7 +13,7 @@ from loadtests.harness.workloads import (CHAT_OUTPUT, CHAT_PROMPT, ChatPromptPoo
                                  chat_workload, default_prompt_source, long_context_workload,
                                  long_prompt_workload, random_prompt,
                                  with_chat_prompts, with_poisson_arrivals)
-from replicas.model_files import load_tokenizer
+from replicas.loading.model_files import load_tokenizer
 
 VOCAB = 32000
 REAL_MODEL = "embedded:smollm2"

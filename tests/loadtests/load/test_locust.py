@@ -22,7 +22,7 @@ from loadtests.load.loadtest import parse_duration, summarize
 from loadtests.harness.mix import MixSpec, mixed_requests
 from loadtests.load.sweep import whole_prompt_mbp
 from loadtests.harness.workloads import ChatPromptPool
-from replicas.model_files import load_tokenizer
+from replicas.loading.model_files import load_tokenizer
 
 SERVER_ARGS = {"model": "embedded:tiny", "num_cpus": 1, "ingress_num_cpus": 0.1,
                "engine": {"policy": "stall_free", "max_batch_prefill_tokens": 256,

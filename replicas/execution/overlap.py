@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from replicas.pass_time import PassShape
+    from replicas.scheduling.pass_time import PassShape
     from replicas.request import Request
-    from replicas.scheduler import SchedulerOutput
+    from replicas.scheduling.scheduler import SchedulerOutput
 
 
 class TokenSlots:

@@ -5,9 +5,9 @@ One function is registered with `transformers.AttentionInterface`; it writes the
 into the paged cache at the pass's slots and hands the rest to the metadata the runner passed
 through the model's **kwargs. Backends:
 
-- "sdpa" (`replicas.attention_sdpa`): decodes grouped by context length, each group one SDPA
+- "sdpa" (`replicas.execution.attention_sdpa`): decodes grouped by context length, each group one SDPA
   call over its gathered context; each prefill chunk its own SDPA call. The CPU default.
-- "flex" (`replicas.attention_flex`): torch's FlexAttention over the whole paged cache, every
+- "flex" (`replicas.execution.attention_flex`): torch's FlexAttention over the whole paged cache, every
   row of the pass in one call, a block mask built from the block tables. The CUDA default.
 """
 
@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from replicas.config import DEFAULT_BLOCK_SIZE, FLEX_BLOCK_SIZE
-from replicas.transfer import HostPack
+from replicas.execution.transfer import HostPack
 
 ATTN_IMPL = "stallfree_paged"
 BACKENDS = ("auto", "sdpa", "flex")

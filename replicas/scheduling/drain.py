@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from replicas import admission
+from replicas.scheduling import admission
 
 RECENT_PASSES = 512  # passes read for the drain rate, newest first
 DRAIN_REFRESH_S = 0.1  # the drain rate is recomputed at most this often

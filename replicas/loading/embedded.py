@@ -1,6 +1,6 @@
 """The embedded test models: random weights with a fixed seed and a real byte-level BPE
 tokenizer trained on an in-module corpus, built once into the model cache
-(`replicas.prepare`). Needs torch; only a process that builds a model imports it."""
+(`replicas.loading.prepare`). Needs torch; only a process that builds a model imports it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from replicas.model_files import EmbeddedSpec
+from replicas.loading.model_files import EmbeddedSpec
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"

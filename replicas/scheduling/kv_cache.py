@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from replicas.prefix_hash import PrefixSketch, SketchCounts, block_hashes
+from replicas.scheduling.prefix_hash import PrefixSketch, SketchCounts, block_hashes
 
 if TYPE_CHECKING:
     from replicas.request import Request

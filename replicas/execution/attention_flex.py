@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from replicas.attention import PassLayout
-from replicas.transfer import HostPack, Part
+from replicas.execution.attention import PassLayout
+from replicas.execution.transfer import HostPack, Part
 
 Q_TILE = 128  # query rows per mask tile (prefill calls; a decode entry has one row)
 MIN_WIDTH = 2  # lists are at least this wide: a width of 1 would be its own compiled shape

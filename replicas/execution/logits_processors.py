@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from replicas.request import Request
-from replicas.transfer import HostPack, Part, Staging
+from replicas.execution.transfer import HostPack, Part, Staging
 
 _FIRST_ROWS = 16
 

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from replicas.protocol import GuidedDecoding, InvalidRequestError
-from replicas.transfer import HostPack, Staging
+from replicas.execution.transfer import HostPack, Staging
 
 if TYPE_CHECKING:
     import llguidance

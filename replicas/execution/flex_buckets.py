@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from replicas.attention_flex import decode_block_mask, decode_lists
-from replicas.transfer import HostPack, Part
+from replicas.execution.attention_flex import decode_block_mask, decode_lists
+from replicas.execution.transfer import HostPack, Part
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:

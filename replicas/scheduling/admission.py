@@ -1,6 +1,6 @@
 """Token admission: how many waiting prompt tokens a replica takes, and when to come back.
 
-Pure functions, shared by the replica's own intake (`replicas.deployment`) and the cluster's
+Pure functions, shared by the replica's own intake (`replicas.serving.deployment`) and the cluster's
 door (`app.admission`, which sums them over the replicas' load reports), so both refuse by
 the same rule and a 429's Retry-After means the same thing wherever it is computed.
 

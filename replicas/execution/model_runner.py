@@ -1,14 +1,14 @@
 """One forward pass per iteration over the packed batch, with paged attention.
 
 The HF model's own modules do everything but attention. Our attention function is
-registered with `transformers.AttentionInterface` (`replicas.attention`); it receives q/k/v for
+registered with `transformers.AttentionInterface` (`replicas.execution.attention`); it receives q/k/v for
 ALL packed tokens of the step (positions already applied), writes k/v into the paged cache, and
-attends through the runner's backend ("sdpa" or "flex", see `replicas.attention`).
+attends through the runner's backend ("sdpa" or "flex", see `replicas.execution.attention`).
 
 `run` is one pass, as nano-vllm's `ModelRunner.run`: prepare -> forward -> sample, returning
 the token ids. Per-pass metadata (token ids, positions, slots, block tables, keep rows, and the
 sampler's inputs) is built on the host with numpy, packed into one buffer and sent to the device
-in one copy (`replicas.transfer`); it reaches every layer through the model's **kwargs. The
+in one copy (`replicas.execution.transfer`); it reaches every layer through the model's **kwargs. The
 sampler runs on the device and its results come back in one copy. Block tables live in a
 persistent host array (a row per request, a block written in when it is allocated), not rebuilt
 from lists every pass.
@@ -26,20 +26,20 @@ import torch
 from torch.fx.experimental import _config as shape_config  # torch.compile's symbolic shapes
 from transformers import PreTrainedModel
 
-from replicas.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, paged_attention, resolve_backend
-from replicas.attention_flex import Q_TILE, FlexBackend, PageMap, bucket_width, flex_call
-from replicas.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
-from replicas.compiling import CompileCounter, own_copy
-from replicas.cuda_graphs import DecodeGraphs
-from replicas.flex_buckets import DecodeBuckets, bucket_sizes
-from replicas.kv_cache import BlockManager
-from replicas.model_support import kv_shape, text_config
+from replicas.execution.attention import ATTN_IMPL, PassLayout, PassMeta, PrefillSpan, paged_attention, resolve_backend
+from replicas.execution.attention_flex import Q_TILE, FlexBackend, PageMap, bucket_width, flex_call
+from replicas.execution.attention_sdpa import PAD_MIN, PAD_SLACK, SdpaBackend, compiled_decode, decode_groups
+from replicas.execution.compiling import CompileCounter, own_copy
+from replicas.execution.cuda_graphs import DecodeGraphs
+from replicas.execution.flex_buckets import DecodeBuckets, bucket_sizes
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.loading.model_support import kv_shape, text_config
 from replicas.request import Request
-from replicas.sampler import Sampler, SamplingPlan
-from replicas.scheduler import ScheduledSeq, SchedulerOutput
-from replicas.device_queue import Immediate, Job, StandInDevice
-from replicas.overlap import TokenSlots
-from replicas.transfer import HostPack, Part, Readback, Staging
+from replicas.execution.sampler import Sampler, SamplingPlan
+from replicas.scheduling.scheduler import ScheduledSeq, SchedulerOutput
+from replicas.execution.device_queue import Immediate, Job, StandInDevice
+from replicas.execution.overlap import TokenSlots
+from replicas.execution.transfer import HostPack, Part, Readback, Staging
 
 log = logging.getLogger(__name__)
 WARM_UP_ROUNDS = 3
@@ -97,7 +97,7 @@ class ModelRunner:
         # in the overlapped loop the next pass is prepared while it runs.
         self._stagings = (Staging(self.device), Staging(self.device))
         self._staging_turn = 0
-        # Where each pass's device side runs (`replicas.device_queue`), and, in the overlapped
+        # Where each pass's device side runs (`replicas.execution.device_queue`), and, in the overlapped
         # loop, each runner row's latest sampled token on the device (`use_overlap`).
         self.device_queue: Immediate | StandInDevice = Immediate()
         self.token_slots: TokenSlots | None = None

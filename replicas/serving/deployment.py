@@ -23,18 +23,18 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 
-from replicas import admission
-from replicas.async_engine import AsyncEngine, EngineDeadError
+from replicas.scheduling import admission
+from replicas.serving.async_engine import AsyncEngine, EngineDeadError
 from replicas.config import ReplicaConfig
 from replicas.engine import Engine
-from replicas.metrics import Backend, EngineMetrics, RayBackend
-from replicas.models import load_model
-from replicas.pass_trace import PassTrace
+from replicas.serving.metrics import Backend, EngineMetrics, RayBackend
+from replicas.loading.models import load_model
+from replicas.serving.pass_trace import PassTrace
 from replicas.protocol import (Acknowledged, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, prompt_batch, sample_id)
-from replicas.priority import serve_at_full_priority
-from replicas.serve_logs import use_serve_log
+from replicas.serving.priority import serve_at_full_priority
+from replicas.serving.serve_logs import use_serve_log
 
 logger = logging.getLogger(__name__)
 

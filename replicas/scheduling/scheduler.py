@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replicas.config import EngineConfig
-from replicas.kv_cache import BlockManager
-from replicas.prefix_hash import PrefixSketch
+from replicas.scheduling.kv_cache import BlockManager
+from replicas.scheduling.prefix_hash import PrefixSketch
 from replicas.protocol import ReplicaLoad
 from replicas.request import Request, RequestStatus
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from replicas.config import EngineConfig
-from replicas.model_support import text_config
+from replicas.loading.model_support import text_config
 
 COMPILE_WORKSPACE = 1 << 30  # inductor's autotuning and Triton's scratch while graphs compile
 

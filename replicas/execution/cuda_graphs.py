@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from replicas.attention import PassMeta
-from replicas.attention_flex import FlexMeta, bucket_width, decode_block_mask, decode_lists
-from replicas.compiling import CompileCounter, own_copy
-from replicas.flex_buckets import bucket_sizes, choose_bucket
-from replicas.transfer import HostPack, Part
+from replicas.execution.attention import PassMeta
+from replicas.execution.attention_flex import FlexMeta, bucket_width, decode_block_mask, decode_lists
+from replicas.execution.compiling import CompileCounter, own_copy
+from replicas.execution.flex_buckets import bucket_sizes, choose_bucket
+from replicas.execution.transfer import HostPack, Part
 
 __all__ = ["DecodeGraphs", "bucket_sizes", "choose_bucket"]
 

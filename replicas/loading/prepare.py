@@ -1,7 +1,7 @@
 """Building a model directory once per machine: the embedded test models (random weights, a
 trained tokenizer) and GGUF files (dequantized). It needs torch, so only a process that loads
 the model imports it: the replica, in process (`models.load_model`); the ingress and the tools,
-which need the tokenizer alone, run `python -m replicas.prepare MODEL` in a process of their own
+which need the tokenizer alone, run `python -m replicas.loading.prepare MODEL` in a process of their own
 (`model_files.resolve_model_path`). A file lock makes concurrent builds share one directory.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from replicas import embedded, gguf
-from replicas.model_files import EMBEDDED_MODELS, build_once, planned_build
+from replicas.loading import embedded, gguf
+from replicas.loading.model_files import EMBEDDED_MODELS, build_once, planned_build
 
 
 def prepare(model: str) -> str:

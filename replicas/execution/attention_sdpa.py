@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental import _config as shape_config  # torch.compile's symbolic shapes
 
-from replicas.attention import PassLayout
-from replicas.compiling import own_copy
-from replicas.transfer import HostPack, Part
+from replicas.execution.attention import PassLayout
+from replicas.execution.compiling import own_copy
+from replicas.execution.transfer import HostPack, Part
 
 # Decodes share one attention call while padding them to the group's longest context costs at
 # most PAD_SLACK x their real context (+ PAD_MIN tokens): CPU attention pays per padded token.

@@ -20,10 +20,10 @@ from typing import Any
 
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
 from replicas.engine import Engine
-from replicas.prefix_hash import PrefixSketch
+from replicas.scheduling.prefix_hash import PrefixSketch
 from replicas.protocol import RequestOutput, SamplingParams
 from replicas.request import Request
-from replicas.scheduler import QueueCounts
+from replicas.scheduling.scheduler import QueueCounts
 
 logger = logging.getLogger(__name__)
 
