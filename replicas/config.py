@@ -123,6 +123,12 @@ class EngineConfig:
         "with logits processors (penalties, logit_bias, min_tokens), a grammar, or prompt "
         "logprobs still to score wait for the pass before them. auto: on with CUDA, off on CPU (where the forward runs on the host's "
         "own thread, so nothing overlaps); on / off")
+    tensor_parallel_size: int = Field(1, description=
+        "devices one replica's model is sharded over, by the model's own tensor-parallel plan "
+        "(transformers' base_model_tp_plan): the replica is rank 0, and tensor_parallel_size - 1 "
+        "workers (Ray actors in the replica's placement group; processes outside Ray) hold the "
+        "other shards. Each rank needs a device of its own (GPUs: one each, nccl; CPU: gloo). "
+        "Passes run the synchronous loop, without the captured decode step")
     enable_prefix_caching: bool = Field(True, description=
         "share the KV of full blocks between requests whose tokens start the same way (a system "
         "prompt, a conversation's history): cached tokens cost no prefill and no new KV")
@@ -167,6 +173,16 @@ class EngineConfig:
         if not 0 <= self.kv_watermark < 1:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         _positive("tbt_sample_window", self.tbt_sample_window)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            # The workers replay the pass rank 0 prepared; the overlapped loop's tokens sampled on
+            # rank 0's device, and a captured step's collectives, are not theirs (yet).
+            if self.overlap == "on":
+                raise ValueError("overlap 'on' needs tensor_parallel_size 1 (a tensor-parallel "
+                                 "replica runs the synchronous loop); use auto or off")
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs needs tensor_parallel_size 1 (the captured decode step "
+                                 "is not run across ranks); leave it null")
 
     @property
     def tbt_slo_s(self) -> float | None:

@@ -40,7 +40,12 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def weight_bytes(model: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    """The weights this rank holds (a tensor-parallel shard's DTensors count their local part)."""
+    return sum(_local(t).numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def activation_bytes(model_config: Any, cfg: EngineConfig, max_model_len: int, elem: int) -> int:

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from replicas.execution.compiling import CompileCounter, own_copy
 from replicas.execution.cuda_graphs import DecodeGraphs
 from replicas.execution.flex_buckets import DecodeBuckets, bucket_sizes
 from replicas.scheduling.kv_cache import BlockManager
-from replicas.loading.model_support import kv_shape, text_config
+from replicas.loading.model_support import heads_per_rank, kv_shape
 from replicas.request import Request
 from replicas.execution.sampler import Sampler, SamplingPlan
 from replicas.scheduling.scheduler import ScheduledSeq, SchedulerOutput
@@ -68,7 +69,7 @@ class ModelRunner:
                  compile_decode_attention: bool = False, attention_backend: str = "auto",
                  cuda_graphs: bool | None = None, max_num_seqs: int = 128,
                  compile_backend: str | None = None, graph_sizes: tuple[int, ...] | None = None,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, tensor_parallel_size: int = 1, peers: Any = None) -> None:
         """`attention_backend`: "auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex".
         `cuda_graphs`: decode-only passes replay a graph captured at start per batch-size bucket
         up to `max_num_seqs` (None: on CUDA with the flex backend; needs flex); `graph_sizes`:
@@ -78,14 +79,25 @@ class ModelRunner:
 
         If the flex path fails to start (a compile, a capture, whatever the exception), the
         runner logs a WARNING and runs the eager SDPA path instead: `path` says which runs.
-        `sampler`: how each pass picks its tokens (None: no logits processors, no grammars)."""
+        `sampler`: how each pass picks its tokens (None: no logits processors, no grammars).
+        `tensor_parallel_size`: the model is this rank's shard; the KV cache holds this rank's
+        heads. `peers` (rank 0 of a group, `execution.parallel.Peers`): every worker builds a
+        runner like this one now, and replays each pass's forward (`forward`, `replay`)."""
+        self.peers = peers
+        if peers is not None:
+            peers.build({"num_blocks": blocks.num_blocks, "block_size": blocks.block_size,
+                         "max_model_len": max_model_len, "compile_decode_attention": compile_decode_attention,
+                         "attention_backend": attention_backend, "cuda_graphs": cuda_graphs,
+                         "max_num_seqs": max_num_seqs, "compile_backend": compile_backend,
+                         "graph_sizes": graph_sizes, "tensor_parallel_size": tensor_parallel_size})
         self.model = model
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.sampler = sampler or Sampler(self.device, model.get_output_embeddings().weight.shape[0])
-        layers, kv_heads, head_dim = kv_shape(model.config)
+        layers, _, head_dim = kv_shape(model.config)
+        self.heads, kv_heads = heads_per_rank(model.config, tensor_parallel_size)  # this rank's
         self.num_pages = blocks.num_blocks  # the cache's, the scratch block included
         shape = (layers, self.num_pages * blocks.block_size, kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -138,8 +150,7 @@ class ModelRunner:
         if self.attention_backend == "sdpa":
             fused = None
             if compile_decode_attention:
-                heads = text_config(self.model.config).num_attention_heads
-                fused = compiled_decode(self.k_cache, self.v_cache, blocks.block_size, heads)
+                fused = compiled_decode(self.k_cache, self.v_cache, blocks.block_size, self.heads)
             self.backend = SdpaBackend(blocks.block_size, fused)
 
     @property
@@ -209,7 +220,7 @@ class ModelRunner:
         """One layer's attention, reading nothing (the page map has no entry for these rows), for
         each shape group: decodes alone (each bucket), chunks alone (1 row, 3 rows, two tiles),
         decodes with a chunk."""
-        bs, heads = self.blocks.block_size, text_config(self.model.config).num_attention_heads
+        bs, heads = self.blocks.block_size, self.heads
         head_dim = self.k_cache.shape[-1]
         attn = next(m for m in self.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling"))
         width = -(-(2 + Q_TILE + 3) // bs)
@@ -416,6 +427,8 @@ class ModelRunner:
         and of the prompt positions of requests that score their prompt (only those rows are
         computed)."""
         pack = prep.pack
+        if self.peers is not None:  # the workers replay it: the same bytes, the same parts
+            self.peers.forward(prep, pack.host_buffer.numpy())
         if self.page_map is not None:
             self.page_map.apply(prep.map_part, pack)
         if prep.fill is not None:  # in-flight input tokens, from their rows' slots
@@ -435,6 +448,15 @@ class ModelRunner:
                                 attn_meta=meta, **kwargs).logits[0]
         logits = logits if self._keep_logits else logits[keep_d]  # (N + M, V)
         return PassLogits(logits[:n], logits[n:], prep.prompt_spans, prep.logits_plan, pack)
+
+
+    @torch.inference_mode()
+    def replay(self, prep: Prepared, data: np.ndarray) -> None:
+        """A worker's pass: rank 0's upload (`data`) sent to this device, and the forward run on
+        it as rank 0 runs it (`prep` locates the parts); the logits are rank 0's to sample."""
+        self._staging_turn ^= 1
+        prep.pack = HostPack.received(data, self.device, self._stagings[self._staging_turn])
+        self.forward(prep)
 
 
 @dataclass

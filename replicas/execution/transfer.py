@@ -33,6 +33,7 @@ class HostPack:
     def __init__(self) -> None:
         self._arrays: list[tuple[int, np.ndarray]] = []
         self._size = 0
+        self.host_buffer: torch.Tensor | None = None  # (bytes,) uint8 on the host, once sent
         self.device_buffer: torch.Tensor | None = None  # (bytes,) uint8, once sent
 
     def add(self, values: np.ndarray | Sequence, dtype: type | np.dtype | None = None) -> Part:
@@ -51,8 +52,22 @@ class HostPack:
         view = host.numpy()
         for offset, a in self._arrays:
             view[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
-        self.device_buffer = upload(host[:max(self._size, _ALIGN)], device)
+        self.host_buffer = host[:max(self._size, _ALIGN)]
+        self.device_buffer = upload(self.host_buffer, device)
         staging.sent()
+
+    @classmethod
+    def received(cls, data: np.ndarray, device: torch.device, staging: Staging) -> HostPack:
+        """A pack another rank built and sent (its bytes, `host_buffer`), uploaded here the same
+        way: its parts are read with the sender's `Part`s (tensor parallelism's workers)."""
+        pack = cls()
+        host = staging.buffer(max(data.nbytes, _ALIGN))
+        host.numpy()[:data.nbytes] = data
+        pack._size = data.nbytes
+        pack.host_buffer = host[:max(data.nbytes, _ALIGN)]
+        pack.device_buffer = upload(pack.host_buffer, device)
+        staging.sent()
+        return pack
 
     def get(self, part: Part) -> torch.Tensor:
         """The part as a typed tensor on the device (a view of the sent buffer)."""

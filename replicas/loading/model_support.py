@@ -91,3 +91,55 @@ def kv_shape(config) -> tuple[int, int, int]:  # noqa: ANN001
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return text.num_hidden_layers, kv_heads, head_dim
+
+
+# How a tensor-parallel plan shards an attention projection: these split the heads over the
+# ranks (each rank's attention sees heads / tp); the "gather" styles hand every rank all heads.
+HEAD_SPLITTING_STYLES = frozenset({"colwise"})
+_KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.qkv_proj", "attention.query_key_value",
+                   "self_attn.query_key_value")
+
+
+def tensor_parallel_plan(config) -> dict[str, str]:  # noqa: ANN001
+    """The model's own tensor-parallel plan (transformers' `base_model_tp_plan`), or {}."""
+    return dict(getattr(text_config(config), "base_model_tp_plan", None) or {})
+
+
+def heads_per_rank(config, tp: int) -> tuple[int, int]:  # noqa: ANN001
+    """(query heads, KV heads) one rank's attention sees under `tp`-way tensor parallelism: the
+    plan splits them (Llama's colwise q/k/v) or gathers them whole on every rank (OLMo2, Phi-3)."""
+    text = text_config(config)
+    heads = text.num_attention_heads
+    _, kv_heads, _ = kv_shape(config)
+    if tp == 1:
+        return heads, kv_heads
+    styles = {k: v for k, v in tensor_parallel_plan(config).items() if k.endswith(_KV_PROJECTIONS)}
+    if styles and all(v in HEAD_SPLITTING_STYLES for v in styles.values()):
+        return heads // tp, kv_heads // tp
+    return heads, kv_heads
+
+
+def check_tensor_parallel(config, tp: int) -> None:  # noqa: ANN001
+    """Raise ValueError, naming the number that fails, if `tp`-way tensor parallelism cannot
+    shard this model: no plan, or heads, KV heads, vocabulary or MLP width not divisible by tp
+    (transformers would only fail mid-forward for some of these)."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    mt = getattr(config, "model_type", None) or type(config).__name__
+    if not tensor_parallel_plan(config):
+        raise ValueError(f"tensor_parallel_size={tp}: model type {mt!r} ships no tensor-parallel plan "
+                         "(transformers' base_model_tp_plan); serve it with tensor_parallel_size 1")
+    text = text_config(config)
+    _, kv_heads, _ = kv_shape(config)
+    if kv_heads < tp:
+        raise ValueError(f"tensor_parallel_size={tp} is above the model's {kv_heads} KV heads "
+                         "(num_key_value_heads): each rank needs a KV head of its own")
+    sizes = {"attention heads (num_attention_heads)": text.num_attention_heads,
+             "KV heads (num_key_value_heads)": kv_heads,
+             "vocabulary (vocab_size)": getattr(text, "vocab_size", None),
+             "MLP width (intermediate_size)": getattr(text, "intermediate_size", None)}
+    for what, n in sizes.items():
+        if isinstance(n, int) and n % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {n} {what}")

@@ -18,15 +18,17 @@ import os
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
+from transformers.distributed import DistributedConfig
 
 from replicas.config import DEFAULT_MODEL
 from replicas.loading.embedded import build_embedded, build_tokenizer
 from replicas.loading.model_files import EMBEDDED_MODELS, EMBEDDED_PREFIX, EmbeddedSpec, cache_root
-from replicas.loading.model_support import VERIFIED_MODEL_TYPES, check_supported, model_max_length
+from replicas.loading.model_support import (VERIFIED_MODEL_TYPES, check_supported, check_tensor_parallel,
+                                            model_max_length)
 from replicas.loading.prepare import prepare
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "EMBEDDED_PREFIX", "VERIFIED_MODEL_TYPES", "EmbeddedSpec",
-           "build_embedded", "build_tokenizer", "cache_root", "check_supported", "load_model",
+           "build_embedded", "build_tokenizer", "cache_root", "check_supported", "load_config", "load_model",
            "model_max_length", "resolve_model_path"]
 
 # In the process that loads the model, the build happens here (torch is loaded anyway).
@@ -53,18 +55,37 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load_model(model: str, *, dtype: str = "auto", device: str = "auto",
-               trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a supported causal LM and its tokenizer, in eval mode with gradients off."""
-    device = resolve_device(device)
+def load_config(model: str, trust_remote_code: bool = False,
+                tensor_parallel_size: int = 1) -> tuple[str, PretrainedConfig, dict]:
+    """The model's directory (prepared first), its config, checked for what the engine serves and
+    for `tensor_parallel_size`-way sharding, and the keyword arguments its files load with."""
     path = resolve_model_path(model)
     # Local directories must never trigger a hub lookup (no network on serving hosts).
     common = {"local_files_only": os.path.isdir(path), "trust_remote_code": trust_remote_code}
     config = AutoConfig.from_pretrained(path, **common)
     check_supported(config)  # before reading weights: refusing a 10 GB model should be cheap
+    check_tensor_parallel(config, tensor_parallel_size)
+    return path, config, common
+
+
+def load_model(model: str, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
+               tensor_parallel_size: int = 1) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a supported causal LM and its tokenizer, in eval mode with gradients off.
+
+    With `tensor_parallel_size` > 1 this rank loads its shard by the model's own plan
+    (transformers' `base_model_tp_plan`, through `DistributedConfig`); every rank of the group
+    calls this together, in a torch.distributed group already joined (`execution.parallel`)."""
+    device = resolve_device(device)
+    path, config, common = load_config(model, trust_remote_code, tensor_parallel_size)
     torch_dtype = _resolve_dtype(dtype, device, config)
-    lm = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, **common)
-    lm.to(device).eval().requires_grad_(False)
+    if tensor_parallel_size > 1:
+        lm = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=torch_dtype, distributed_config=DistributedConfig(tp_size=tensor_parallel_size),
+            **common)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, **common)
+        lm.to(device)
+    lm.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, **common)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,175 @@
+"""Tensor parallelism: one replica's model sharded over `tensor_parallel_size` ranks.
+
+Rank 0 is the engine: scheduler, block manager, sampler, detokenizer, and a model runner like
+any other. Ranks 1..tp-1 are workers (`replicas.execution.parallel_workers`) that hold their
+shard of the weights (transformers' own plan, `loading.models.load_model`) and their share of
+the KV cache (heads / tp), and replay each pass's forward only; transformers' sharded layers
+all-reduce inside the forward, and the logits come out whole on every rank (the LM head gathers
+its vocabulary shards), so rank 0 samples as it would alone and the workers drop theirs.
+
+Each pass is ONE message from rank 0 (nano-vllm's shape, a collective instead of shared memory):
+the pass's upload (`transfer.HostPack`: ids, positions, slots, block tables, keep rows, all in
+one byte buffer) with a small header saying where each part lies, broadcast in one collective
+on a gloo group of its own (host memory on every backend; the model's collectives use the
+default group, nccl on CUDA). A worker uploads the same bytes to its device and runs the same
+`ModelRunner.forward`, so its KV writes land in the same slots as rank 0's.
+
+The message buffer has a fixed capacity both sides know; a larger message first sends a resize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import struct
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Message kinds (the header's first field).
+PASS, BUILD, LOAD, RELEASE, STOP, RESIZE = range(1, 7)
+KIND_NAMES = {PASS: "pass", BUILD: "build", LOAD: "load", RELEASE: "release", STOP: "stop", RESIZE: "resize"}
+_HEAD = struct.Struct("<QII")  # total bytes, kind, header bytes
+_ALIGN = 8
+INITIAL_CAPACITY = 1 << 16
+# No rank waits longer than this in a collective, joining included (a worker's start: a process,
+# torch and transformers imported). A dead peer fails gloo's collectives at once, well before.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def encode(kind: int, header: Any, body: np.ndarray | None = None) -> np.ndarray:
+    """One message as bytes: a fixed head, the pickled header, the body 8-byte aligned."""
+    head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+    start = -(-(_HEAD.size + len(head)) // _ALIGN) * _ALIGN
+    raw = body.reshape(-1).view(np.uint8) if body is not None else np.empty(0, np.uint8)
+    out = np.zeros(start + raw.nbytes, dtype=np.uint8)
+    _HEAD.pack_into(out, 0, out.nbytes, kind, len(head))
+    out[_HEAD.size:_HEAD.size + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    out[start:] = raw
+    return out
+
+
+def decode(buf: np.ndarray) -> tuple[int, Any, np.ndarray]:
+    """(kind, header, body bytes) of a message `encode` made (the body a view of `buf`)."""
+    total, kind, n = _HEAD.unpack_from(buf, 0)
+    header = pickle.loads(buf[_HEAD.size:_HEAD.size + n].tobytes())
+    start = -(-(_HEAD.size + n) // _ALIGN) * _ALIGN
+    return kind, header, buf[start:total]
+
+
+class Channel:
+    """Rank 0's messages to every worker: one broadcast of a fixed-capacity buffer each."""
+
+    def __init__(self, group: Any, capacity: int = INITIAL_CAPACITY) -> None:
+        self.group = group
+        self._buf = torch.zeros(capacity, dtype=torch.uint8)
+        self.sent = 0  # messages broadcast (resizes included)
+
+    def _broadcast(self) -> None:
+        dist.broadcast(self._buf, src=0, group=self.group)
+        self.sent += 1
+
+    def send(self, kind: int, header: Any, body: np.ndarray | None = None) -> None:
+        msg = encode(kind, header, body)
+        if msg.nbytes > self._buf.numel():
+            size = max(msg.nbytes, 2 * self._buf.numel())
+            resize = encode(RESIZE, size)  # small: fits any capacity
+            self._buf.numpy()[:resize.nbytes] = resize
+            self._broadcast()
+            self._buf = torch.zeros(size, dtype=torch.uint8)
+        self._buf.numpy()[:msg.nbytes] = msg
+        self._broadcast()
+
+    def recv(self) -> tuple[int, Any, np.ndarray]:
+        while True:
+            self._broadcast()
+            kind, header, body = decode(self._buf.numpy())
+            if kind != RESIZE:
+                return kind, header, body
+            self._buf = torch.zeros(header, dtype=torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: rank 0's address and a port it found free."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str  # of the default group (the model's collectives): nccl on CUDA, gloo on CPU
+
+    def join(self, rank: int) -> Any:
+        """Join the default group, then the message group (gloo); returns the latter."""
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(self.backend, init_method=f"tcp://{self.host}:{self.port}", rank=rank,
+                                world_size=self.world_size, timeout=timeout)
+        return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def pass_message(prep: Any, host_bytes: np.ndarray) -> tuple[Any, np.ndarray]:
+    """A pass's header (where each part lies: the rank-0-only fields dropped) and its upload."""
+    return dataclasses.replace(prep, pack=None, logits_plan=None, prompt_spans=[]), host_bytes
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel worker died or a collective failed: the replica cannot run a pass."""
+
+
+class Peers:
+    """Rank 0's side of the group: the message channel to the workers and their liveness.
+
+    `workers` is what started them (`parallel_workers`): `dead()` names a worker that ended, or
+    None; `terminate()` ends them all. The first failed message is sticky: the group is broken
+    for good, and `check` raises from then on (the replica reports unhealthy and is replaced)."""
+
+    def __init__(self, workers: Any, channel: Channel, world_size: int) -> None:
+        self.workers, self.channel, self.world_size = workers, channel, world_size
+        self.failed: str | None = None
+        self.stopped = False
+
+    def check(self) -> None:
+        if self.failed is None and (dead := self.workers.dead()) is not None:
+            self.failed = dead
+        if self.failed is not None:
+            raise WorkerLost(f"tensor-parallel group broken: {self.failed}")
+
+    def _send(self, kind: int, header: Any, body: np.ndarray | None = None) -> None:
+        self.check()
+        try:
+            self.channel.send(kind, header, body)
+        except Exception as exc:
+            self.failed = f"{KIND_NAMES[kind]} message failed: {type(exc).__name__}: {exc}"
+            raise WorkerLost(self.failed) from exc
+
+    def load(self, load_kwargs: dict[str, Any]) -> None:
+        """Every worker loads its shard (rank 0 loads its own right after: they meet inside)."""
+        self._send(LOAD, load_kwargs)
+
+    def build(self, runner_kwargs: dict[str, Any]) -> None:
+        """Every worker builds its model runner (its KV share) with these arguments."""
+        self._send(BUILD, runner_kwargs)
+
+    def forward(self, prep: Any, host_bytes: np.ndarray) -> None:
+        """Every worker replays this pass's forward (rank 0 runs its own right after)."""
+        self._send(PASS, *pass_message(prep, host_bytes))
+
+    def stop(self) -> None:
+        """Workers leave their loop and exit; idempotent, and safe on a broken group."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.failed is None:
+            try:
+                self._send(STOP, None)
+            except WorkerLost:
+                pass
+        self.workers.terminate(wait=self.failed is None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
