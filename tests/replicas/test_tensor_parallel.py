@@ -1,0 +1,115 @@
+"""Tensor parallelism on CPU (gloo, two processes: this one is rank 0, a spawned worker rank 1):
+every architecture the loader accepts that ships a plan gives TP=1's logits within 1e-5 and its
+greedy tokens; a whole continuous-batching run (chunked prefill, prefix hits, preemption, n > 1,
+seeded sampling, logprobs) gives identical tokens; a model the plan cannot shard is refused
+before any worker starts; a worker killed mid-run fails the pass at once and breaks the group
+for good (the replica turns unhealthy), and closing still returns."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.execution.parallel import WorkerLost
+from replicas.loading.model_support import VERIFIED_MODEL_TYPES, tensor_parallel_plan
+from replicas.loading.models import resolve_model_path
+
+pytestmark = pytest.mark.process
+
+PLANNED = sorted(t for t in VERIFIED_MODEL_TYPES if tensor_parallel_plan(AutoConfig.for_model(t)))
+PROMPTS = [[3, 17, 99, 42, 250, 7, 7, 19, 201, 64, 33, 12, 5, 180, 77, 2, 141, 9], [8, 15, 16, 23, 42]]
+
+
+def tiny_model(model_type: str, root: Path) -> str:
+    """A tiny random model of `model_type` (fp32, 4 heads, 2 KV heads) saved with a tokenizer."""
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=256)
+    if model_type != "gpt_neox":
+        shape.update(num_key_value_heads=2, head_dim=16)
+    config = AutoConfig.for_model(model_type, vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  **shape)
+    torch.manual_seed(0)
+    path = root / model_type
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(resolve_model_path("embedded:tiny")).save_pretrained(path)
+    return str(path)
+
+
+def run(model: str, tp: int, params: SamplingParams, prompts=PROMPTS, **config) -> list:
+    engine = Engine.from_pretrained(model, EngineConfig(tensor_parallel_size=tp, num_threads=1, **config))
+    try:
+        return engine.generate(prompts, params)
+    finally:
+        engine.close()
+
+
+def test_every_planned_architecture_is_sharded_and_the_rest_named() -> None:
+    assert set(PLANNED) == {"llama", "mistral", "qwen2", "qwen3", "gpt_neox", "olmo2", "phi3", "gemma"}
+
+
+@pytest.mark.parametrize("model_type", PLANNED)
+def test_tp2_gives_tp1_logits_and_tokens(model_type: str, tmp_path: Path) -> None:
+    model = tiny_model(model_type, tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    one, two = run(model, 1, params), run(model, 2, params)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.prompt_logprobs + a.logprobs, b.prompt_logprobs + b.logprobs, strict=True):
+            assert abs(x[0] - y[0]) <= 1e-5
+            assert [t for t, _ in x[1]] == [t for t, _ in y[1]]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x[1], y[1])) <= 1e-5
+
+
+def test_a_whole_continuous_batching_run_is_identical(tmp_path: Path) -> None:
+    """Chunks of 16 tokens, a KV cache of 10 blocks for 5 streams of 4-5 (preemption), a shared prefix (hits), two
+    seeded samples per prompt with logprobs, greedy beside them."""
+    model = tiny_model("llama", tmp_path)
+    prefix = list(range(30, 62))
+    prompts = [prefix + [5, 6, 7], prefix + [9, 10], PROMPTS[0], prefix + [11]]
+    params = [SamplingParams(max_tokens=40, temperature=0.9, seed=7, n=2, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True)]
+    config = dict(max_batch_prefill_tokens=16, max_batch_total_tokens=160, block_size=16, kv_watermark=0.0)
+    one, two = run(model, 1, params, prompts, **config), run(model, 2, params, prompts, **config)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    assert sum(o.num_preemptions for o in one) > 0, "nothing was preempted: nothing was tested"
+    assert sum(o.num_cached_tokens for o in one) > 0, "no prefix hit: nothing was tested"
+    assert [o.num_preemptions for o in one] == [o.num_preemptions for o in two]
+    for a, b in zip(one, two, strict=True):
+        if a.logprobs:
+            assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+
+
+def test_a_model_the_plan_cannot_shard_is_refused_before_any_worker(tmp_path: Path) -> None:
+    config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, n_positions=64, vocab_size=256)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="'gpt2' ships no tensor-parallel plan"):
+        Engine.from_pretrained(str(tmp_path / "gpt2"), EngineConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 is above the model's 2 KV heads"):
+        Engine.from_pretrained(tiny_model("llama", tmp_path), EngineConfig(tensor_parallel_size=4))
+    assert time.monotonic() - started < 60  # no worker was waited for
+
+
+def test_a_killed_worker_fails_the_pass_and_breaks_the_group(tmp_path: Path) -> None:
+    engine = Engine.from_pretrained(tiny_model("llama", tmp_path), EngineConfig(tensor_parallel_size=2, num_threads=1))
+    try:
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        engine.peers.workers.kill(1)
+        deadline = time.monotonic() + 60
+        with pytest.raises((WorkerLost, RuntimeError)):
+            while time.monotonic() < deadline:  # the pass fails (or the next one is refused)
+                engine.step()
+        with pytest.raises(WorkerLost, match="tensor-parallel group broken"):
+            engine.peers.check()
+    finally:
+        engine.close()
+    assert engine.peers.stopped
