@@ -8,6 +8,8 @@ the controller's endpoint, anything outside Serve).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -89,18 +91,21 @@ class PrometheusBackend:
         self.prom = prometheus_client
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
 
-    def _make(self, cls: Any, name: str, doc: str, tags: Sequence[str], method: str, **kw: Any) -> Metric:
+    def _make(self, cls: Any, name: str, doc: str, tags: Sequence[str], method: str, **kw: Any) -> Any:
         m = cls(name, doc, labelnames=list(tags), registry=self.registry, **kw)
         children: dict[tuple, Any] = {}
 
-        def bind(t: dict[str, str]) -> Any:  # one labelled child per tag set, looked up once
+        def child(t: dict[str, str]) -> Any:  # one labelled child per tag set, looked up once
             key = tuple(sorted(t.items()))
-            child = children.get(key)
-            if child is None:
-                child = children[key] = m.labels(**t) if tags else m
-            return getattr(child, method)
+            c = children.get(key)
+            if c is None:
+                c = children[key] = m.labels(**t) if tags else m
+            return c
 
-        return _Wrap(lambda v, t: bind(t)(v), bind)
+        def bind(t: dict[str, str]) -> Any:
+            return getattr(child(t), method)
+
+        return _Wrap(lambda v, t: bind(t)(v), bind) if method != "observe" else _BulkHistogram(child)
 
     def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
         # prometheus_client appends _total to counters itself.
@@ -111,6 +116,40 @@ class PrometheusBackend:
 
     def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
         return self._make(self.prom.Histogram, name, doc, tags, "observe", buckets=list(buckets))
+
+
+class _BulkHistogram(_Wrap):
+    """A prometheus_client histogram whose `record_many` adds a pass's values at once: each
+    bucket's count and the sum once, as `observe` of each value leaves them (a pass's TBT gaps:
+    one per running request, most of them equal)."""
+
+    def __init__(self, child: Any) -> None:
+        super().__init__(lambda v, t: child(t).observe(v), lambda t: child(t).observe)
+        self._child = child
+
+    def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
+        c = self._child(tags)
+        bounds, buckets = getattr(c, "_upper_bounds", None), getattr(c, "_buckets", None)
+        if bounds is None or buckets is None or len(bounds) != len(buckets):  # another client's layout
+            super().record_many(values, tags)
+            return
+        c._raise_if_not_observable()
+        c._sum.inc(sum(values))
+        for i, n in bucket_counts(bounds, values).items():
+            buckets[i].inc(n)
+
+
+def bucket_counts(bounds: Sequence[float], values: Sequence[float]) -> dict[int, int]:
+    """How many of `values` fall in each bucket of the sorted upper `bounds` (index -> count):
+    a value goes to the first bound >= it, as prometheus_client's `observe` puts it (a value
+    above the last bound, or NaN, in none)."""
+    counts: dict[int, int] = {}
+    last = bounds[-1]
+    for value, n in Counter(values).items():  # a pass's gaps repeat: one search per distinct value
+        if value <= last:
+            i = bisect_left(bounds, value)
+            counts[i] = counts.get(i, 0) + n
+    return counts
 
 
 class EngineMetrics:
