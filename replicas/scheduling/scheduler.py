@@ -211,23 +211,27 @@ class Scheduler:
         the caller's (the engine checks stop strings and EOS, the simulator only max_tokens).
         """
         got: list[Request] = []
-        tokens = iter(sampled)
-        for seq in batch.decodes:
+        tokens = iter(sampled)  # the decodes' first: zip takes one per decode and no more
+        finished = RequestStatus.FINISHED_STOPPED
+        caching, bs = self.blocks.enable_caching, self.blocks.block_size
+        filled: list[ScheduledSeq] = []  # decodes whose token completed a block (prefix caching)
+        for seq, token in zip(batch.decodes, tokens):
             req = seq.request
-            token = next(tokens)
             req.num_inflight -= 1
-            if req.status >= RequestStatus.FINISHED_STOPPED:
+            if req.status >= finished:
                 self._dropped(req, seq)
                 continue
             req.output_token_ids.append(token)
             req.token_times.append(now)
             got.append(req)
+            if caching and (seq.start + 1) % bs == 0:
+                filled.append(seq)
         for seq in batch.prefills:
             req = seq.request
             token = next(tokens) if seq.samples else None
             if seq.samples:
                 req.num_inflight -= 1
-            if req.status >= RequestStatus.FINISHED_STOPPED:
+            if req.status >= finished:
                 self._dropped(req, seq)
                 continue
             if token is not None:
@@ -235,18 +239,16 @@ class Scheduler:
                 req.token_times.append(now)
             if seq.completes:
                 got.append(req)
-        if self.blocks.enable_caching:
+        if caching:
             # Blocks join the prefix cache once the pass that wrote their KV has landed (a pass
             # that fails leaves nothing cached): a chunk's full blocks, and a decode's block when
             # its token filled it (its input may have been in flight).
             for seq in batch.prefills:
                 if seq.request.status == RequestStatus.RUNNING:
                     self.blocks.cache_computed(seq.request, seq.start + seq.num_tokens)
-            bs = self.blocks.block_size
-            for seq in batch.decodes:
-                end = seq.start + 1
-                if end % bs == 0 and seq.request.status == RequestStatus.RUNNING:
-                    self.blocks.cache_computed(seq.request, end)
+            for seq in filled:
+                if seq.request.status == RequestStatus.RUNNING:
+                    self.blocks.cache_computed(seq.request, seq.start + 1)
         return got
 
     def abandon(self, batch: SchedulerOutput) -> None:
@@ -460,7 +462,8 @@ class Scheduler:
         Returns the running requests that are still prefilling, most urgent first.
         """
         running, allocate, decodes = self.running, self.blocks.allocate, out.decodes
-        decode = ScheduledSeq.decode
+        bs = self.blocks.block_size
+        new, seq_cls = object.__new__, ScheduledSeq
         prefilling: list[Request] = []
         i = 0
         while i < len(running):  # per running request per pass: `is_prefilling` inlined
@@ -476,14 +479,22 @@ class Scheduler:
             if inflight and n_out >= req.max_output:
                 i += 1  # its last token is in flight: it finishes when that pass lands
                 continue
-            while not allocate(req.request_id, num_tokens):
-                victim = running[-1]  # least urgent, latest; never one already scheduled
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                decodes.append(decode(req, computed))
-                i += 1
+            # Its table covers the `computed` tokens whose KV is written: the token at `computed`
+            # needs a block only when it begins one (once a block_size passes).
+            if computed % bs == 0 and num_tokens > computed:
+                while not allocate(req.request_id, num_tokens):
+                    victim = running[-1]  # least urgent, latest; never one already scheduled
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                else:
+                    decodes.append(ScheduledSeq.decode(req, computed))
+                    i += 1
+                continue
+            seq = new(seq_cls)  # `ScheduledSeq.decode` inlined
+            seq.request, seq.start, seq.num_tokens, seq.completes, seq.samples = req, computed, 1, True, True
+            decodes.append(seq)
+            i += 1
         if out.preempted:  # a preempted request left `running`
             prefilling = [r for r in prefilling if r.status == RequestStatus.RUNNING]
         return prefilling
