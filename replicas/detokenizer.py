@@ -89,35 +89,31 @@ class IncrementalDetokenizer:
         """Add the output tokens not added yet (a request without stop strings is detokenized
         only when a delta of it goes out: the same tokens in the same order, so the same text).
         `add_token`'s steps without stop strings, inlined: one call for a delta's tokens."""
-        added = len(self.ids) - self._num_context
-        if added >= len(output_ids):
+        added, n = len(self.ids) - self._num_context, len(output_ids)
+        if added >= n:
             return
-        if added + 1 == len(output_ids):  # a delta every pass: one token
-            self.add_token(output_ids[-1], find_stop=False)
-            return
-        new = output_ids[added:]
         if self.stop or self._stream is None:
-            for token_id in new:
+            for token_id in output_ids[added:]:
                 self.add_token(token_id, find_stop=False)
             return
         ids, backend, stream = self.ids, self._backend, self._stream
-        chunks: list[str] = []
-        for j, token_id in enumerate(new):
-            if self._stream is None:  # a held run was released: the windowed decode from here
-                self.pending += "".join(chunks)
-                for rest in new[j:]:
-                    self.add_token(rest, find_stop=False)
-                return
+        pending = self.pending
+        for j in range(added, n):
+            token_id = output_ids[j]
             ids.append(token_id)
             chunk = stream.step(backend, token_id)
             if chunk is not None:
                 self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
                 self.read_offset = len(ids)
+                pending += chunk
             elif len(ids) - self.read_offset > (_TAIL_TOKENS if self._releasing else _MAX_HELD_TOKENS):
                 chunk = self._release_held()
-            if chunk:
-                chunks.append(chunk)
-        self.pending += "".join(chunks)
+                if chunk is not None:  # released: the windowed decode from here (`add_token`)
+                    self.pending = pending + chunk
+                    for rest in output_ids[j + 1:]:
+                        self.add_token(rest, find_stop=False)
+                    return
+        self.pending = pending
 
     def _release_held(self) -> str | None:
         """A long held run: the text of all but its last `_TAIL_TOKENS` tokens, if that is where

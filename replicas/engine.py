@@ -15,7 +15,6 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from replicas.config import EngineConfig
-from replicas.detokenizer import IncrementalDetokenizer
 from replicas.scheduling.drain import DrainMeter
 from replicas.execution.guided import Grammars
 from replicas.execution.attention import resolve_block_size
@@ -24,15 +23,13 @@ from replicas.execution.kv_memory import (activation_bytes, device_memory_bytes,
                                 weight_bytes)
 from replicas.execution.logits_processors import LogitsProcessors
 from replicas.execution.model_runner import ModelRunner
-from replicas.loading.model_support import heads_per_rank, kv_shape, model_max_length
-from replicas.loading.models import load_config, load_model
-from replicas.execution.parallel import Peers
-from replicas.execution.parallel_workers import start_group
+from replicas.loading.model_support import kv_shape, model_max_length
+from replicas.loading.models import load_model
 from replicas.execution.overlap import InFlight, needs_history
+from replicas.outputs import OutputProcessor
 from replicas.scheduling.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
-from replicas.protocol import (InvalidRequestError, Limits, RequestOutput, SamplingParams, TokenLogprob,
-                               check_priority, sample_id)
-from replicas.request import FINISHED, Request, RequestStatus
+from replicas.protocol import InvalidRequestError, Limits, RequestOutput, SamplingParams, check_priority, sample_id
+from replicas.request import Request, RequestStatus
 from replicas.execution.sampler import Sampler
 from replicas.scheduling.scheduler import QueueCounts, Scheduler, SchedulerOutput, watermark_blocks
 
@@ -108,11 +105,8 @@ class EngineObserver(Protocol):
 
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 config: EngineConfig | None = None, peers: Peers | None = None) -> None:
-        """`peers`: with config.tensor_parallel_size > 1, the group whose rank 0 this is (`model`
-        is rank 0's shard; `from_pretrained` starts the group and loads every shard)."""
+                 config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.peers = peers
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model, self.tokenizer = model, tokenizer
@@ -133,20 +127,18 @@ class Engine:
                              config.max_batch_prefill_tokens, config.policy, self.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.logits_processors = LogitsProcessors(self.vocab_size, self.eos_token_ids)
-        self._token_texts: dict[int, str] = {}  # each token decoded on its own (logprobs)
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.outputs = OutputProcessor(tokenizer, self.grammars)  # stop checks, text, deltas
         sampler = Sampler(next(model.parameters()).device, self.vocab_size, self.logits_processors, self.grammars)
         self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention,
                                   config.attention_backend, config.cuda_graphs, config.max_num_seqs,
-                                  config.compile_backend, config.cuda_graph_sizes, sampler,
-                                  config.tensor_parallel_size, peers)
+                                  config.compile_backend, config.cuda_graph_sizes, sampler)
         # Overlapped loop (`config.overlap`): the pass launched but not processed yet.
-        self.overlap = resolve_overlap(config.overlap, self.runner.device) and config.tensor_parallel_size == 1
+        self.overlap = resolve_overlap(config.overlap, self.runner.device)
         if self.overlap:
             self.runner.use_overlap()
         self._in_flight: InFlight | None = None
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.iterations: deque[IterationStats] = deque(maxlen=100_000)
         self.pass_started: float | None = None  # perf_counter when the pass in progress began
@@ -171,23 +163,9 @@ class Engine:
     def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:
         """Load an HF causal LM (directory, .gguf file, hub id, or "embedded:<name>") and build an engine."""
         config = config or EngineConfig()
-        load = {"model": model, "dtype": config.dtype, "device": config.device,
-                "trust_remote_code": config.trust_remote_code, "tensor_parallel_size": config.tensor_parallel_size}
-        if config.tensor_parallel_size == 1:
-            return cls(*load_model(**load), config)
-        load_config(model, config.trust_remote_code, config.tensor_parallel_size)  # refused before any start
-        peers = start_group(config.tensor_parallel_size, config.device, config.num_threads)
-        try:
-            peers.load(load)  # the workers load their shards as rank 0 loads its own
-            return cls(*load_model(**load), config, peers)
-        except BaseException:
-            peers.stop()
-            raise
-
-    def close(self) -> None:
-        """Stop what the engine started beyond this process: a tensor-parallel group's workers."""
-        if self.peers is not None:
-            self.peers.stop()
+        hf_model, tokenizer = load_model(model, dtype=config.dtype, device=config.device,
+                                         trust_remote_code=config.trust_remote_code)
+        return cls(hf_model, tokenizer, config)
 
     def _num_blocks(self, model: PreTrainedModel) -> int:
         cfg, block_size = self.config, self.block_size
@@ -196,8 +174,7 @@ class Engine:
                 raise ValueError(f"max_batch_total_tokens must hold at least one KV block ({block_size} "
                                  f"tokens), got {cfg.max_batch_total_tokens}")
             return cfg.max_batch_total_tokens // block_size
-        layers, _, head_dim = kv_shape(model.config)
-        _, kv_heads = heads_per_rank(model.config, cfg.tensor_parallel_size)  # this rank's share
+        layers, kv_heads, head_dim = kv_shape(model.config)
         elem = next(model.parameters()).element_size()
         bytes_per_token = 2 * layers * kv_heads * head_dim * elem
         memory = cfg.kv_cache_memory_bytes
@@ -279,7 +256,7 @@ class Engine:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use", "request_id")
         self.requests[req.request_id] = req
         params = req.params
-        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
+        self.outputs.add(req)
         stops = frozenset(params.stop_token_ids)
         req.stop_ids = stops if params.ignore_eos else stops | self.eos_token_ids
         req.max_output = min(params.max_tokens, self.max_model_len - req.num_prompt_tokens)
@@ -404,10 +381,10 @@ class Engine:
         outputs = []
         samples = self.last_pass = PassSamples()
         gaps = samples.gaps
-        finish, emit, check_stop, detoks = self.scheduler.finish, self._emit, self._check_stop, self._detok
+        finish, check_stop, emit = self.scheduler.finish, self.outputs.check_stop, self.outputs.emit
+        requests = self.requests
         due = now - self.stream_interval_s  # a delta sent before this is due again
         for req in self.scheduler.landed(batch, token_ids, now):
-            detok = detoks[req.request_id]
             times = req.token_times  # its last entry is `now` (none: a prompt only scored)
             if len(times) > 1:
                 gaps.append(now - times[-2])
@@ -415,87 +392,29 @@ class Engine:
                 samples.ttft.append(now - req.arrival_time)
                 if req.first_scheduled_time is not None:
                     samples.queue.append(req.first_scheduled_time - req.arrival_time)
-            status = check_stop(req, detok)
+            out = req.output_token_ids
+            if req.plain_stops and out and len(out) < req.max_output and out[-1] not in req.stop_ids:
+                status = None  # nothing but a stop token or max_tokens could end it: neither did
+            else:
+                status = check_stop(req)
             if status is not None:
                 finish(req, status)
                 samples.finished.append(req)
-                outputs.append(emit(req, detok))
+                outputs.append(emit(req))
+                del requests[req.request_id]
             elif req.sent_at <= due or not req.num_sent_tokens:
                 req.sent_at = now
-                outputs.append(emit(req, detok))
+                outputs.append(emit(req))
         self.recent_tbt.extend(gaps)
         self.num_tbt_samples += len(gaps)
         return outputs
 
-    def _check_stop(self, req: Request, detok: IncrementalDetokenizer) -> RequestStatus | None:
-        params, out = req.params, req.output_token_ids
-        n_out = len(out)
-        if n_out:  # none: a prompt only scored (max_tokens 0)
-            token = out[-1]
-            # As vLLM: nothing stops the first min_tokens tokens (EOS and stop ids are masked too).
-            may_stop = n_out > params.min_tokens
-            if detok.stop:  # else its text waits for its next delta (`_emit`)
-                stop = detok.add_token(token, find_stop=may_stop)
-                if stop is not None:
-                    req.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
-            if may_stop and token in req.stop_ids:
-                req.stop_reason = token if token in params.stop_token_ids else None
-                return RequestStatus.FINISHED_STOPPED
-            if req.guide is not None and self.grammars.advance(req, token):  # its grammar is complete
-                return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_output:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _emit(self, req: Request, detok: IncrementalDetokenizer | None = None) -> RequestOutput:
-        detok = detok if detok is not None else self._detok[req.request_id]
-        detok.catch_up(req.output_token_ids)
-        finished = req.status in FINISHED
-        if finished and not isinstance(req.stop_reason, str):
-            detok.flush()  # a stop string already cut the text; anything else keeps it all
-        out_ids = req.output_token_ids
-        n_out = len(out_ids)
-        sent = req.num_sent_tokens
-        params = req.params
-        # The prompt's logprobs go with the first output after it is computed.
-        scored = (params.prompt_logprobs is not None and sent == 0
-                  and req.num_computed_tokens >= req.num_prompt_tokens)
-        out = RequestOutput(
-            request_id=req.request_id, delta_text=detok.take_delta(finished), delta_token_ids=out_ids[sent:],
-            finished=finished, finish_reason=req.finish_reason if finished else None,
-            num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=n_out, stop_reason=req.stop_reason,
-            logprobs=self._logprobs(req, sent) if params.logprobs is not None else None,
-            prompt_logprobs=self._prompt_logprobs(req) if scored else None,
-            num_cached_tokens=req.num_cached_tokens, index=req.index)
-        req.num_sent_tokens = n_out
-        if finished:
+    def _emit(self, req: Request) -> RequestOutput:
+        """The request's delta (`OutputProcessor.emit`); a finished request leaves the engine."""
+        out = self.outputs.emit(req)
+        if out.finished:
             del self.requests[req.request_id]
-            del self._detok[req.request_id]
         return out
-
-    def _logprobs(self, req: Request, start: int) -> list[TokenLogprob]:
-        """The output tokens from `start` on, with their logprobs and each token's text."""
-        return [self._token_logprob(tok, lp, top)
-                for tok, (lp, top) in zip(req.output_token_ids[start:], req.output_logprobs[start:])]
-
-    def _prompt_logprobs(self, req: Request) -> list[TokenLogprob]:
-        """Every prompt token with its logprob (the first one: None) and top alternatives."""
-        ids = req.prompt_token_ids
-        return [self._token_logprob(ids[0], None, ())] + [
-            self._token_logprob(tok, lp, top) for tok, (lp, top) in zip(ids[1:], req.prompt_logprobs)]
-
-    def _token_logprob(self, token_id: int, logprob: float | None,
-                       top: tuple[tuple[int, float], ...]) -> TokenLogprob:
-        text = self._token_text
-        return TokenLogprob(token_id, text(token_id), logprob, tuple((i, text(i), v) for i, v in top))
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:  # at most one decode per vocabulary entry (a scored prompt has many)
-            text = self._token_texts[token_id] = self.tokenizer.decode(
-                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return text
 
     def _record(self, batch: SchedulerOutput, start: float, end: float, shape: PassShape,
                 predicted: float | None, cpu_s: float) -> IterationStats:

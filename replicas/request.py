@@ -107,6 +107,9 @@ class Request:
         # no logits processing, no grammar (a pass of only such rows skips those steps).
         self.argmax_only = (params.greedy and params.logprobs is None and not params.processes_logits
                             and params.guided is None)
+        # Only a stop token, EOS or max_tokens can end it after a pass (no stop strings, no grammar,
+        # no min_tokens): postprocess rules the rest out without the whole stop check.
+        self.plain_stops = not params.stop and params.guided is None and params.min_tokens == 0
 
     @property
     def num_prompt_tokens(self) -> int:

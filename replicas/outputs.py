@@ -1,0 +1,103 @@
+"""A pass's results as its requests' streams see them: stop checks, the text so far, and the
+deltas (`RequestOutput`) a stream receives, each token's or a stream interval's worth at once.
+
+The engine's postprocess calls `check_stop` for every request that got a token and `emit` for
+those whose delta goes out. A request without stop strings is detokenized only when a delta of
+it goes out (the same tokens in the same order: the same text).
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from replicas.detokenizer import IncrementalDetokenizer
+from replicas.execution.guided import Grammars
+from replicas.protocol import RequestOutput, TokenLogprob
+from replicas.request import Request, RequestStatus
+
+_STOPPED, _LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+
+
+class OutputProcessor:
+    """Each queued request's detokenizer, and the deltas built from its tokens."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, grammars: Grammars) -> None:
+        self.tokenizer, self.grammars = tokenizer, grammars
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._token_texts: dict[int, str] = {}  # each token decoded on its own (logprobs)
+
+    def add(self, req: Request) -> None:
+        self.detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+
+    def check_stop(self, req: Request) -> RequestStatus | None:
+        """Whether the request's latest token ends it: a stop string, a stop token or EOS (not
+        before min_tokens), its grammar complete, or max_tokens reached."""
+        out = req.output_token_ids
+        n_out = len(out)
+        if n_out:  # none: a prompt only scored (max_tokens 0)
+            token, params = out[-1], req.params
+            # As vLLM: nothing stops the first min_tokens tokens (EOS and stop ids are masked too).
+            may_stop = n_out > params.min_tokens
+            if params.stop:  # else its text waits for its next delta (`emit`)
+                stop = self.detoks[req.request_id].add_token(token, find_stop=may_stop)
+                if stop is not None:
+                    req.stop_reason = stop
+                    return _STOPPED
+            if may_stop and token in req.stop_ids:
+                req.stop_reason = token if token in params.stop_token_ids else None
+                return _STOPPED
+            if req.guide is not None and self.grammars.advance(req, token):  # its grammar is complete
+                return _STOPPED
+        if n_out >= req.max_output:
+            return _LENGTH
+        return None
+
+    def emit(self, req: Request) -> RequestOutput:
+        """The request's delta since the last one; a finished request's last (its detokenizer goes)."""
+        rid = req.request_id
+        detok = self.detoks[rid]
+        out_ids = req.output_token_ids
+        detok.catch_up(out_ids)
+        finished = req.status >= _STOPPED
+        if finished:
+            if not isinstance(req.stop_reason, str):
+                detok.flush()  # a stop string already cut the text; anything else keeps it all
+            del self.detoks[rid]
+        n_out = len(out_ids)
+        sent = req.num_sent_tokens
+        params = req.params
+        # The prompt's logprobs go with the first output after it is computed.
+        scored = (params.prompt_logprobs is not None and sent == 0
+                  and req.num_computed_tokens >= req.num_prompt_tokens)
+        out = RequestOutput(
+            request_id=rid, delta_text=detok.take_delta(finished), delta_token_ids=out_ids[sent:],
+            finished=finished, finish_reason=req.finish_reason if finished else None,
+            num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=n_out, stop_reason=req.stop_reason,
+            logprobs=self._logprobs(req, sent) if params.logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs(req) if scored else None,
+            num_cached_tokens=req.num_cached_tokens, index=req.index)
+        req.num_sent_tokens = n_out
+        return out
+
+    def _logprobs(self, req: Request, start: int) -> list[TokenLogprob]:
+        """The output tokens from `start` on, with their logprobs and each token's text."""
+        return [self._token_logprob(tok, lp, top)
+                for tok, (lp, top) in zip(req.output_token_ids[start:], req.output_logprobs[start:])]
+
+    def _prompt_logprobs(self, req: Request) -> list[TokenLogprob]:
+        """Every prompt token with its logprob (the first one: None) and top alternatives."""
+        ids = req.prompt_token_ids
+        return [self._token_logprob(ids[0], None, ())] + [
+            self._token_logprob(tok, lp, top) for tok, (lp, top) in zip(ids[1:], req.prompt_logprobs)]
+
+    def _token_logprob(self, token_id: int, logprob: float | None,
+                       top: tuple[tuple[int, float], ...]) -> TokenLogprob:
+        text = self.token_text
+        return TokenLogprob(token_id, text(token_id), logprob, tuple((i, text(i), v) for i, v in top))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:  # at most one decode per vocabulary entry (a scored prompt has many)
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text
