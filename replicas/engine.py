@@ -23,8 +23,10 @@ from replicas.execution.kv_memory import (activation_bytes, device_memory_bytes,
                                 weight_bytes)
 from replicas.execution.logits_processors import LogitsProcessors
 from replicas.execution.model_runner import ModelRunner
-from replicas.loading.model_support import kv_shape, model_max_length
-from replicas.loading.models import load_model
+from replicas.loading.model_support import heads_per_rank, kv_shape, model_max_length
+from replicas.loading.models import load_config, load_model
+from replicas.execution.parallel import Peers
+from replicas.execution.parallel_workers import start_group
 from replicas.execution.overlap import InFlight, needs_history
 from replicas.outputs import OutputProcessor
 from replicas.scheduling.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
@@ -105,8 +107,11 @@ class EngineObserver(Protocol):
 
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, peers: Peers | None = None) -> None:
+        """`peers`: with config.tensor_parallel_size > 1, the group whose rank 0 this is (`model`
+        is rank 0's shard; `from_pretrained` starts the group and loads every shard)."""
         self.config = config = config or EngineConfig()
+        self.peers = peers
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model, self.tokenizer = model, tokenizer
@@ -132,9 +137,10 @@ class Engine:
         sampler = Sampler(next(model.parameters()).device, self.vocab_size, self.logits_processors, self.grammars)
         self.runner = ModelRunner(model, self.blocks, self.max_model_len, config.compile_decode_attention,
                                   config.attention_backend, config.cuda_graphs, config.max_num_seqs,
-                                  config.compile_backend, config.cuda_graph_sizes, sampler)
+                                  config.compile_backend, config.cuda_graph_sizes, sampler,
+                                  config.tensor_parallel_size, peers)
         # Overlapped loop (`config.overlap`): the pass launched but not processed yet.
-        self.overlap = resolve_overlap(config.overlap, self.runner.device)
+        self.overlap = resolve_overlap(config.overlap, self.runner.device) and config.tensor_parallel_size == 1
         if self.overlap:
             self.runner.use_overlap()
         self._in_flight: InFlight | None = None
@@ -163,9 +169,23 @@ class Engine:
     def from_pretrained(cls, model: str, config: EngineConfig | None = None) -> Engine:
         """Load an HF causal LM (directory, .gguf file, hub id, or "embedded:<name>") and build an engine."""
         config = config or EngineConfig()
-        hf_model, tokenizer = load_model(model, dtype=config.dtype, device=config.device,
-                                         trust_remote_code=config.trust_remote_code)
-        return cls(hf_model, tokenizer, config)
+        load = {"model": model, "dtype": config.dtype, "device": config.device,
+                "trust_remote_code": config.trust_remote_code, "tensor_parallel_size": config.tensor_parallel_size}
+        if config.tensor_parallel_size == 1:
+            return cls(*load_model(**load), config)
+        load_config(model, config.trust_remote_code, config.tensor_parallel_size)  # refused before any start
+        peers = start_group(config.tensor_parallel_size, config.device, config.num_threads)
+        try:
+            peers.load(load)  # the workers load their shards as rank 0 loads its own
+            return cls(*load_model(**load), config, peers)
+        except BaseException:
+            peers.stop()
+            raise
+
+    def close(self) -> None:
+        """Stop what the engine started beyond this process: a tensor-parallel group's workers."""
+        if self.peers is not None:
+            self.peers.stop()
 
     def _num_blocks(self, model: PreTrainedModel) -> int:
         cfg, block_size = self.config, self.block_size
@@ -174,7 +194,8 @@ class Engine:
                 raise ValueError(f"max_batch_total_tokens must hold at least one KV block ({block_size} "
                                  f"tokens), got {cfg.max_batch_total_tokens}")
             return cfg.max_batch_total_tokens // block_size
-        layers, kv_heads, head_dim = kv_shape(model.config)
+        layers, _, head_dim = kv_shape(model.config)
+        _, kv_heads = heads_per_rank(model.config, cfg.tensor_parallel_size)  # this rank's share
         elem = next(model.parameters()).element_size()
         bytes_per_token = 2 * layers * kv_heads * head_dim * elem
         memory = cfg.kv_cache_memory_bytes
