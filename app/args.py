@@ -9,7 +9,7 @@ and validated in exactly one place.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -102,7 +102,23 @@ class AppArgs(BaseModel):
             raise ValueError("scaling.by tbt_slo needs engine.tbt_slo_ms")
         if self.engine.device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError("engine.device is cuda but num_gpus is 0: give each replica a GPU")
+        if self.engine.tensor_parallel_size > 1 and self.num_gpus not in (0, 1):
+            raise ValueError(f"engine.tensor_parallel_size {self.engine.tensor_parallel_size} takes whole GPUs, one "
+                             f"per rank: num_gpus must be 1 (or 0 on CPU), got {self.num_gpus}")
         return self
+
+    def placement_group(self) -> dict[str, Any] | None:
+        """A tensor-parallel replica's resources, one bundle per rank: the replica (rank 0) with
+        its CPUs on the first, a worker on each of the others (a GPU each, on one node: STRICT_PACK;
+        a CPU each on CPU hosts). None with tensor_parallel_size 1."""
+        tp = self.engine.tensor_parallel_size
+        if tp == 1:
+            return None
+        if self.num_gpus > 0:
+            bundles = [{"CPU": self.resolved_num_cpus, "GPU": 1}] + [{"GPU": 1}] * (tp - 1)
+            return {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+        bundles = [{"CPU": self.resolved_num_cpus}] * tp  # a rank computes as much as rank 0
+        return {"placement_group_bundles": bundles, "placement_group_strategy": "PACK"}
 
     @property
     def name(self) -> str:

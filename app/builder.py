@@ -54,6 +54,7 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "logging_config": REPLICA_LOGGING,
+        **(args.placement_group() or {}),
     }
     scaling = args.scaling_config() if args.scaling.autoscaling and args.scaling.by == "tbt_slo" else None
     if args.scaling.autoscaling and scaling is None:

@@ -38,6 +38,7 @@ INITIAL_CAPACITY = 1 << 16
 # No rank waits longer than this in a collective, joining included (a worker's start: a process,
 # torch and transformers imported). A dead peer fails gloo's collectives at once, well before.
 COLLECTIVE_TIMEOUT_S = 120.0
+IDLE_WAIT = timedelta(days=365)
 
 
 def encode(kind: int, header: Any, body: np.ndarray | None = None) -> np.ndarray:
@@ -106,7 +107,9 @@ class Rendezvous:
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         dist.init_process_group(self.backend, init_method=f"tcp://{self.host}:{self.port}", rank=rank,
                                 world_size=self.world_size, timeout=timeout)
-        return dist.new_group(backend="gloo", timeout=timeout)
+        # A worker waits for rank 0's next message as long as the replica idles: that wait has no
+        # useful bound (a dead rank 0 closes the sockets, which fails it at once).
+        return dist.new_group(backend="gloo", timeout=IDLE_WAIT)
 
 
 def backend_for(device: str) -> str:
@@ -119,7 +122,11 @@ def pass_message(prep: Any, host_bytes: np.ndarray) -> tuple[Any, np.ndarray]:
 
 
 class WorkerLost(RuntimeError):
-    """A tensor-parallel worker died or a collective failed: the replica cannot run a pass."""
+    """A tensor-parallel worker died or a collective failed: the replica cannot run a pass, ever
+    (`fatal`: the engine loop ends, intake is refused as from a dead engine, health fails, and
+    Serve replaces the replica with a new group)."""
+
+    fatal = True
 
 
 class Peers:

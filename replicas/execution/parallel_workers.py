@@ -107,17 +107,21 @@ class _RayWorker:
 class RayWorkers:
     """Workers as Ray actors, worker i on bundle i of the calling replica's placement group."""
 
-    def __init__(self, rendezvous: Rendezvous, threads: int | None, placement_group: Any, gpus: int) -> None:
+    def __init__(self, rendezvous: Rendezvous, threads: int | None, placement_group: Any) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor = ray.remote(_RayWorker)
         self.actors, self.runs = [], []
         for rank in range(1, rendezvous.world_size):
+            if rank >= len(placement_group.bundle_specs):
+                raise ValueError(f"tensor_parallel_size {rendezvous.world_size} needs a placement group "
+                                 f"bundle per rank; the replica's group has {len(placement_group.bundle_specs)}")
+            bundle = placement_group.bundle_specs[rank]  # the worker takes its whole bundle
             strategy = PlacementGroupSchedulingStrategy(placement_group=placement_group,
                                                         placement_group_bundle_index=rank)
-            a = actor.options(num_cpus=0 if gpus else 1, num_gpus=gpus, scheduling_strategy=strategy,
-                              name=None, max_restarts=0).remote()
+            a = actor.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                              scheduling_strategy=strategy, max_restarts=0).remote()
             self.actors.append(a)
             self.runs.append(a.run.remote(rank, rendezvous, threads))
 
@@ -131,7 +135,8 @@ class RayWorkers:
                 ray.get(ref)
                 return f"worker rank {rank} left its loop"
             except Exception as exc:  # noqa: BLE001 - the actor died or its loop raised
-                return f"worker rank {rank} died: {type(exc).__name__}: {str(exc)[:300]}"
+                cause = getattr(exc, "cause", None) or exc  # a RayTaskError wraps the loop's own
+                return f"worker rank {rank} died: {type(cause).__name__}: {str(cause)[-300:]}"
         return None
 
     def terminate(self, wait: bool = True) -> None:
@@ -172,8 +177,7 @@ def start_group(tensor_parallel_size: int, device: str, threads: int | None) -> 
         host = "127.0.0.1"
     rendezvous = Rendezvous(host, free_port(host), tensor_parallel_size, backend_for(device))
     if group is not None:
-        workers: LocalWorkers | RayWorkers = RayWorkers(rendezvous, threads, group,
-                                                         1 if torch.device(device).type == "cuda" else 0)
+        workers: LocalWorkers | RayWorkers = RayWorkers(rendezvous, threads, group)
     else:
         workers = LocalWorkers(rendezvous, threads)
     try:

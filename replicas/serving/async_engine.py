@@ -210,7 +210,9 @@ class AsyncEngine:
                 self._busy_since = time.monotonic()
                 try:
                     outputs = self.engine.step()
-                except Exception as exc:  # a failed pass must not kill the loop
+                except Exception as exc:  # a failed pass must not kill the loop, unless it says so
+                    if getattr(exc, "fatal", False):  # e.g. a tensor-parallel group broken for good
+                        raise
                     logger.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(exc)
                     outputs = []

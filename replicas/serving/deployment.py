@@ -276,6 +276,9 @@ class LLMServer:
         if not self.engine.is_healthy():
             reason = repr(self.engine.error) if self.engine.error else "loop not running or wedged"
             raise RuntimeError(f"engine unhealthy: {reason}")
+        peers = self.engine.engine.peers
+        if peers is not None:  # a tensor-parallel worker gone: Serve replaces the replica (and group)
+            peers.check()
         return self.runner_status()
 
     def runner_status(self) -> dict[str, Any]:
@@ -284,13 +287,15 @@ class LLMServer:
         runner = self.engine.engine.runner
         total, after = runner.compiles
         return {"path": runner.path, "compiles_since_start": total, "compiles_after_warmup": after,
-                "fallback_error": runner.fallback_error}
+                "fallback_error": runner.fallback_error,
+                "tensor_parallel_size": self.engine.engine.config.tensor_parallel_size}
 
     def shutdown(self) -> None:
         """Stop load reports and the engine loop thread."""
         if self.reporter is not None:
             self.reporter.stop()
         self.engine.shutdown()
+        self.engine.engine.close()
 
     def __del__(self) -> None:  # Serve calls this on graceful replica shutdown
         if getattr(self, "reporter", None) is not None:
@@ -298,6 +303,7 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+            engine.engine.close()
 
 
 def _engine_down(message: str) -> ReplicaUnhealthyError:

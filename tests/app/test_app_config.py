@@ -201,3 +201,15 @@ def test_the_settings_reference_is_generated_and_current() -> None:
     assert len(names) == len(set(names))
     for leaf in ("tbt_slo_ms", "queue_timeout_s", "stream_interval_ms", "max_batch_prefill_tokens"):
         assert len([n for n in names if n.split(".")[-1] == leaf]) == 1, leaf
+
+
+def test_a_tensor_parallel_replica_reserves_a_bundle_per_rank() -> None:
+    assert "placement_group_bundles" not in llm_deployment_options(AppArgs())
+    gpu = llm_deployment_options(AppArgs(num_gpus=1, engine={"tensor_parallel_size": 2, "device": "cuda"}))
+    assert gpu["placement_group_bundles"] == [{"CPU": 4, "GPU": 1}, {"GPU": 1}]
+    assert gpu["placement_group_strategy"] == "STRICT_PACK"  # one node: the ranks talk over NVLink/PCIe
+    assert gpu["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}  # the replica fits its bundle
+    cpu = llm_deployment_options(AppArgs(num_cpus=0.5, engine={"tensor_parallel_size": 3}))
+    assert cpu["placement_group_bundles"] == [{"CPU": 0.5}] * 3  # each rank computes as rank 0 does
+    with pytest.raises(ValidationError, match="takes whole GPUs, one per rank: num_gpus must be 1"):
+        AppArgs(num_gpus=0.5, engine={"tensor_parallel_size": 2, "device": "cuda"})

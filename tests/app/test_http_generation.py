@@ -40,7 +40,7 @@ def test_health_and_models(client: httpx.Client, serve_app) -> None:  # noqa: AN
     assert isinstance(health["niceness"], int)
     # which forward path the replica runs, and nothing compiled (the CPU path compiles nothing)
     assert health["runner"] == {"path": "sdpa", "compiles_since_start": 0, "compiles_after_warmup": 0,
-                                "fallback_error": None}
+                                "fallback_error": None, "tensor_parallel_size": 1}
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     [card] = models["data"]

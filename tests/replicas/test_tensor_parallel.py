@@ -113,3 +113,48 @@ def test_a_killed_worker_fails_the_pass_and_breaks_the_group(tmp_path: Path) -> 
     finally:
         engine.close()
     assert engine.peers.stopped
+
+
+def test_a_replica_whose_worker_dies_mid_stream_ends_it_with_an_error_and_turns_unhealthy(tmp_path: Path) -> None:
+    """The Serve replica class over a TP=2 engine: a stream in flight ends with an error (the
+    ingress sends it as an error event), health fails (Serve replaces the replica), and a new
+    request is refused as by a dead engine (503: the ingress tries another replica)."""
+    import asyncio
+
+    from replicas.config import ReplicaConfig
+    from replicas.protocol import ReplicaUnhealthyError, RequestOutput
+    from replicas.serving.deployment import LLMServer
+
+    model = tiny_model("llama", tmp_path)
+    config = EngineConfig(tensor_parallel_size=2, num_threads=1)
+    server = LLMServer(ReplicaConfig(model=model, engine=config),
+                       engine_factory=lambda: Engine.from_pretrained(model, config))
+
+    async def scenario() -> tuple[list, BaseException | None, list]:
+        stream = server.generate(PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), 0, "a")
+        items, error = [await anext(stream) for _ in range(3)], None
+        server.engine.engine.peers.workers.kill(1)
+        try:
+            async with asyncio.timeout(30):
+                items += [item async for item in stream]
+        except Exception as exc:  # noqa: BLE001 - what the ingress turns into an error event
+            error = exc
+        for _ in range(300):  # the loop ends at its next pass or health probe
+            try:
+                server.check_health()
+            except Exception:  # noqa: BLE001
+                break
+            await asyncio.sleep(0.1)
+        after = [item async for item in server.generate([5, 6], SamplingParams(max_tokens=2), 0, "b")]
+        return items, error, after
+
+    try:
+        items, error, after = asyncio.run(scenario())
+        assert error is not None and not items[-1].finished  # no silent end: an error, never a hang
+        with pytest.raises(Exception, match="tensor-parallel group broken|unhealthy"):
+            server.check_health()
+        # refused as by a dead engine, before any token (at intake, or once the loop meets the group)
+        assert isinstance(after[-1], ReplicaUnhealthyError) and not any(isinstance(i, RequestOutput) for i in after)
+    finally:
+        server.shutdown()
+    assert server.engine.engine.peers.stopped
