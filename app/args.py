@@ -107,6 +107,13 @@ class AppArgs(BaseModel):
                              f"per rank: num_gpus must be 1 (or 0 on CPU), got {self.num_gpus}")
         return self
 
+    def replica_bundles(self) -> list[dict[str, float]]:
+        """What one engine replica takes of a node: its placement group's bundles, or its actor's."""
+        group = self.placement_group()
+        if group is not None:
+            return group["placement_group_bundles"]
+        return [{"CPU": self.resolved_num_cpus, "GPU": self.num_gpus}]
+
     def placement_group(self) -> dict[str, Any] | None:
         """A tensor-parallel replica's resources, one bundle per rank: the replica (rank 0) with
         its CPUs on the first, a worker on each of the others (a GPU each, on one node: STRICT_PACK;

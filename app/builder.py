@@ -72,7 +72,8 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
     router_kwargs = {"prefix_imbalance": args.prefix_imbalance} if args.router == "prefix" else {}
     options.update(deployment_options(
         args.router, scaling, engine.tbt_slo_s, graceful_shutdown_timeout_s=graceful_shutdown_timeout(max_len, tbt_s),
-        controller_name=args.controller_name, namespace=args.controller_namespace, **router_kwargs))
+        controller_name=args.controller_name, namespace=args.controller_namespace,
+        replica_bundles=args.replica_bundles(), **router_kwargs))
     return options
 
 

@@ -32,6 +32,7 @@ from typing import Any
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller
 from autoscale.keys import replica_key
 from autoscale.load import ClusterSnapshot
+from autoscale.placement import placeable_replicas
 from replicas.protocol import ReplicaLoad
 from autoscale.scaling import ScalingConfig, ScalingState, decide_replicas
 
@@ -67,13 +68,21 @@ class TbtSloPolicy:
 
     def __init__(self, controller_name: str = DEFAULT_CONTROLLER_NAME,
                  namespace: str = DEFAULT_NAMESPACE, fetch_interval_s: float = 0.5,
-                 snapshot_source: Any = None, *, tbt_slo_s: float, **scaling: Any) -> None:
+                 snapshot_source: Any = None, *, tbt_slo_s: float, replica_bundles: list[dict] | None = None,
+                 free_resources: Any = None, **scaling: Any) -> None:
         """`tbt_slo_s`: the engine's TBT SLO in seconds; `scaling` are `ScalingConfig` fields,
         min/max aside: those come from Serve's AutoscalingConfig.
 
         `snapshot_source(replica_ids, window_s, since, tbt_slo_s) -> ClusterSnapshot | None` is
         injectable for tests; by default the controller actor is asked.
+
+        `replica_bundles`: the resources one replica takes (its placement group's bundles, or its
+        one actor's); with `within_free_devices`, no upscale goes past what the nodes' free
+        resources place (`free_resources() -> [{resource: amount} per node]`, Ray's by default).
         """
+        self.replica_bundles = replica_bundles
+        self._free_resources = free_resources or _free_resources_per_node
+        self.placeable: int | None = None
         self.cfg = ScalingConfig.from_dict(scaling)
         self.tbt_slo_s = tbt_slo_s
         self.controller_name, self.namespace = controller_name, namespace
@@ -100,8 +109,9 @@ class TbtSloPolicy:
         if snapshot is None:
             self.last_reason = "no_load_data"
             return ctx.target_num_replicas, state_dict
+        self.placeable = self._placeable()
         desired, state = decide_replicas(snapshot, ctx.current_num_replicas, state, now, cfg,
-                                         self.tbt_slo_s, target=ctx.target_num_replicas)
+                                         self.tbt_slo_s, target=ctx.target_num_replicas, placeable=self.placeable)
         self.last_reason = state.reason
         self._export(ctx.current_num_replicas, desired, snapshot)
         if desired != ctx.target_num_replicas:
@@ -121,18 +131,30 @@ class TbtSloPolicy:
                     ("current_replicas", "Engine replicas running now."),
                     ("desired_replicas", "Engine replicas the TBT-SLO policy asks for."),
                     ("cluster_tbt_p99_seconds", "p99 TBT over the scaling window, all replicas."),
-                    ("cluster_tbt_slo_token_share", "Fraction of TBT samples (gaps) within the SLO (window)."))}
+                    ("cluster_tbt_slo_token_share", "Fraction of TBT samples (gaps) within the SLO (window)."),
+                    ("placeable_replicas", "More engine replicas the cluster's free resources can place."))}
             except Exception as exc:  # no Ray metrics here (e.g. a test): export nothing
                 logger.info("tbt_slo policy gauges disabled: %r", exc)
                 self._gauges = {}
         values = {"current_replicas": current, "desired_replicas": desired,
-                  "cluster_tbt_p99_seconds": snapshot.tbt_p99_s, "cluster_tbt_slo_token_share": snapshot.tbt_slo_token_share}
+                  "cluster_tbt_p99_seconds": snapshot.tbt_p99_s, "cluster_tbt_slo_token_share": snapshot.tbt_slo_token_share,
+                  "placeable_replicas": self.placeable}
         for key, gauge in self._gauges.items():
             if values[key] is not None:
                 try:
                     gauge.record(float(values[key]), {})
                 except Exception as exc:  # a gauge must never stop the scaling decision
                     logger.debug("policy gauge %s not recorded: %r", key, exc)
+
+    def _placeable(self) -> int | None:
+        """Replicas the nodes' free resources still place (None: unbounded, or unknown)."""
+        if not self.cfg.within_free_devices or not self.replica_bundles:
+            return None
+        try:
+            return placeable_replicas(self._free_resources(), self.replica_bundles)
+        except Exception as exc:  # noqa: BLE001 - unknown is unbounded: Serve places what it can
+            logger.debug("free resources unknown: %r", exc)
+            return None
 
     @staticmethod
     def _metrics(ctx: Any) -> Mapping[str, Mapping[Any, float]] | None:
@@ -171,3 +193,10 @@ class TbtSloPolicy:
                 return None
         ref = self._controller.snapshot.remote(ids, self.cfg.window_s, since, self.tbt_slo_s)
         return ref.future()
+
+
+def _free_resources_per_node() -> list[dict[str, float]]:
+    """Each alive node's free resources, from Ray's GCS."""
+    from ray._private.state import available_resources_per_node
+
+    return list(available_resources_per_node().values())

@@ -78,6 +78,10 @@ class ScalingConfig:
         "door to the replicas' queues) is refused; null: refusals are not a scaling signal")
     refusal_persist_s: float = Field(2.0, ge=0, description=
         "refusals must go on this long, without a break, before they add replicas")
+    within_free_devices: bool = Field(True, description=
+        "ask only for replicas the cluster's free resources can place, each replica's bundles on "
+        "one node (a tensor-parallel replica's GPUs together); false with a Ray cluster "
+        "autoscaler that adds nodes for pending replicas")
     max_upscale_step: int = Field(4, ge=1, description="replicas added by one decision, at most")
     upscale_step: int = Field(1, ge=1, description="replicas added when only the TBT p99 says so")
 
@@ -213,13 +217,18 @@ def can_shrink(snapshot: ClusterSnapshot, current: int, cfg: ScalingConfig, tbt_
 
 
 def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState, now: float,
-                    cfg: ScalingConfig, tbt_slo_s: float,
-                    target: int | None = None) -> tuple[int, ScalingState]:
+                    cfg: ScalingConfig, tbt_slo_s: float, target: int | None = None,
+                    placeable: int | None = None) -> tuple[int, ScalingState]:
     """Desired replica count and the new state against the SLO `tbt_slo_s` (seconds); `target`
-    is the count a change is heading to."""
+    is the count a change is heading to; `placeable`: replicas the cluster's free devices can
+    still hold beyond those (`autoscale.placement`; None: not bounded). An upscale the devices
+    cannot place is not asked for, and the reason says so (`...:no_devices`)."""
     if not tbt_slo_s > 0:
         raise ValueError(f"tbt_slo_s must be > 0, got {tbt_slo_s!r}")
     lo, hi = cfg.min_replicas, cfg.upper
+    if placeable is not None:
+        # never below a target already asked for (its replicas may hold their devices already)
+        hi = max(lo, min(hi, max(current, target or 0) + placeable))
     decided = state.decided_s if state.reason == "settling" else state.last_change_s
     refusing_since, capacity, persist = _refusals(snapshot, current, state, now, cfg, decided)
     if target is not None and target != current:
@@ -239,7 +248,8 @@ def decide_replicas(snapshot: ClusterSnapshot, current: int, state: ScalingState
     add, why = upscale_need(snapshot, current, cfg, tbt_slo_s, persist, capacity)
     if add:
         if current >= hi:
-            return current, replace(state, down_since_s=None, reason=f"{why}:at_max")
+            limit = "at_max" if current >= cfg.upper else "no_devices"
+            return current, replace(state, down_since_s=None, reason=f"{why}:{limit}")
         if since_change < cfg.upscale_cooldown_s:
             return current, replace(state, down_since_s=None, reason=f"{why}:cooldown")
         return min(current + add, hi), ScalingState(now, None, why, refusing_since, capacity)

@@ -44,8 +44,8 @@ def request_router_config(router: RouterName = "token_load", *,
 
 
 def autoscaling_config(scaling: ScalingConfig, tbt_slo_s: float, *, initial_replicas: int | None = None,
-                       controller_name: str = DEFAULT_CONTROLLER_NAME,
-                       namespace: str = DEFAULT_NAMESPACE) -> AutoscalingConfig:
+                       controller_name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,
+                       replica_bundles: list[dict] | None = None) -> AutoscalingConfig:
     """Serve autoscaling driven by `TbtSloPolicy` against `tbt_slo_s`; Serve's own delays are
     zeroed because the policy's hysteresis and cool-downs already do that job (two layers would
     only add lag). Serve keeps min/max; the policy gets the rest of `scaling`."""
@@ -53,6 +53,8 @@ def autoscaling_config(scaling: ScalingConfig, tbt_slo_s: float, *, initial_repl
         raise ValueError("scaling.max_replicas is not set: nothing to autoscale")
     kwargs = {k: v for k, v in scaling.to_dict().items() if k not in ("min_replicas", "max_replicas")}
     kwargs["tbt_slo_s"] = tbt_slo_s
+    if replica_bundles:  # what one replica takes: no upscale past what the free resources place
+        kwargs["replica_bundles"] = replica_bundles
     return AutoscalingConfig(
         min_replicas=scaling.min_replicas, max_replicas=scaling.upper,
         initial_replicas=initial_replicas, upscale_delay_s=0.0, downscale_delay_s=0.0,
@@ -70,7 +72,7 @@ def graceful_shutdown_timeout(max_generation_tokens: int, tbt_s: float, floor_s:
 def deployment_options(router: RouterName = "token_load", scaling: ScalingConfig | None = None,
                        tbt_slo_s: float | None = None, *, graceful_shutdown_timeout_s: float | None = None, initial_replicas: int | None = None,
                        controller_name: str = DEFAULT_CONTROLLER_NAME, namespace: str = DEFAULT_NAMESPACE,
-                       **router_kwargs: Any) -> dict[str, Any]:
+                       replica_bundles: list[dict] | None = None, **router_kwargs: Any) -> dict[str, Any]:
     """Keyword arguments for `Deployment.options(...)`: router, autoscaling against `tbt_slo_s`
     (when `scaling` is given), shutdown grace."""
     opts: dict[str, Any] = {"request_router_config": request_router_config(
@@ -79,7 +81,8 @@ def deployment_options(router: RouterName = "token_load", scaling: ScalingConfig
         if tbt_slo_s is None:
             raise ValueError("autoscaling against the TBT SLO needs tbt_slo_s")
         opts["autoscaling_config"] = autoscaling_config(
-            scaling, tbt_slo_s, initial_replicas=initial_replicas, controller_name=controller_name, namespace=namespace)
+            scaling, tbt_slo_s, initial_replicas=initial_replicas, controller_name=controller_name, namespace=namespace,
+            replica_bundles=replica_bundles)
     if graceful_shutdown_timeout_s is not None:
         opts["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
     return opts

@@ -24,9 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop", action="append", default=[])
     ap.add_argument("--policy", choices=POLICIES, default="stall_free")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="shard the model over this many ranks (worker processes; gloo on CPU, nccl on GPUs)")
     args = ap.parse_args(argv)
+    engine = None
     try:
-        engine = Engine.from_pretrained(args.model, EngineConfig(policy=args.policy))
+        engine = Engine.from_pretrained(args.model, EngineConfig(policy=args.policy,
+                                                                 tensor_parallel_size=args.tensor_parallel_size))
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template(
@@ -36,12 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         req = engine.add_request(prompt, params)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if engine is not None:
+            engine.close()
         return 2
     start = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            sys.stdout.write(out.delta_text)
-            sys.stdout.flush()
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+    finally:
+        engine.close()
     elapsed = time.perf_counter() - start
     n = len(req.output_token_ids)
     print(f"\n[{n} tokens in {elapsed:.2f}s, finish_reason={req.finish_reason}]", file=sys.stderr)

@@ -24,6 +24,7 @@ def replica_spec(gpu: str, model: str, policy: str, mbp: int, *, tp: int | None 
     blocks = kv // block_size
     engine = EngineConfig(policy=policy, max_batch_prefill_tokens=mbp,
                           max_batch_total_tokens=blocks * block_size, block_size=block_size,
-                          max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching)
+                          max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
+                          tensor_parallel_size=tp or prof["models"][model]["tp"])
     return ReplicaSpec(engine, blocks, cost or CostModel.from_profile(gpu, model, tp, prof),
                        max_model_len or prof["models"][model]["max_model_len"])

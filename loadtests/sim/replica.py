@@ -58,6 +58,11 @@ class ReplicaSpec:
         return self.num_blocks * self.engine.block_size
 
     @property
+    def devices(self) -> int:
+        """GPUs one replica holds (its tensor-parallel ranks): what the fleet costs per replica."""
+        return self.engine.tensor_parallel_size
+
+    @property
     def limits(self) -> Limits:
         """The engine's request limits for this replica (`Engine.limits`)."""
         return Limits(self.max_model_len, self.kv_capacity_tokens,

@@ -72,7 +72,7 @@ class SimConfig:
              "router": self.router, "tbt_slo_s": self.tbt_slo_s, "ttft_slo_s": self.ttft_slo_s,
              "startup_s": self.startup_s, "seed": self.seed, "shed": self.shed,
              "queue_timeout_s": self.queue_timeout_s, "max_queued_tokens": self.max_queued_tokens,
-             "report_delay_s": self.report_delay_s}
+             "report_delay_s": self.report_delay_s, "devices_per_replica": self.spec.devices}
         if self.scaling is not None:
             d["scaling"] = self.scaling.to_dict()
         return d
@@ -320,6 +320,7 @@ class Simulator:
         everyone = self.retired + self.replicas
         replica_s = sum(r.stop_t - r.start_t for r in everyone)
         summary = self.rec.summary(replica_seconds=replica_s)
+        summary["device_seconds"] = replica_s * self.cfg.spec.devices  # a TP replica holds tp GPUs
         summary["iterations"] = sum(r.num_iterations for r in everyone)
         summary["decode_run_passes"] = sum(r.num_run_passes for r in everyone)
         summary["max_replicas"] = max((p[2] for p in self.scaler.trace.points), default=self.cfg.num_replicas) \

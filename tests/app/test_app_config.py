@@ -213,3 +213,13 @@ def test_a_tensor_parallel_replica_reserves_a_bundle_per_rank() -> None:
     assert cpu["placement_group_bundles"] == [{"CPU": 0.5}] * 3  # each rank computes as rank 0 does
     with pytest.raises(ValidationError, match="takes whole GPUs, one per rank: num_gpus must be 1"):
         AppArgs(num_gpus=0.5, engine={"tensor_parallel_size": 2, "device": "cuda"})
+
+
+def test_the_autoscaler_knows_what_a_replica_takes() -> None:
+    slo = llm_deployment_options(AppArgs(num_gpus=1, scaling={"max_replicas": 4}, engine={
+        "tbt_slo_ms": 80, "tensor_parallel_size": 2, "device": "cuda"}))
+    kwargs = slo["autoscaling_config"].policy.policy_kwargs
+    assert kwargs["replica_bundles"] == [{"CPU": 4, "GPU": 1}, {"GPU": 1}]
+    assert kwargs["within_free_devices"] is True
+    one = llm_deployment_options(AppArgs(num_cpus=2, scaling={"max_replicas": 4}, engine={"tbt_slo_ms": 80}))
+    assert one["autoscaling_config"].policy.policy_kwargs["replica_bundles"] == [{"CPU": 2, "GPU": 0.0}]

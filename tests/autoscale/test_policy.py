@@ -94,3 +94,20 @@ def test_composes_with_serves_wrapper_without_extra_delay():
     down = _apply_autoscaling_config(TbtSloPolicy(
         snapshot_source=Source(idle), tbt_slo_s=0.1, downscale_stable_s=0, downscale_cooldown_s=0))
     assert down(ctx(3))[0] == 2
+
+
+def test_no_upscale_past_what_the_free_devices_place():
+    """Two TP=2 replicas run; the nodes have 1 and 3 GPUs free: one more fits (two GPUs on one
+    node), so a breach asking for more stops at three and says why once none fits."""
+    bundles = [{"CPU": 1, "GPU": 1}, {"GPU": 1}]
+    free = [[{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 3}]]
+    policy = TbtSloPolicy(snapshot_source=Source(busy(0.9)), tbt_slo_s=0.1, replica_bundles=bundles,
+                          free_resources=lambda: free[0], upscale_step=2)
+    desired, state = policy(ctx(2, hi=8))
+    assert desired == 3 and policy.placeable == 1
+    free[0] = [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}]  # that replica took its two
+    desired, state = policy(ctx(3, state={}, hi=8, now=200.0))
+    assert desired == 3 and state[STATE_KEY]["reason"] == "tbt_p99_over_slo:no_devices" and policy.placeable == 0
+    off = TbtSloPolicy(snapshot_source=Source(busy(0.9)), tbt_slo_s=0.1, replica_bundles=bundles,
+                       free_resources=lambda: [], within_free_devices=False)
+    assert off(ctx(2, hi=8))[0] == 3 and off.placeable is None  # a cluster autoscaler adds nodes

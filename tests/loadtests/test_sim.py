@@ -321,3 +321,16 @@ def test_the_settled_what_if_takes_finished_prompts_off_until_the_next_report():
 
     assert routers_after(settle=False) == ["b", "a"]  # 500 against 200; settled: 500 - 400 = 100
     assert routers_after(settle=True) == ["b", "b"]  # 300 against 200: q1 is not taken off again
+
+
+def test_a_replica_has_a_size_in_devices():
+    """A tensor-parallel replica (llama-70b at its profile's tp 4) holds 4 GPUs: the fleet's cost
+    counts them (device-seconds), and the description says so."""
+    spec = replica_spec("H100-SXM", "llama-70b", "stall_free", 512)
+    assert spec.devices == spec.engine.tensor_parallel_size == 4
+    assert replica_spec("H100-SXM", "llama-70b", "stall_free", 512, tp=8).devices == 8
+    trace = make_trace("sharegpt", "step", duration_s=10.0, lo=1.0, hi=2.0, at_s=5.0, seed=3)
+    cfg = SimConfig(spec, 2, router="token_load")
+    res = Simulator(cfg, trace).run()
+    assert res.summary["device_seconds"] == pytest.approx(4 * res.summary["replica_seconds"])
+    assert cfg.describe()["devices_per_replica"] == 4
