@@ -128,8 +128,8 @@ class ModelRunner:
         self._live: dict[Request, list[int]] = {}
         self._new_rows = False  # a request got an entry this pass (see _end_pass)
         self.attention_backend = resolve_backend(attention_backend, self.device)
-        if cuda_graphs is None:  # on wherever there is something to capture
-            cuda_graphs = self.device.type == "cuda" and self.attention_backend == "flex"
+        if cuda_graphs is None:
+            cuda_graphs = graphs_by_default(self.device.type, self.attention_backend, tensor_parallel_size)
         if cuda_graphs and self.attention_backend != "flex":
             raise ValueError("cuda_graphs needs the flex attention backend (static shapes)")
         self.cuda_graphs = cuda_graphs
@@ -483,6 +483,13 @@ class Launched:
 
     plan: SamplingPlan
     job: Job
+
+
+def graphs_by_default(device_type: str, attention_backend: str, tensor_parallel_size: int) -> bool:
+    """`cuda_graphs: null`: on wherever there is something to capture (flex on CUDA), except
+    across ranks (a captured step's collectives are not verified: tensor parallelism runs the
+    flex path uncaptured)."""
+    return device_type == "cuda" and attention_backend == "flex" and tensor_parallel_size == 1
 
 
 def _prompt_rows(req: Request, start: int, n: int) -> range:

@@ -9,6 +9,7 @@ import pytest
 from transformers import AutoConfig
 
 from replicas import EngineConfig
+from replicas.execution.model_runner import graphs_by_default
 from replicas.execution.parallel import PASS, RESIZE, decode, encode
 from replicas.loading.model_support import check_tensor_parallel, heads_per_rank
 
@@ -74,3 +75,9 @@ def test_settings_a_tensor_parallel_replica_cannot_run_are_refused() -> None:
         EngineConfig(tensor_parallel_size=2, cuda_graphs=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_a_tensor_parallel_replica_captures_no_decode_step_by_default() -> None:
+    assert graphs_by_default("cuda", "flex", 1)
+    assert not graphs_by_default("cuda", "flex", 2)
+    assert not graphs_by_default("cpu", "flex", 1) and not graphs_by_default("cuda", "sdpa", 1)
