@@ -45,8 +45,8 @@ class PassLayout:
 
     table: np.ndarray  # (rows, width) the runner's persistent block table
     block_size: int
-    decode_rows: list[int]  # table row of each decode
-    decode_lens: list[int]  # context length of each decode, its new token included
+    decode_rows: np.ndarray  # (D,) table row of each decode (a list where built by hand)
+    decode_lens: np.ndarray  # (D,) context length of each decode, its new token included
     prefills: list[PrefillSpan]
     num_tokens: int  # packed rows of the pass
     groups: list  # the decodes' `attention_sdpa.HostGroup`s (the runner's `_decode_groups`)

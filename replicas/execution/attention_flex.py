@@ -235,10 +235,10 @@ class FlexBackend:
 
     def plan(self, layout: PassLayout, pack: HostPack) -> FlexPlan:
         bs, decode, rows, bucketed = self.block_size, None, None, None
-        if layout.decode_rows and self.decode_buckets is not None:
+        if len(layout.decode_rows) and self.decode_buckets is not None:
             pos = np.asarray(layout.decode_lens, dtype=np.int64) - 1
             bucketed = self.decode_buckets.plan(layout.table, layout.decode_rows, layout.decode_lens, pos, bs, pack)
-        if layout.decode_rows and bucketed is None:
+        if len(layout.decode_rows) and bucketed is None:
             lists = decode_lists(layout.table, layout.decode_rows, layout.decode_lens, bs,
                                  full_blocks=self.full_blocks)
             decode = {k: pack.add(v) for k, v in lists.items()}

@@ -32,21 +32,22 @@ class HostGroup:
     lens: np.ndarray  # (B,) context lengths
 
 
-def decode_groups(lens: list[int], rows: list[int], table: np.ndarray, bs: int) -> list[HostGroup]:
-    """Decodes (sorted by context length `lens`, `rows` their block-table rows) in groups whose
-    padding stays small."""
-    groups, i, n = [], 0, len(lens)
+def decode_groups(lens: np.ndarray, rows: np.ndarray, table: np.ndarray, bs: int) -> list[HostGroup]:
+    """Decodes (sorted by context length `lens`, `rows` their block-table rows; arrays or
+    lists) in groups whose padding stays small."""
+    lens, rows = np.asarray(lens, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+    n = len(lens)
+    if n and n * int(lens[-1]) <= PAD_SLACK * int(lens.sum()) + PAD_MIN:  # the usual case: one group
+        return [HostGroup(0, table[rows, :-(-int(lens[-1]) // bs)], lens)]
+    groups, i, ls = [], 0, lens.tolist()
     while i < n:
-        total = lens[i]
-        if i == 0 and n * lens[-1] <= PAD_SLACK * sum(lens) + PAD_MIN:
-            j = n  # the usual case: all of them in one group
-        else:
-            j = i + 1  # grow while padding to the group's longest stays under PAD_SLACK x real
-            while j < n and (j - i + 1) * lens[j] <= PAD_SLACK * (total + lens[j]) + PAD_MIN:
-                total += lens[j]
-                j += 1
-        nblk = -(-lens[j - 1] // bs)
-        groups.append(HostGroup(i, table[rows[i:j], :nblk], np.array(lens[i:j])))  # padded with real blocks
+        total = ls[i]
+        j = i + 1  # grow while padding to the group's longest stays under PAD_SLACK x real
+        while j < n and (j - i + 1) * ls[j] <= PAD_SLACK * (total + ls[j]) + PAD_MIN:
+            total += ls[j]
+            j += 1
+        nblk = -(-ls[j - 1] // bs)
+        groups.append(HostGroup(i, table[rows[i:j], :nblk], lens[i:j]))  # padded with real blocks
         i = j
     return groups
 

@@ -265,21 +265,26 @@ class ModelRunner:
         self._live[req] = entry
         return row
 
-    def _decode_rows(self, decodes: list[ScheduledSeq]) -> list[int]:
-        """`_row` of every decode; a decode whose row already holds the block of its position
-        (all but one pass in block_size) is a dict lookup."""
+    def _decode_columns(self, decodes: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The decodes' positions, block-table rows (`_row`) and input tokens (-1: in flight,
+        read from its row's slot on the device), in batch order, from one walk. A decode whose
+        row already holds the block of its position (all but one pass in block_size) is a dict
+        lookup."""
         rows_get, live, bs = self._rows.get, self._live, self.blocks.block_size
         table_of, slow = self.blocks.block_table, self._row
-        out = []
+        starts, rows, tokens = [], [], []
         for seq in decodes:
-            req = seq.request
+            req, start = seq.request, seq.start
             entry = rows_get(req)
-            if entry is None or entry[1] * bs <= seq.start or entry[2] != req.num_preemptions:
-                out.append(slow(req, table_of(req.request_id)))
+            if entry is None or entry[1] * bs <= start or entry[2] != req.num_preemptions:
+                rows.append(slow(req, table_of(req.request_id)))
             else:
                 live[req] = entry
-                out.append(entry[0])
-        return out
+                rows.append(entry[0])
+            starts.append(start)
+            tokens.append(-1 if req.num_inflight else req.output_token_ids[-1])
+        return (np.array(starts, dtype=np.int64), np.array(rows, dtype=np.int64),
+                np.array(tokens, dtype=np.int64))
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -298,10 +303,10 @@ class ModelRunner:
                         self.page_map.clear(entry[0], self._table[entry[0], :entry[1]])
         self._rows, self._live, self._new_rows = live, {}, False
 
-    def _decode_groups(self, seqs: list[ScheduledSeq], rows: list[int]) -> list:
-        """Decodes (sorted by context length) in groups whose padding stays small (the SDPA
-        backend's batched calls)."""
-        return decode_groups([s.start + 1 for s in seqs], rows, self._table, self.blocks.block_size)
+    def _decode_groups(self, lens: np.ndarray, rows: np.ndarray) -> list:
+        """Decodes (sorted by context length `lens`) in groups whose padding stays small (the
+        SDPA backend's batched calls)."""
+        return decode_groups(lens, rows, self._table, self.blocks.block_size)
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> list[int]:
@@ -358,66 +363,75 @@ class ModelRunner:
         token is still in flight (`Request.num_inflight`, the overlapped loop) gets it on the
         device, from its row's slot.
         """
-        starts = [seq.start for seq in batch.decodes]
-        order = sorted(range(len(starts)), key=starts.__getitem__)
-        decodes = [batch.decodes[i] for i in order]
-        positions = [starts[i] for i in order]
         # A decode runs its last sampled token at position `start`; one still in flight is read
         # from its row's slot on the device (`fill_at`: its packed row).
-        ids: list[int] = []
-        fill_at: list[int] = []
-        for r, seq in enumerate(decodes):
-            req = seq.request
-            if req.num_inflight:
-                fill_at.append(r)
-                ids.append(0)
-            else:
-                ids.append(req.output_token_ids[-1])
-        token_rows = self._decode_rows(decodes)  # each packed token's block-table row
+        starts, rows, last = self._decode_columns(batch.decodes)
+        order = np.argsort(starts, kind="stable")  # packed by context length
+        pos = starts[order]
+        decode_rows = rows[order]
+        ids = last[order]
+        fill_at = np.flatnonzero(ids < 0)
+        ids[fill_at] = 0
         # Every decode samples; its row in the packed batch is its place in `order`.
-        sampled = [0] * len(order)
-        for row, i in enumerate(order):
-            sampled[i] = row
+        sampled = np.empty(len(order), dtype=np.int64)
+        sampled[order] = np.arange(len(order))
         prefills: list[PrefillSpan] = []
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int]] = []
-        for seq in batch.prefills:
-            req, start, n = seq.request, seq.start, seq.num_tokens
-            row = len(ids)
-            if req.params.prompt_logprobs is not None:
-                rows = _prompt_rows(req, start, n)
-                if rows:
-                    prompt_rows.extend(range(row + rows.start - start, row + rows.stop - start))
-                    prompt_spans.append((req, len(rows)))
-            ids.extend(req.token_slice(start, start + n))
-            positions.extend(range(start, start + n))
-            table_row = self._row(req, self.blocks.block_table(req.request_id))
-            token_rows.extend([table_row] * n)
-            prefills.append(PrefillSpan(row, n, start, table_row))
-            if seq.samples:
-                sampled.append(len(ids) - 1)
+        num_tokens = len(order)
+        if batch.prefills:
+            chunk_ids: list[int] = []
+            chunk_pos: list[int] = []
+            chunk_rows: list[int] = []
+            chunk_sampled: list[int] = []
+            for seq in batch.prefills:
+                req, start, n = seq.request, seq.start, seq.num_tokens
+                row = num_tokens
+                if req.params.prompt_logprobs is not None:
+                    rows = _prompt_rows(req, start, n)
+                    if rows:
+                        prompt_rows.extend(range(row + rows.start - start, row + rows.stop - start))
+                        prompt_spans.append((req, len(rows)))
+                chunk_ids.extend(req.token_slice(start, start + n))
+                chunk_pos.extend(range(start, start + n))
+                table_row = self._row(req, self.blocks.block_table(req.request_id))
+                chunk_rows.extend([table_row] * n)
+                prefills.append(PrefillSpan(row, n, start, table_row))
+                num_tokens += n
+                if seq.samples:
+                    chunk_sampled.append(num_tokens - 1)
+            ids = np.concatenate((ids, np.array(chunk_ids, dtype=np.int64)))
+            all_pos = np.concatenate((pos, np.array(chunk_pos, dtype=np.int64)))
+            token_rows = np.concatenate((decode_rows, np.array(chunk_rows, dtype=np.int64)))
+            sampled = np.concatenate((sampled, np.array(chunk_sampled, dtype=np.int64)))
+        else:
+            all_pos, token_rows = pos, decode_rows
         bs = self.blocks.block_size
-        pos = np.array(positions, dtype=np.int64)
-        slots = self._table[token_rows, pos // bs] * bs + pos % bs  # where each token's k/v goes
-        layout = PassLayout(self._table, bs, token_rows[:len(decodes)], [p + 1 for p in positions[:len(decodes)]],
-                            prefills, len(ids), self._decode_groups(decodes, token_rows[:len(decodes)]))
+        slots = self._table[token_rows, all_pos // bs] * bs + all_pos % bs  # where each token's k/v goes
+        lens = pos + 1  # each decode's context, its new token included
+        layout = PassLayout(self._table, bs, decode_rows, lens, prefills, num_tokens,
+                            self._decode_groups(lens, decode_rows))
         self._end_pass()
         pack = HostPack()
-        tokens = np.stack((np.array(ids, dtype=np.int64), pos, slots))  # (3, T)
+        tokens = np.stack((ids, all_pos, slots))  # (3, T)
         prep = Prepared(pack, len(sampled), prompt_spans)
         prep.map_part = self.page_map.plan(pack) if self.page_map is not None else None
-        prep.bucket = self.graphs.bucket(len(ids)) if self.graphs is not None and not prefills else None
+        prep.bucket = self.graphs.bucket(num_tokens) if self.graphs is not None and not prefills else None
         if prep.bucket is not None:  # decode-only: the bucket's compiled (captured) step, padded
             prep.graph_inputs = self.graphs.plan(tokens, layout.decode_rows, layout.decode_lens, prep.bucket, pack)
             prep.tokens = prep.graph_inputs[0]
         else:
             prep.tokens, prep.attn = pack.add(tokens), self.backend.plan(layout, pack)
-        prep.keep = pack.add(sampled + prompt_rows)
+        prep.keep = pack.add(np.concatenate((sampled, np.array(prompt_rows, dtype=np.int64))) if prompt_rows
+                             else sampled)
         if self.token_slots is not None:
-            prep.slot_rows = pack.add([token_rows[r] for r in sampled])  # each sampler's runner row
-            if fill_at:
-                prep.fill = (pack.add(fill_at), pack.add([token_rows[r] for r in fill_at]))
-        prep.logits_plan = self.sampler.plan([s.request for s in batch.seqs if s.samples], prompt_spans, pack)
+            prep.slot_rows = pack.add(token_rows[sampled])  # each sampler's runner row
+            if len(fill_at):
+                prep.fill = (pack.add(fill_at), pack.add(decode_rows[fill_at]))
+        samplers = [s.request for s in batch.decodes]  # every decode samples
+        if batch.prefills:
+            samplers += [s.request for s in batch.prefills if s.samples]
+        prep.logits_plan = self.sampler.plan(samplers, prompt_spans, pack)
         self._staging_turn ^= 1  # a pass may still read the other buffer (the overlapped loop)
         pack.send(self.device, self._stagings[self._staging_turn])  # the pass's one host-to-device copy
         return prep

@@ -16,7 +16,6 @@ from replicas.execution.attention import PassLayout
 from replicas.execution.attention_sdpa import SdpaBackend
 from replicas.execution.model_runner import PAD_MIN, PAD_SLACK, ModelRunner
 from replicas.loading.models import load_model
-from replicas.scheduling.scheduler import ScheduledSeq
 from replicas.execution.transfer import HostPack, Staging
 
 pytestmark = pytest.mark.engine
@@ -162,10 +161,7 @@ def test_decode_groups_cover_every_decode_once_and_bound_their_padding() -> None
         table = np.arange(n * 200).reshape(n, 200)  # row r holds blocks r*200, r*200+1, ...
         runner = types.SimpleNamespace(blocks=types.SimpleNamespace(block_size=bs), _table=table,
                                        _tensor=torch.from_numpy)
-        seqs = [ScheduledSeq.__new__(ScheduledSeq) for _ in lens]
-        for s, length in zip(seqs, lens):
-            s.start = length - 1  # a decode at position start attends over start + 1 tokens
-        groups = ModelRunner._decode_groups(runner, seqs, list(range(n)))
+        groups = ModelRunner._decode_groups(runner, np.array(lens), np.arange(n))
         assert groups[0].start == 0
         covered = 0
         for grp in groups:
