@@ -115,6 +115,29 @@ class IncrementalDetokenizer:
                     return
         self.pending = pending
 
+    def delta(self, output_ids: list[int], finished: bool, flush: bool = False) -> str:
+        """A delta's text: the output tokens not added yet (`catch_up`), everything when
+        `flush` (`flush`), then what `take_delta` hands out. One call per delta; a delta of one
+        token without stop strings (one every pass) takes the Rust stream's step inline."""
+        ids = self.ids
+        if (len(ids) - self._num_context + 1 == len(output_ids) and not self.stop and not flush
+                and self._stream is not None):
+            ids.append(output_ids[-1])
+            chunk = self._stream.step(self._backend, output_ids[-1])
+            if chunk is not None:
+                self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
+                self.read_offset = len(ids)
+            elif len(ids) - self.read_offset > (_TAIL_TOKENS if self._releasing else _MAX_HELD_TOKENS):
+                chunk = self._release_held()
+            pending = self.pending
+            if pending:
+                chunk, self.pending = pending + (chunk or ""), ""
+            return chunk or ""  # nothing held back: no stop strings
+        self.catch_up(output_ids)
+        if flush:
+            self.flush()
+        return self.take_delta(finished)
+
     def _release_held(self) -> str | None:
         """A long held run: the text of all but its last `_TAIL_TOKENS` tokens, if that is where
         the whole window's text starts (no character spans the cut), is final; hand it out and

@@ -55,14 +55,12 @@ class OutputProcessor:
     def emit(self, req: Request) -> RequestOutput:
         """The request's delta since the last one; a finished request's last (its detokenizer goes)."""
         rid = req.request_id
-        detok = self.detoks[rid]
         out_ids = req.output_token_ids
-        detok.catch_up(out_ids)
         finished = req.status >= _STOPPED
-        if finished:
-            if not isinstance(req.stop_reason, str):
-                detok.flush()  # a stop string already cut the text; anything else keeps it all
-            del self.detoks[rid]
+        if finished:  # a stop string already cut the text; anything else keeps it all
+            text = self.detoks.pop(rid).delta(out_ids, True, flush=not isinstance(req.stop_reason, str))
+        else:
+            text = self.detoks[rid].delta(out_ids, False)
         n_out = len(out_ids)
         sent = req.num_sent_tokens
         params = req.params
@@ -70,7 +68,7 @@ class OutputProcessor:
         scored = (params.prompt_logprobs is not None and sent == 0
                   and req.num_computed_tokens >= req.num_prompt_tokens)
         out = RequestOutput(
-            request_id=rid, delta_text=detok.take_delta(finished), delta_token_ids=out_ids[sent:],
+            request_id=rid, delta_text=text, delta_token_ids=out_ids[sent:],
             finished=finished, finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=n_out, stop_reason=req.stop_reason,
             logprobs=self._logprobs(req, sent) if params.logprobs is not None else None,

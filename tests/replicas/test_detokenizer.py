@@ -100,9 +100,7 @@ def test_catching_up_gives_the_text_of_token_by_token(tok) -> None:  # noqa: ANN
     """A request detokenized only when its delta goes out (`catch_up`, a few tokens at a time)
     has, delta after delta, the text of adding its tokens one by one: byte soup with held runs
     released included."""
-    pieces = [tok.convert_tokens_to_ids(t) for t in ("»", "ð", "Ł", "Ã", "¶", "æ")]
-    pieces += tok.encode(" naïve 日本 🙂 x", add_special_tokens=False)
-    prompt = tok.encode("Q:", add_special_tokens=False)
+    pieces, prompt = _soup(tok)
     rng = random.Random(2)
     for _ in range(30):
         ids = [rng.choice(pieces) for _ in range(rng.randrange(5, 120))]
@@ -116,3 +114,36 @@ def test_catching_up_gives_the_text_of_token_by_token(tok) -> None:  # noqa: ANN
             text_one.append(one.take_delta(False))
             text_caught.append(caught.take_delta(False))
         assert text_caught == text_one and len(caught.ids) == len(one.ids)
+
+
+@pytest.mark.parametrize("stop", [(), ("日本",)])
+def test_a_delta_gives_the_text_of_token_by_token(tok, stop: tuple[str, ...]) -> None:  # noqa: ANN001
+    """`delta`, one token a call (a delta every pass: the inline step) or several (a stream
+    interval), gives, delta after delta and at the finish, the text of adding the tokens one by
+    one: byte soup with held runs released included, a stop string's hold-back included."""
+    pieces, prompt = _soup(tok)
+    rng = random.Random(3)
+    for trial in range(30):
+        ids = [rng.choice(pieces) for _ in range(rng.randrange(5, 120))]
+        one, batched = IncrementalDetokenizer(tok, prompt, stop), IncrementalDetokenizer(tok, prompt, stop)
+        text_one, text_batched, end = [], [], 0
+        while end < len(ids):
+            end = min(len(ids), end + (1 if trial % 2 else rng.randrange(1, 12)))
+            for i in ids[len(one.ids) - len(prompt[-5:]):end]:
+                one.add_token(i, find_stop=False)
+            text_one.append(one.take_delta(False))
+            text_batched.append(batched.delta(ids[:end], False))
+        one.flush()
+        text_one.append(one.take_delta(True))
+        text_batched.append(batched.delta(ids, True, flush=True))
+        assert text_batched == text_one and len(batched.ids) == len(one.ids)
+        full = tok.decode(prompt[-5:] + ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert full.endswith("".join(text_one))
+
+
+def _soup(tok) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Tokens to draw outputs from (lone bytes that hold runs back, multi-byte characters) and a
+    prompt."""
+    pieces = [tok.convert_tokens_to_ids(t) for t in ("»", "ð", "Ł", "Ã", "¶", "æ")]
+    pieces += tok.encode(" naïve 日本 🙂 x", add_special_tokens=False)
+    return pieces, tok.encode("Q:", add_special_tokens=False)
