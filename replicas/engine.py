@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import itertools
 import time
+from operator import attrgetter
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from replicas.execution.sampler import Sampler
 from replicas.scheduling.scheduler import QueueCounts, Scheduler, SchedulerOutput, watermark_blocks
 
 log = logging.getLogger(__name__)
+_OUTPUT = attrgetter("output_token_ids")  # a request's tokens generated so far
 
 
 @dataclass(kw_only=True)
@@ -379,7 +381,7 @@ class Engine:
         """After every change of its requests: the load snapshot and whether prompts wait."""
         self.last_load = self.scheduler.counts()
         sched = self.scheduler
-        self.drain.note_backlog(bool(sched.waiting) or any(not r.output_token_ids for r in sched.running))
+        self.drain.note_backlog(bool(sched.waiting) or not all(map(_OUTPUT, sched.running)))  # one prefilling
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past the queue deadline, or predicted to start past it (at the rate its

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from replicas.execution.transfer import HostPack, Part, Staging, download
 # partial top-k over the batch); only a row whose candidates hold less than its top_p of the
 # probability sorts its whole vocabulary.
 TOP_P_CANDIDATES = 256
+_ARGMAX_ONLY = attrgetter("argmax_only")  # a request's row takes the logits' argmax alone
 
 
 def is_host(device: torch.device) -> bool:
@@ -93,7 +95,7 @@ def plan(requests: list[Request], prompt_spans: list[tuple[Request, int]], pack:
          grammars: Grammars | None = None) -> SamplingPlan:
     """Host side of a pass's sampling: every parameter's arrays (processors, grammar bitmasks,
     temperatures, top-k/top-p, seed keys, logprob rows, prompt tokens scored) added to `pack`."""
-    out = SamplingPlan(requests, prompt_spans, all(r.argmax_only for r in requests))
+    out = SamplingPlan(requests, prompt_spans, all(map(_ARGMAX_ONLY, requests)))
     if prompt_spans:
         chosen: list[int] = []
         ks: list[int] = []

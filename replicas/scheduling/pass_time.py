@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,8 @@ RATIO_WINDOW = 128
 MIN_RATIOS = 16
 
 
+_START = attrgetter("start")  # a scheduled sequence's first position
+
 @dataclass(frozen=True)
 class PassShape:
     """What one pass holds, as far as its time is concerned."""
@@ -70,11 +73,11 @@ class PassShape:
     def of(cls, batch: Any) -> PassShape:
         """The shape of a `SchedulerOutput` (context: each sequence's start + its tokens). A
         decode's pairs are its context, so only the prefill chunks (a few a pass) add to that."""
-        seqs = batch.seqs
-        context = sum(s.start + s.num_tokens for s in seqs)
-        pairs = context + sum(chunk_pairs(s.start, s.num_tokens) - s.start - s.num_tokens
-                              for s in batch.prefills)
-        return cls(batch.num_prefill_tokens, batch.num_decode_tokens, len(seqs), context, pairs)
+        decodes, prefills = batch.decodes, batch.prefills
+        chunks = sum(s.start + s.num_tokens for s in prefills)
+        context = sum(map(_START, decodes)) + len(decodes) + chunks  # a decode's one token
+        pairs = context - chunks + sum(chunk_pairs(s.start, s.num_tokens) for s in prefills)
+        return cls(batch.num_prefill_tokens, len(decodes), len(decodes) + len(prefills), context, pairs)
 
     def features(self) -> tuple[float, ...]:
         return (1.0, float(self.prefill_tokens), float(self.decode_tokens), float(self.sequences),

@@ -465,20 +465,18 @@ class Scheduler:
         bs = self.blocks.block_size
         new, seq_cls = object.__new__, ScheduledSeq
         prefilling: list[Request] = []
-        i = 0
-        while i < len(running):  # per running request per pass: `is_prefilling` inlined
-            req = running[i]
+        # A preemption removes the tail of `running`, which this walk has not reached (or the
+        # request it is at, the last one): the iterator simply stops sooner.
+        for req in running:  # per running request per pass: `is_prefilling` inlined
             inflight = req.num_inflight
             n_out = len(req.output_token_ids) + inflight
             num_tokens = len(req.prompt_token_ids) + n_out
             computed = req.num_computed_tokens
             if not n_out or num_tokens - computed > 1:
                 prefilling.append(req)
-                i += 1
                 continue
             if inflight and n_out >= req.max_output:
-                i += 1  # its last token is in flight: it finishes when that pass lands
-                continue
+                continue  # its last token is in flight: it finishes when that pass lands
             # Its table covers the `computed` tokens whose KV is written: the token at `computed`
             # needs a block only when it begins one (once a block_size passes).
             if computed % bs == 0 and num_tokens > computed:
@@ -489,12 +487,10 @@ class Scheduler:
                         break
                 else:
                     decodes.append(ScheduledSeq.decode(req, computed))
-                    i += 1
                 continue
             seq = new(seq_cls)  # `ScheduledSeq.decode` inlined
             seq.request, seq.start, seq.num_tokens, seq.completes, seq.samples = req, computed, 1, True, True
             decodes.append(seq)
-            i += 1
         if out.preempted:  # a preempted request left `running`
             prefilling = [r for r in prefilling if r.status == RequestStatus.RUNNING]
         return prefilling

@@ -254,7 +254,7 @@ class EngineMetrics:
             if values:
                 metric.record_many(values, tags)
         if gaps and slo is not None:
-            within = sum(1 for gap in gaps if gap <= slo)
+            within = sum(map(float(slo).__ge__, gaps))  # gaps within the SLO
             if within:
                 self.slo_tokens.record(within, {**tags, "within_slo": "true"})
             if within < len(gaps):
