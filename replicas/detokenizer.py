@@ -96,24 +96,28 @@ class IncrementalDetokenizer:
             for token_id in output_ids[added:]:
                 self.add_token(token_id, find_stop=False)
             return
-        ids, backend, stream = self.ids, self._backend, self._stream
-        pending = self.pending
-        for j in range(added, n):
-            token_id = output_ids[j]
+        # The offsets live in locals for the walk (a few hundred tokens a pass): stored once.
+        ids, backend, step = self.ids, self._backend, self._stream.step
+        pending, read, prefix = self.pending, self.read_offset, self.prefix_offset
+        limit = _TAIL_TOKENS if self._releasing else _MAX_HELD_TOKENS
+        size = len(ids)
+        for token_id in output_ids[added:]:
             ids.append(token_id)
-            chunk = stream.step(backend, token_id)
+            size += 1
+            chunk = step(backend, token_id)
             if chunk is not None:
-                self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)  # for `flush`
-                self.read_offset = len(ids)
+                prefix = read - _CONTEXT_TOKENS if read > _CONTEXT_TOKENS else 0  # for `flush`
+                read = size
                 pending += chunk
-            elif len(ids) - self.read_offset > (_TAIL_TOKENS if self._releasing else _MAX_HELD_TOKENS):
-                chunk = self._release_held()
+            elif size - read > limit:
+                self.prefix_offset, self.read_offset = prefix, read
+                chunk = self._release_held()  # None: nothing changed
                 if chunk is not None:  # released: the windowed decode from here (`add_token`)
                     self.pending = pending + chunk
-                    for rest in output_ids[j + 1:]:
+                    for rest in output_ids[size - self._num_context:]:
                         self.add_token(rest, find_stop=False)
                     return
-        self.pending = pending
+        self.prefix_offset, self.read_offset, self.pending = prefix, read, pending
 
     def delta(self, output_ids: list[int], finished: bool, flush: bool = False) -> str:
         """A delta's text: the output tokens not added yet (`catch_up`), everything when
