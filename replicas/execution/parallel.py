@@ -148,7 +148,9 @@ class Peers:
             raise WorkerLost(f"tensor-parallel group broken: {self.failed}")
 
     def _send(self, kind: int, header: Any, body: np.ndarray | None = None) -> None:
-        self.check()
+        # No liveness poll here, on the hot path: a dead worker fails the collective itself.
+        if self.failed is not None:
+            raise WorkerLost(f"tensor-parallel group broken: {self.failed}")
         try:
             self.channel.send(kind, header, body)
         except Exception as exc:
