@@ -366,11 +366,11 @@ class ModelRunner:
         # A decode runs its last sampled token at position `start`; one still in flight is read
         # from its row's slot on the device (`fill_at`: its packed row).
         starts, rows, last = self._decode_columns(batch.decodes)
-        order = np.argsort(starts, kind="stable")  # packed by context length
+        order = starts.argsort(kind="stable")  # packed by context length
         pos = starts[order]
         decode_rows = rows[order]
         ids = last[order]
-        fill_at = np.flatnonzero(ids < 0)
+        fill_at = (ids < 0).nonzero()[0]
         ids[fill_at] = 0
         # Every decode samples; its row in the packed batch is its place in `order`.
         sampled = np.empty(len(order), dtype=np.int64)
@@ -413,7 +413,8 @@ class ModelRunner:
                             self._decode_groups(lens, decode_rows))
         self._end_pass()
         pack = HostPack()
-        tokens = np.stack((ids, all_pos, slots))  # (3, T)
+        tokens = np.empty((3, num_tokens), dtype=np.int64)  # (3, T) ids, positions, slots
+        tokens[0], tokens[1], tokens[2] = ids, all_pos, slots
         prep = Prepared(pack, len(sampled), prompt_spans)
         prep.map_part = self.page_map.plan(pack) if self.page_map is not None else None
         prep.bucket = self.graphs.bucket(num_tokens) if self.graphs is not None and not prefills else None

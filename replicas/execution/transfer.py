@@ -19,12 +19,12 @@ _ALIGN = 8  # bytes: the widest element packed (int64 / float64)
 
 
 class Part:
-    """Where one array lies in a pack: byte offset, dtype, shape."""
+    """Where one array lies in a pack: byte offset, dtype, shape, size in bytes."""
 
-    __slots__ = ("offset", "dtype", "shape")
+    __slots__ = ("offset", "dtype", "shape", "nbytes")
 
-    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
-        self.offset, self.dtype, self.shape = offset, dtype, shape
+    def __init__(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> None:
+        self.offset, self.dtype, self.shape, self.nbytes = offset, dtype, shape, nbytes
 
 
 class HostPack:
@@ -44,7 +44,7 @@ class HostPack:
         offset = -(-self._size // _ALIGN) * _ALIGN
         self._arrays.append((offset, a))
         self._size = offset + a.nbytes
-        return Part(offset, a.dtype, a.shape)
+        return Part(offset, a.dtype, a.shape, a.nbytes)
 
     def send(self, device: torch.device, staging: Staging) -> None:
         """Write every array into the staging buffer and copy it to `device` in one transfer."""
@@ -71,8 +71,7 @@ class HostPack:
 
     def get(self, part: Part) -> torch.Tensor:
         """The part as a typed tensor on the device (a view of the sent buffer)."""
-        nbytes = part.dtype.itemsize * int(np.prod(part.shape, dtype=np.int64))
-        raw = self.device_buffer[part.offset:part.offset + nbytes]
+        raw = self.device_buffer[part.offset:part.offset + part.nbytes]
         return raw.view(_TORCH_DTYPES[part.dtype]).view(part.shape)
 
 
