@@ -96,6 +96,8 @@ class IncrementalDetokenizer:
             for token_id in output_ids[added:]:
                 self.add_token(token_id, find_stop=False)
             return
+        if n - added > 1 and self._step_all(output_ids[added:]):
+            return
         # The offsets live in locals for the walk (a few hundred tokens a pass): stored once.
         ids, backend, step = self.ids, self._backend, self._stream.step
         pending, read, prefix = self.pending, self.read_offset, self.prefix_offset
@@ -118,6 +120,27 @@ class IncrementalDetokenizer:
                         self.add_token(rest, find_stop=False)
                     return
         self.prefix_offset, self.read_offset, self.pending = prefix, read, pending
+
+    def _step_all(self, new: list[int]) -> bool:
+        """The delta's tokens through a copy of the Rust stream in one step (half the time of a
+        step each), kept when that gives what the steps one by one give: text that ends whole
+        and holds no U+FFFD (so no step held a run long enough to be released). Else nothing
+        changes (False) and the caller steps them one by one."""
+        stream = self._stream
+        try:
+            trial = stream.__copy__()
+            chunk = trial.step(self._backend, new)
+        except (AttributeError, TypeError):  # tokenizers without copies or list steps
+            return False
+        if chunk is None or "\ufffd" in chunk:
+            return False
+        self._stream = trial
+        self.ids.extend(new)
+        read = self.read_offset
+        self.prefix_offset = read - _CONTEXT_TOKENS if read > _CONTEXT_TOKENS else 0  # for `flush`
+        self.read_offset = len(self.ids)
+        self.pending += chunk
+        return True
 
     def delta(self, output_ids: list[int], finished: bool, flush: bool = False) -> str:
         """A delta's text: the output tokens not added yet (`catch_up`), everything when

@@ -117,14 +117,22 @@ def test_catching_up_gives_the_text_of_token_by_token(tok) -> None:  # noqa: ANN
 
 
 @pytest.mark.parametrize("stop", [(), ("日本",)])
-def test_a_delta_gives_the_text_of_token_by_token(tok, stop: tuple[str, ...]) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("source", ["soup", "text"])
+def test_a_delta_gives_the_text_of_token_by_token(tok, stop: tuple[str, ...], source: str) -> None:  # noqa: ANN001
     """`delta`, one token a call (a delta every pass: the inline step) or several (a stream
-    interval), gives, delta after delta and at the finish, the text of adding the tokens one by
-    one: byte soup with held runs released included, a stop string's hold-back included."""
+    interval: one step of the Rust stream for them all where that gives the same), gives, delta
+    after delta and at the finish, the text of adding the tokens one by one: byte soup with
+    held runs released included, text whose characters span tokens (deltas that end inside one
+    step token by token), a stop string's hold-back included."""
     pieces, prompt = _soup(tok)
+    text = tok.encode(TEXT * 3, add_special_tokens=False)
     rng = random.Random(3)
     for trial in range(30):
-        ids = [rng.choice(pieces) for _ in range(rng.randrange(5, 120))]
+        if source == "soup":
+            ids = [rng.choice(pieces) for _ in range(rng.randrange(5, 120))]
+        else:
+            start = rng.randrange(len(text) // 3)
+            ids = text[start:start + rng.randrange(5, 120)]
         one, batched = IncrementalDetokenizer(tok, prompt, stop), IncrementalDetokenizer(tok, prompt, stop)
         text_one, text_batched, end = [], [], 0
         while end < len(ids):
