@@ -17,6 +17,9 @@ _CONTEXT_TOKENS = 5
 # and being re-decoded at every token (SGLang fixed the same hold in its detokenizer).
 _MAX_HELD_TOKENS = 6
 _TAIL_TOKENS = 3
+# After a delta whose one step could not be kept (`_step_all`), this many deltas step token by
+# token before it is tried again.
+_SKIP_AFTER_FAILED_TRY = 8
 
 
 class IncrementalDetokenizer:
@@ -43,6 +46,7 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""  # decoded text not handed out yet (cut at a stop string)
         self._releasing = False  # inside a held run that `_release_held` hands out token by token
+        self._skip_tries = 0  # deltas stepped token by token before `_step_all` is tried again
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -96,8 +100,13 @@ class IncrementalDetokenizer:
             for token_id in output_ids[added:]:
                 self.add_token(token_id, find_stop=False)
             return
-        if n - added > 1 and self._step_all(output_ids[added:]):
-            return
+        if n - added > 1:
+            if self._skip_tries:
+                self._skip_tries -= 1
+            elif self._step_all(output_ids[added:]):
+                return
+            else:  # output that breaks characters (lone bytes) fails the try often: it costs a copy and a step
+                self._skip_tries = _SKIP_AFTER_FAILED_TRY
         # The offsets live in locals for the walk (a few hundred tokens a pass): stored once.
         ids, backend, step = self.ids, self._backend, self._stream.step
         pending, read, prefix = self.pending, self.read_offset, self.prefix_offset
