@@ -86,15 +86,26 @@ class ScheduledSeq:
         self.completes = start + num_tokens == request.num_tokens
         self.samples = self.completes and request.params.max_tokens != 0
 
-    @classmethod
-    def decode(cls, request: Request, start: int) -> ScheduledSeq:
+    @staticmethod
+    def decode(request: Request, start: int) -> ScheduledSeq:
         """A decode's one token (it always completes and samples): no checks to repeat."""
-        seq = cls.__new__(cls)
-        seq.request, seq.start, seq.num_tokens, seq.completes, seq.samples = request, start, 1, True, True
+        seq = _new(DecodeSeq)
+        seq.request, seq.start = request, start
         return seq
 
     def __repr__(self) -> str:
         return f"ScheduledSeq({self.request.request_id!r}, start={self.start}, num_tokens={self.num_tokens})"
+
+
+class DecodeSeq(ScheduledSeq):
+    """A decode's `ScheduledSeq`: one token, which completes and samples, as class constants
+    (two fields set per running request per pass, not five; read-only)."""
+
+    __slots__ = ()
+    num_tokens, completes, samples = 1, True, True  # type: ignore[assignment]
+
+
+_new = object.__new__
 
 
 @dataclass
@@ -463,7 +474,7 @@ class Scheduler:
         """
         running, allocate, decodes = self.running, self.blocks.allocate, out.decodes
         bs = self.blocks.block_size
-        new, seq_cls = object.__new__, ScheduledSeq
+        new, seq_cls = object.__new__, DecodeSeq
         prefilling: list[Request] = []
         # A preemption removes the tail of `running`, which this walk has not reached (or the
         # request it is at, the last one): the iterator simply stops sooner.
@@ -489,7 +500,7 @@ class Scheduler:
                     decodes.append(ScheduledSeq.decode(req, computed))
                 continue
             seq = new(seq_cls)  # `ScheduledSeq.decode` inlined
-            seq.request, seq.start, seq.num_tokens, seq.completes, seq.samples = req, computed, 1, True, True
+            seq.request, seq.start = req, computed
             decodes.append(seq)
         if out.preempted:  # a preempted request left `running`
             prefilling = [r for r in prefilling if r.status == RequestStatus.RUNNING]
