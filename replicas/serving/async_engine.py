@@ -182,7 +182,9 @@ class AsyncEngine:
         self._wake.set()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        # `error` is set first thing when the loop dies, before it refuses its inbox: a request
+        # queued after that refusal sees it here (add_request checks again after queueing).
+        return self._thread.is_alive() and not self._stop.is_set() and self.error is None
 
     def is_healthy(self) -> bool:
         """False when the loop died or one iteration has run longer than the wedge timeout."""
