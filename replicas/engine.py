@@ -34,7 +34,8 @@ from replicas.scheduling.pass_time import PassShape, PassTimeModel, seed_shapes,
 from replicas.protocol import InvalidRequestError, Limits, RequestOutput, SamplingParams, check_priority, sample_id
 from replicas.request import Request, RequestStatus
 from replicas.execution.sampler import Sampler
-from replicas.scheduling.scheduler import QueueCounts, Scheduler, SchedulerOutput, watermark_blocks
+from replicas.scheduling.batch import QueueCounts, SchedulerOutput
+from replicas.scheduling.scheduler import Scheduler, watermark_blocks
 
 log = logging.getLogger(__name__)
 _OUTPUT = attrgetter("output_token_ids")  # a request's tokens generated so far

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 from replicas.scheduling.histogram import LogHistogram, bin_index
 from replicas.request import Request
-from replicas.scheduling.scheduler import Scheduler, SchedulerOutput
+from replicas.scheduling.batch import SchedulerOutput
+from replicas.scheduling.scheduler import Scheduler
 
 TRIM_PASSES = 1024  # pass end times kept before every member is brought up to date
 

@@ -24,7 +24,8 @@ from replicas.scheduling.kv_cache import BlockManager
 from replicas.scheduling.pass_time import PassShape, PassTimeModel, SloBudget, seed_shapes, slo_hooks
 from replicas.protocol import InvalidRequestError, Limits
 from replicas.request import Request, RequestStatus
-from replicas.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from replicas.scheduling.batch import ScheduledSeq, SchedulerOutput
+from replicas.scheduling.scheduler import Scheduler
 
 FINISHED = RequestStatus.FINISHED_LENGTH
 # `SimReplica.batch` while a pass of the `DecodeSet` is in flight (its decodes are the set's,

@@ -37,7 +37,7 @@ from replicas.scheduling.kv_cache import BlockManager
 from replicas.loading.model_support import heads_per_rank, kv_shape
 from replicas.request import Request
 from replicas.execution.sampler import Sampler, SamplingPlan
-from replicas.scheduling.scheduler import ScheduledSeq, SchedulerOutput
+from replicas.scheduling.batch import ScheduledSeq, SchedulerOutput
 from replicas.execution.device_queue import Immediate, Job, StandInDevice
 from replicas.execution.overlap import TokenSlots
 from replicas.execution.transfer import HostPack, Part, Readback, Staging

@@ -25,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from replicas.scheduling.pass_time import PassShape
     from replicas.request import Request
-    from replicas.scheduling.scheduler import SchedulerOutput
+    from replicas.scheduling.batch import SchedulerOutput
 
 
 class TokenSlots:

@@ -23,7 +23,7 @@ from replicas.engine import Engine
 from replicas.scheduling.prefix_hash import PrefixSketch
 from replicas.protocol import RequestOutput, SamplingParams
 from replicas.request import Request
-from replicas.scheduling.scheduler import QueueCounts
+from replicas.scheduling.batch import QueueCounts
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from replicas.scheduling.histogram import edge_subset
 
 if TYPE_CHECKING:  # light at run time: the Serve controller (autoscale.policy) imports this
     from replicas.engine import Engine, IterationStats
-    from replicas.scheduling.scheduler import SchedulerOutput
+    from replicas.scheduling.batch import SchedulerOutput
 
 PREFIX = "stallfree_"
 

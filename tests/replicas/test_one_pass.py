@@ -14,7 +14,7 @@ from replicas import Engine, EngineConfig, SamplingParams
 from replicas.serving.async_engine import AsyncEngine
 from replicas.loading.models import load_model
 from replicas.protocol import InvalidRequestError
-from replicas.scheduling.scheduler import SchedulerOutput
+from replicas.scheduling.batch import SchedulerOutput
 
 
 @pytest.fixture(scope="module")

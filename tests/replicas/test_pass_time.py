@@ -14,7 +14,7 @@ from replicas.scheduling.pass_time import (MAX_PREDICTION_ERROR, MIN_RATIOS, RAT
                                 SloBudget, calibrated_target, chunk_pairs, fit_nonnegative, kv_pass_target,
                                 slo_prefill_budget, tail_ratio)
 from replicas.request import Request
-from replicas.scheduling.scheduler import ScheduledSeq
+from replicas.scheduling.batch import ScheduledSeq
 
 # ---- the rule, with a known cost function ------------------------------------------------
 

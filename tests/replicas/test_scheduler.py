@@ -7,7 +7,8 @@ import pytest
 from replicas.config import EngineConfig
 from replicas.scheduling.kv_cache import BlockManager
 from replicas.request import Request, RequestStatus, SamplingParams
-from replicas.scheduling.scheduler import Scheduler, SchedulerOutput
+from replicas.scheduling.batch import SchedulerOutput
+from replicas.scheduling.scheduler import Scheduler
 
 
 class FakeClock:
