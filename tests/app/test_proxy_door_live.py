@@ -97,16 +97,18 @@ def test_a_client_leaving_mid_stream_aborts_its_request(door_server: str, wait_u
         held = wait_until(admitted, timeout_s=60, what="the long stream admitted")
         try:
             LEFT_MID_STREAM.append(held)
-            lines = held.iter_lines()
-            next(lines)
+            first = next(line for line in held.iter_lines() if line)
         finally:
             held.close()
+        assert first.startswith("data: ")  # it streamed before the client left
         # Every stream this module's clients left is counted aborted, once exported.
-        wait_until(lambda: _finished(client, "abort") == len(LEFT_MID_STREAM), timeout_s=120,
-                   what="the replica's aborts exported")
+        aborted = wait_until(lambda: (n := _finished(client, "abort")) >= len(LEFT_MID_STREAM) and n,
+                             timeout_s=120, what="the replica's aborts exported")
+        assert aborted == len(LEFT_MID_STREAM)
         small = {"prompt": [5, 6, 7, 8], "max_tokens": 2}
-        wait_until(lambda: client.post("/v1/completions", json=small).status_code == 200,
-                   timeout_s=60, what="the slot free once the client left")
+        done = wait_until(lambda: (r := client.post("/v1/completions", json=small)).status_code == 200 and r,
+                          timeout_s=60, what="the slot free once the client left")
+        assert done.json()["usage"]["completion_tokens"] == 2
 
 
 def _finished(client: httpx.Client, reason: str) -> float:
