@@ -440,10 +440,19 @@ class ModelRunner:
     def forward(self, prep: Prepared) -> PassLogits:
         """The pass's device side up to the logits of the sequences that sample, in batch order,
         and of the prompt positions of requests that score their prompt (only those rows are
-        computed)."""
+        computed). Rank 0 of a tensor-parallel group first sends the pass to the workers (the
+        same bytes, the same parts); a pass that then fails leaves the ranks out of step, which
+        breaks the group for good (`WorkerLost`, fatal)."""
+        if self.peers is None:
+            return self._forward(prep)
+        self.peers.forward(prep, prep.pack.host_buffer.numpy())
+        try:
+            return self._forward(prep)
+        except Exception as exc:
+            raise self.peers.broken(exc) from exc
+
+    def _forward(self, prep: Prepared) -> PassLogits:
         pack = prep.pack
-        if self.peers is not None:  # the workers replay it: the same bytes, the same parts
-            self.peers.forward(prep, pack.host_buffer.numpy())
         if self.page_map is not None:
             self.page_map.apply(prep.map_part, pack)
         if prep.fill is not None:  # in-flight input tokens, from their rows' slots

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 # Message kinds (the header's first field).
-PASS, BUILD, LOAD, RELEASE, STOP, RESIZE = range(1, 7)
-KIND_NAMES = {PASS: "pass", BUILD: "build", LOAD: "load", RELEASE: "release", STOP: "stop", RESIZE: "resize"}
+PASS, BUILD, LOAD, STOP, RESIZE = range(1, 6)
+KIND_NAMES = {PASS: "pass", BUILD: "build", LOAD: "load", STOP: "stop", RESIZE: "resize"}
 _HEAD = struct.Struct("<QII")  # total bytes, kind, header bytes
 _ALIGN = 8
 INITIAL_CAPACITY = 1 << 16
@@ -67,11 +67,9 @@ class Channel:
     def __init__(self, group: Any, capacity: int = INITIAL_CAPACITY) -> None:
         self.group = group
         self._buf = torch.zeros(capacity, dtype=torch.uint8)
-        self.sent = 0  # messages broadcast (resizes included)
 
     def _broadcast(self) -> None:
         dist.broadcast(self._buf, src=0, group=self.group)
-        self.sent += 1
 
     def send(self, kind: int, header: Any, body: np.ndarray | None = None) -> None:
         msg = encode(kind, header, body)
@@ -116,11 +114,6 @@ def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def pass_message(prep: Any, host_bytes: np.ndarray) -> tuple[Any, np.ndarray]:
-    """A pass's header (where each part lies: the rank-0-only fields dropped) and its upload."""
-    return dataclasses.replace(prep, pack=None, logits_plan=None, prompt_spans=[]), host_bytes
-
-
 class WorkerLost(RuntimeError):
     """A tensor-parallel worker died or a collective failed: the replica cannot run a pass, ever
     (`fatal`: the engine loop ends, intake is refused as from a dead engine, health fails, and
@@ -136,8 +129,8 @@ class Peers:
     None; `terminate()` ends them all. The first failed message is sticky: the group is broken
     for good, and `check` raises from then on (the replica reports unhealthy and is replaced)."""
 
-    def __init__(self, workers: Any, channel: Channel, world_size: int) -> None:
-        self.workers, self.channel, self.world_size = workers, channel, world_size
+    def __init__(self, workers: Any, channel: Channel) -> None:
+        self.workers, self.channel = workers, channel
         self.failed: str | None = None
         self.stopped = False
 
@@ -166,8 +159,15 @@ class Peers:
         self._send(BUILD, runner_kwargs)
 
     def forward(self, prep: Any, host_bytes: np.ndarray) -> None:
-        """Every worker replays this pass's forward (rank 0 runs its own right after)."""
-        self._send(PASS, *pass_message(prep, host_bytes))
+        """Every worker replays this pass's forward (rank 0 runs its own right after): the
+        header says where each part of the upload lies (rank 0's own fields dropped)."""
+        self._send(PASS, dataclasses.replace(prep, pack=None, logits_plan=None, prompt_spans=[]), host_bytes)
+
+    def broken(self, exc: BaseException) -> WorkerLost:
+        """Rank 0's side of a pass failed after the workers got it: the ranks are out of step."""
+        if self.failed is None:
+            self.failed = f"a pass failed on rank 0: {type(exc).__name__}: {exc}"
+        return WorkerLost(f"tensor-parallel group broken: {self.failed}")
 
     def stop(self) -> None:
         """Workers leave their loop and exit; idempotent, and safe on a broken group."""

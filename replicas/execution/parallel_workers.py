@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from replicas.execution.model_runner import ModelRunner
-from replicas.execution.parallel import (BUILD, LOAD, PASS, RELEASE, STOP, Channel, Peers, Rendezvous,
-                                         backend_for)
+from replicas.execution.parallel import BUILD, LOAD, PASS, STOP, Channel, Peers, Rendezvous, backend_for
 from replicas.loading.models import load_model, resolve_device
 from replicas.scheduling.kv_cache import BlockManager
 
@@ -51,8 +50,6 @@ def worker_loop(rank: int, rendezvous: Rendezvous, threads: int | None, local_ra
                 kwargs = dict(header)
                 blocks = BlockManager(kwargs.pop("num_blocks"), kwargs.pop("block_size"))
                 runner = ModelRunner(model, blocks, **kwargs)
-            elif kind == RELEASE:
-                model = runner = None
             elif kind == STOP:
                 return
     finally:
@@ -100,9 +97,6 @@ class _RayWorker:
     def run(self, rank: int, rendezvous: Rendezvous, threads: int | None) -> None:
         worker_loop(rank, rendezvous, threads)
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 class RayWorkers:
     """Workers as Ray actors, worker i on bundle i of the calling replica's placement group."""
@@ -148,11 +142,6 @@ class RayWorkers:
             with contextlib.suppress(Exception):
                 ray.kill(a)
 
-    def kill(self, rank: int) -> None:
-        import ray
-
-        ray.kill(self.actors[rank - 1])
-
 
 def _placement_group() -> Any:
     """The calling replica's placement group under Ray (Serve gives one with bundles), or None."""
@@ -187,4 +176,4 @@ def start_group(tensor_parallel_size: int, device: str, threads: int | None) -> 
         raise
     log.info("tensor-parallel group of %d joined at %s:%d (%s)", tensor_parallel_size, rendezvous.host,
              rendezvous.port, rendezvous.backend)
-    return Peers(workers, channel, tensor_parallel_size)
+    return Peers(workers, channel)

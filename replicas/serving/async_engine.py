@@ -213,9 +213,7 @@ class AsyncEngine:
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # a failed pass must not kill the loop, unless it says so
-                    # A tensor-parallel group broken for good says so; any failed pass of a group
-                    # leaves its ranks out of step, so it is as fatal.
-                    if getattr(exc, "fatal", False) or self.engine.peers is not None:
+                    if getattr(exc, "fatal", False):  # e.g. a tensor-parallel group broken for good
                         raise
                     logger.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(exc)
