@@ -3,7 +3,10 @@ deltas (`RequestOutput`) a stream receives, each token's or a stream interval's 
 
 The engine's postprocess calls `check_stop` for every request that got a token and `emit` for
 those whose delta goes out. A request without stop strings is detokenized only when a delta of
-it goes out (the same tokens in the same order: the same text).
+it goes out (the same tokens in the same order: the same text), or not at all when `text_by_caller`:
+its deltas carry token ids and `delta_text` None, and the caller decodes them (`StreamText`) off
+the engine's loop, as vLLM's front end and SGLang's detokenizer process do. Text that decides
+when a request stops (stop strings) is always decoded here.
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ class OutputProcessor:
         self.tokenizer, self.grammars = tokenizer, grammars
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._token_texts: dict[int, str] = {}  # each token decoded on its own (logprobs)
+        # The deltas of requests without stop strings go out as token ids only (delta_text None),
+        # for the caller to decode (the async engine sets it: its streams decode on their own loop).
+        self.text_by_caller = False
 
     def add(self, req: Request) -> None:
-        self.detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+        if req.params.stop or not self.text_by_caller:
+            self.detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                 req.params.stop)
 
     def check_stop(self, req: Request) -> RequestStatus | None:
         """Whether the request's latest token ends it: a stop string, a stop token or EOS (not
@@ -57,10 +65,13 @@ class OutputProcessor:
         rid = req.request_id
         out_ids = req.output_token_ids
         finished = req.status >= _STOPPED
-        if finished:  # a stop string already cut the text; anything else keeps it all
-            text = self.detoks.pop(rid).delta(out_ids, True, flush=not isinstance(req.stop_reason, str))
+        detok = self.detoks.pop(rid, None) if finished else self.detoks.get(rid)
+        if detok is None:  # the caller decodes it (`text_by_caller`)
+            text = None
+        elif finished:  # a stop string already cut the text; anything else keeps it all
+            text = detok.delta(out_ids, True, flush=not isinstance(req.stop_reason, str))
         else:
-            text = self.detoks[rid].delta(out_ids, False)
+            text = detok.delta(out_ids, False)
         n_out = len(out_ids)
         sent = req.num_sent_tokens
         params = req.params
@@ -99,3 +110,29 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode(
                 [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return text
+
+
+class StreamText:
+    """The text of one stream's deltas that came as token ids (`OutputProcessor.text_by_caller`),
+    decoded where the stream is read: each sample's own detokenizer, fed the same tokens in the
+    same order as the engine's would be, so the same text. A delta that has its text already (a
+    request with stop strings) passes through."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, reqs: list[Request]) -> None:
+        self._tokenizer = tokenizer
+        self._prompts = {r.request_id: r.prompt_token_ids for r in reqs if not r.params.stop}
+        self._detoks: dict[str, tuple[IncrementalDetokenizer, list[int]]] = {}
+
+    def fill(self, out: RequestOutput) -> RequestOutput:
+        if out.delta_text is not None:
+            return out
+        rid = out.request_id
+        state = self._detoks.get(rid)
+        if state is None:  # its first delta: its detokenizer starts from the prompt's tail
+            state = self._detoks[rid] = (IncrementalDetokenizer(self._tokenizer, self._prompts.pop(rid)), [])
+        detok, ids = state
+        ids += out.delta_token_ids
+        out.delta_text = detok.delta(ids, out.finished, flush=out.finished)
+        if out.finished:
+            del self._detoks[rid]
+        return out

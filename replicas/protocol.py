@@ -319,7 +319,9 @@ class RequestOutput:
     crosses processes, and its fields grow."""
 
     request_id: str
-    delta_text: str
+    # None: not decoded yet; the engine left it to its caller (`OutputProcessor.text_by_caller`),
+    # whose stream fills it in (`outputs.StreamText`) before anyone reads it.
+    delta_text: str | None
     delta_token_ids: list[int]
     finished: bool
     finish_reason: str | None
@@ -341,7 +343,8 @@ class RequestOutput:
         """One delta carrying this one and the `later` one of the same request."""
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
         return RequestOutput(
-            request_id=self.request_id, delta_text=self.delta_text + later.delta_text,
+            request_id=self.request_id,
+            delta_text=None if self.delta_text is None else self.delta_text + later.delta_text,
             delta_token_ids=self.delta_token_ids + later.delta_token_ids, finished=later.finished,
             finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
             num_output_tokens=later.num_output_tokens, stop_reason=later.stop_reason, logprobs=logprobs,

@@ -9,6 +9,10 @@ The model's forward call is timed on its own (attention included: it runs inside
 
     overhead = iteration - forward = schedule + metadata + sampling + postprocess + metrics + load
 
+As in a replica, the deltas' text is decoded off the loop, where each stream is read
+(`OutputProcessor.text_by_caller`, `StreamText`): that work is timed on its own (`caller text`),
+not in the overhead; `--text-on-loop` decodes on the loop instead (the offline engine's way).
+
 Three cases: all greedy; half the rows sampling with temperature/top-p/top-k (the per-row cost
 of sampling shows there); all greedy with one decode whose context is `--long-prompt` tokens
 (the cost of padding every decode to the longest context shows there, in the forward pass).
@@ -27,6 +31,7 @@ import torch
 from loadtests.harness.report import OMIT, bench_parser, write_json
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.config import DEFAULT_STREAM_INTERVAL_MS
+from replicas.outputs import StreamText
 from replicas.serving.metrics import EngineMetrics, PrometheusBackend
 
 
@@ -58,14 +63,16 @@ def _publish(engine: Engine) -> None:
 
 
 def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
-            long_prompt: int = 0, stream_interval_ms: float = 0.0) -> dict[str, float]:
+            long_prompt: int = 0, stream_interval_ms: float = 0.0, text_by_caller: bool = True) -> dict[str, float]:
     config = EngineConfig(max_num_seqs=decodes, max_batch_prefill_tokens=max(512, decodes * 2),
                           max_batch_total_tokens=decodes * 512, num_threads=threads)
     engine = Engine.from_pretrained(model, config)
     if stream_interval_ms:  # as the replica's async engine sets it (replica.stream_interval_ms)
         engine.stream_interval_s = stream_interval_ms / 1000
+    engine.outputs.text_by_caller = text_by_caller
     engine.observers.append(EngineMetrics(PrometheusBackend(), model, tbt_slo_s=0.1))
     vocab = engine.vocab_size
+    reqs = []
     g = torch.Generator().manual_seed(0)
     for i in range(decodes):
         prompt = torch.randint(10, vocab, (long_prompt if i == 0 and long_prompt else 32,), generator=g).tolist()
@@ -73,20 +80,26 @@ def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
             params = SamplingParams(max_tokens=400, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)
         else:
             params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        engine.add_request(prompt, params)
+        reqs.append(engine.add_request(prompt, params))
+    text = StreamText(engine.tokenizer, reqs)
     while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
         engine.step()
     for _ in range(5):  # warm-up decodes
-        engine.step()
+        for out in engine.step():
+            text.fill(out)
     times: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
     runner.model = _Timed(runner.model, "forward", times)
     for _ in range(steps):
         t, c = time.perf_counter(), time.thread_time()
-        engine.step()
+        outputs = engine.step()
         _publish(engine)
         times["iteration"].append(time.perf_counter() - t)
         times["iteration_cpu"].append(time.thread_time() - c)
+        t = time.perf_counter()
+        for out in outputs:  # what the streams do on their own loop (`AsyncEngine._iterate`)
+            text.fill(out)
+        times["caller_text"].append(time.perf_counter() - t)
     assert len(engine.scheduler.running) == decodes, "every request must still be decoding"
     runner.model = runner.model.fn
     it, fw = times["iteration"], times["forward"]
@@ -96,7 +109,8 @@ def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
     # on this thread too).
     overhead_cpu = [a - b for a, b in zip(times["iteration_cpu"], times["forward_cpu"])]
     return {"iteration_ms": 1e3 * statistics.median(it), "forward_ms": 1e3 * statistics.median(fw),
-            "overhead_ms": 1e3 * statistics.median(overhead), "overhead_cpu_ms": 1e3 * statistics.median(overhead_cpu)}
+            "overhead_ms": 1e3 * statistics.median(overhead), "overhead_cpu_ms": 1e3 * statistics.median(overhead_cpu),
+            "caller_text_ms": 1e3 * statistics.mean(times["caller_text"])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,20 +122,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="a stream's deltas built at most this often, as a replica's (its default: "
                         f"{DEFAULT_STREAM_INTERVAL_MS:g}); 0: every pass")
+    p.add_argument("--text-on-loop", action="store_true",
+                   help="decode the deltas' text on the loop (the offline engine), not the caller's side")
     args = p.parse_args(argv)
     rows = {}
     print(f"{args.model}, {args.decodes} running decodes, {args.steps} timed passes, medians")
-    print(f"{'case':<12} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12} {'overhead cpu ms':>16}")
+    print(f"{'case':<12} {'iteration ms':>13} {'forward ms':>11} {'overhead ms':>12} {'overhead cpu ms':>16}"
+          f" {'caller text ms':>15}")
     for name, sampled, long_prompt in (("greedy", False, 0), ("mixed", True, 0),
                                        ("greedy+long", False, args.long_prompt)):
         row = measure(args.model, args.decodes, args.steps, sampled, args.threads, long_prompt,
-                      args.stream_interval_ms)
+                      args.stream_interval_ms, not args.text_on_loop)
         rows[name] = row
         print(f"{name:<12} {row['iteration_ms']:>13.2f} {row['forward_ms']:>11.2f} {row['overhead_ms']:>12.2f}"
-              f" {row['overhead_cpu_ms']:>16.2f}")
+              f" {row['overhead_cpu_ms']:>16.2f} {row['caller_text_ms']:>15.2f}")
     if args.json:
         write_json(args.json, {"model": args.model, "decodes": args.decodes, "steps": args.steps,
                                "threads": args.threads, "stream_interval_ms": args.stream_interval_ms,
+                               "text_by_caller": not args.text_on_loop,
                                "results": rows})
 
 

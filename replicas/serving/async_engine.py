@@ -2,7 +2,9 @@
 
 HTTP handling (asyncio) never blocks a forward pass and a forward pass never blocks
 request intake: callers put requests and aborts into an inbox; the loop thread drains it
-between iterations and pushes each delta back onto the caller's event loop.
+between iterations and pushes each delta back onto the caller's event loop. A delta's text is
+decoded there, on the caller's loop, not on the engine's (`outputs.StreamText`): the loop thread's
+work per pass is what the device waits for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
 from replicas.engine import Engine
+from replicas.outputs import StreamText
 from replicas.scheduling.prefix_hash import PrefixSketch
 from replicas.protocol import RequestOutput, SamplingParams
 from replicas.request import Request
@@ -86,6 +89,7 @@ class AsyncEngine:
         self.wedge_timeout_s = wedge_timeout_s
         self.stream_interval_s = stream_interval_s
         engine.stream_interval_s = stream_interval_s  # deltas it would merge are not built at all
+        engine.outputs.text_by_caller = True  # the streams decode their text (`_iterate`)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -112,7 +116,7 @@ class AsyncEngine:
         (each its token ids), `params.n` samples each, every delta carrying its choice `index`
         (sample j of prompt p is choice p * n + j).
 
-        Token ids only: the tokenizer belongs to the loop thread (detokenization). The
+        Token ids only: no tokenizing on the caller's loop (the deltas' text is decoded there). The
         `arrival_time` (perf_counter clock; default now) is when the request arrived, which may
         be before it reached this replica: TTFT and the queue deadline count from it.
         """
@@ -142,11 +146,13 @@ class AsyncEngine:
             raise
         if isinstance(answer, BaseException):
             raise answer
-        return self._iterate([r.request_id for r in reqs], stream)
+        return self._iterate(reqs, stream)
 
-    async def _iterate(self, request_ids: list[str], stream: _Stream) -> AsyncIterator[RequestOutput]:
-        """The deltas of the request's samples (one stream for all n), until each finished."""
-        unfinished = set(request_ids)
+    async def _iterate(self, reqs: list[Request], stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """The deltas of the request's samples (one stream for all n), until each finished, their
+        text decoded here (merged deltas: one decode for their tokens together)."""
+        unfinished = {r.request_id for r in reqs}
+        text = StreamText(self.engine.tokenizer, reqs)
         ready: deque[RequestOutput | BaseException] = deque()  # merged, to hand out in order
         interval = self.stream_interval_s
         last: dict[str, float] = {}  # when each sample's latest delta was handed out
@@ -166,7 +172,7 @@ class AsyncEngine:
                     unfinished.discard(item.request_id)
                 if interval:
                     last[item.request_id] = time.monotonic()
-                yield item
+                yield text.fill(item)
         finally:
             for request_id in unfinished:  # the caller went away: free its KV blocks next iteration
                 self._abort_own(request_id, stream)

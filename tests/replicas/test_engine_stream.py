@@ -5,10 +5,14 @@ and logprobs as pass by pass."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.loading.models import load_model
+from replicas.outputs import StreamText
 from replicas.protocol import RequestOutput
 
 pytestmark = pytest.mark.engine
@@ -50,3 +54,35 @@ def test_deltas_held_to_the_interval_carry_the_same_text(llama) -> None:
     assert every["req-1"][-1].finish_reason == "stop" and every["req-1"][-1].num_output_tokens < 20
     lps = [lp.logprob for o in held["req-2"] for lp in o.logprobs]
     assert lps == [lp.logprob for o in every["req-2"] for lp in o.logprobs] and len(lps) == 20
+
+
+def test_text_decoded_by_the_caller_is_the_engines_text(llama) -> None:
+    """With `text_by_caller` (the async engine's setting) the loop decodes no request without stop
+    strings: its deltas carry token ids and no text, and `StreamText` on the caller's side, fed the
+    deltas as they come or merged, gives exactly the text the engine's own decoding gives. Random
+    weights break characters (lone bytes, held runs): the hard cases of incremental decoding."""
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=60, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, stop=["zz"])]
+    reference = streams(llama, 0.0, params)
+    eng = Engine(*llama, EngineConfig(max_batch_prefill_tokens=64, max_batch_total_tokens=2048))
+    eng.outputs.text_by_caller = True
+    reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    assert set(eng.outputs.detoks) == {reqs[2].request_id}  # only the stop strings' request
+    got: dict[str, list[RequestOutput]] = {r.request_id: [] for r in reqs}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id].append(o)
+    assert all(o.delta_text is None for rid in ("req-0", "req-1") for o in got[rid])
+    assert all(isinstance(o.delta_text, str) for o in got["req-2"])
+    for merge in (1, 7):  # each delta on its own; seven at a time (a slow caller, an interval)
+        text = StreamText(llama[1], reqs)
+        for rid, outs in got.items():
+            outs = [dataclasses.replace(o) for o in outs]
+            merged = [functools.reduce(RequestOutput.followed_by, outs[i:i + merge])
+                      for i in range(0, len(outs), merge)]
+            filled = [text.fill(o) for o in merged]
+            assert "".join(o.delta_text for o in filled) == "".join(o.delta_text for o in reference[rid])
+            assert [t for o in filled for t in o.delta_token_ids] == [
+                t for o in reference[rid] for t in o.delta_token_ids]
+        assert not text._detoks and not text._prompts  # each finished stream let its decoder go
