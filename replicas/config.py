@@ -128,7 +128,7 @@ class EngineConfig:
         "(transformers' base_model_tp_plan): the replica is rank 0, and tensor_parallel_size - 1 "
         "workers (Ray actors in the replica's placement group; processes outside Ray) hold the "
         "other shards. Each rank needs a device of its own (GPUs: one each, nccl; CPU: gloo). "
-        "Passes run the synchronous loop, without the captured decode step")
+        "Passes run without the captured decode step")
     enable_prefix_caching: bool = Field(True, description=
         "share the KV of full blocks between requests whose tokens start the same way (a system "
         "prompt, a conversation's history): cached tokens cost no prefill and no new KV")
@@ -175,11 +175,8 @@ class EngineConfig:
         _positive("tbt_sample_window", self.tbt_sample_window)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:
-            # The workers replay the pass rank 0 prepared; the overlapped loop's tokens sampled on
-            # rank 0's device, and a captured step's collectives, are not theirs (yet).
-            if self.overlap == "on":
-                raise ValueError("overlap 'on' needs tensor_parallel_size 1 (a tensor-parallel "
-                                 "replica runs the synchronous loop); use auto or off")
+            # The workers replay the pass rank 0 prepared; a captured step's collectives are not
+            # theirs (yet).
             if self.cuda_graphs:
                 raise ValueError("cuda_graphs needs tensor_parallel_size 1 (the captured decode step "
                                  "is not run across ranks); leave it null")

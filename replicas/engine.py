@@ -143,7 +143,7 @@ class Engine:
                                   config.compile_backend, config.cuda_graph_sizes, sampler,
                                   config.tensor_parallel_size, peers)
         # Overlapped loop (`config.overlap`): the pass launched but not processed yet.
-        self.overlap = resolve_overlap(config.overlap, self.runner.device) and config.tensor_parallel_size == 1
+        self.overlap = resolve_overlap(config.overlap, self.runner.device)
         if self.overlap:
             self.runner.use_overlap()
         self._in_flight: InFlight | None = None

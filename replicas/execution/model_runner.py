@@ -40,6 +40,7 @@ from replicas.execution.sampler import Sampler, SamplingPlan
 from replicas.scheduling.batch import ScheduledSeq, SchedulerOutput
 from replicas.execution.device_queue import Immediate, Job, StandInDevice
 from replicas.execution.overlap import TokenSlots
+from replicas.execution.parallel import receive_tokens
 from replicas.execution.transfer import HostPack, Part, Readback, Staging
 
 log = logging.getLogger(__name__)
@@ -344,7 +345,10 @@ class ModelRunner:
         logits = self.forward(prep)
         parts = self.sampler.sample_on_device(logits.sampled, logits.prompt, logits.sampling, logits.pack)
         if self.token_slots is not None:  # the next pass's decodes read these on the device
-            self.token_slots.write(prep.pack.get(prep.slot_rows), parts[0])
+            tokens = parts[0].to(self.device, torch.int64)
+            self.token_slots.write(prep.pack.get(prep.slot_rows), tokens)
+            if self.peers is not None:  # the workers' slots get them too
+                self.peers.share_tokens(tokens.contiguous())
         if events is not None:
             events[1].record()
         return Readback(parts), events
@@ -480,7 +484,11 @@ class ModelRunner:
         it as rank 0 runs it (`prep` locates the parts); the logits are rank 0's to sample."""
         self._staging_turn ^= 1
         prep.pack = HostPack.received(data, self.device, self._stagings[self._staging_turn])
+        if prep.slot_rows is not None and self.token_slots is None:  # rank 0 runs the overlapped loop
+            self.use_overlap()
         self.forward(prep)
+        if prep.slot_rows is not None:  # rank 0's sampled tokens, into our slots (`Peers.share_tokens`)
+            self.token_slots.write(prep.pack.get(prep.slot_rows), receive_tokens(prep.num_sampled, self.device))
 
 
 @dataclass

@@ -15,6 +15,12 @@ default group, nccl on CUDA). A worker uploads the same bytes to its device and 
 `ModelRunner.forward`, so its KV writes land in the same slots as rank 0's.
 
 The message buffer has a fixed capacity both sides know; a larger message first sends a resize.
+
+The overlapped loop (`engine.overlap`): a pass's decodes may take their input token from the pass
+before, still on the device (`overlap.TokenSlots`). Rank 0 samples; so after each pass that keeps
+token slots it broadcasts the sampled tokens (N int64, on the device: nccl on CUDA, no host round
+trip) and every worker writes them into its own slots, rows as rank 0's. The next message then
+finds every rank's slots alike.
 """
 
 from __future__ import annotations
@@ -110,6 +116,13 @@ class Rendezvous:
         return dist.new_group(backend="gloo", timeout=IDLE_WAIT)
 
 
+def receive_tokens(num: int, device: torch.device) -> torch.Tensor:
+    """A worker's side of `Peers.share_tokens`: rank 0's sampled tokens of the pass just run."""
+    tokens = torch.empty(num, dtype=torch.int64, device=device)
+    dist.broadcast(tokens, src=0)
+    return tokens
+
+
 def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -162,6 +175,15 @@ class Peers:
         """Every worker replays this pass's forward (rank 0 runs its own right after): the
         header says where each part of the upload lies (rank 0's own fields dropped)."""
         self._send(PASS, dataclasses.replace(prep, pack=None, logits_plan=None, prompt_spans=[]), host_bytes)
+
+    def share_tokens(self, tokens: torch.Tensor) -> None:
+        """The pass's sampled tokens to every worker (`receive_tokens`), for their token slots."""
+        if self.failed is not None:
+            raise WorkerLost(f"tensor-parallel group broken: {self.failed}")
+        try:
+            dist.broadcast(tokens, src=0)
+        except Exception as exc:
+            raise self.broken(exc) from exc
 
     def broken(self, exc: BaseException) -> WorkerLost:
         """Rank 0's side of a pass failed after the workers got it: the ranks are out of step."""

@@ -68,9 +68,8 @@ def test_what_shards_passes() -> None:
 
 def test_settings_a_tensor_parallel_replica_cannot_run_are_refused() -> None:
     assert EngineConfig().tensor_parallel_size == 1
-    EngineConfig(tensor_parallel_size=2, overlap="auto")
-    with pytest.raises(ValueError, match="overlap 'on' needs tensor_parallel_size 1"):
-        EngineConfig(tensor_parallel_size=2, overlap="on")
+    for overlap in ("auto", "on", "off"):  # the overlapped loop shares its tokens (test_tensor_parallel)
+        assert EngineConfig(tensor_parallel_size=2, overlap=overlap).overlap == overlap
     with pytest.raises(ValueError, match="cuda_graphs needs tensor_parallel_size 1"):
         EngineConfig(tensor_parallel_size=2, cuda_graphs=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):

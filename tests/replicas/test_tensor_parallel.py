@@ -158,3 +158,30 @@ def test_a_replica_whose_worker_dies_mid_stream_ends_it_with_an_error_and_turns_
     finally:
         server.shutdown()
     assert server.engine.engine.peers.stopped
+
+
+def test_the_overlapped_loop_across_ranks_gives_the_synchronous_tokens(tmp_path: Path) -> None:
+    """overlap on with TP=2: each decode's input is the token rank 0 sampled in the pass before,
+    read from every rank's own slots (rank 0 broadcasts the pass's tokens); the same tokens as
+    TP=1's synchronous loop through chunked prefill, preemption, prefix hits and seeded samples."""
+    model = tiny_model("llama", tmp_path)
+    prefix = list(range(30, 62))
+    prompts = [prefix + [5, 6, 7], prefix + [9, 10], PROMPTS[0], prefix + [11]]
+    params = [SamplingParams(max_tokens=40, temperature=0.9, seed=7, n=2, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True)]
+    config = dict(max_batch_prefill_tokens=16, max_batch_total_tokens=160, block_size=16, kv_watermark=0.0)
+    one = run(model, 1, params, prompts, overlap="off", **config)
+    engine = Engine.from_pretrained(model, EngineConfig(tensor_parallel_size=2, num_threads=1, overlap="on",
+                                                        **config))
+    try:
+        assert engine.overlap and engine.runner.token_slots is not None
+        two = engine.generate(prompts, params)
+        filled = engine.runner.token_slots.tokens
+        assert int(filled.count_nonzero()) > 0  # rank 0's slots were written
+    finally:
+        engine.close()
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    assert sum(o.num_preemptions for o in two) > 0, "nothing was preempted: nothing was tested"
+    assert sum(o.num_cached_tokens for o in two) > 0, "no prefix hit: nothing was tested"
