@@ -106,7 +106,9 @@ class EngineConfig:
     cuda_graphs: bool | None = Field(None, description=
         "decode-only passes run the whole forward compiled per batch-size bucket (powers of two "
         "up to max_num_seqs) and, on CUDA, captured in a graph; mixed passes run eagerly. Needs "
-        "the flex backend; null: on with flex on CUDA")
+        "the flex backend; null: on with flex on CUDA, but off with tensor_parallel_size > 1, where "
+        "true has every rank compile and capture its own step in step with the others (a capture of "
+        "nccl collectives not yet run on a device here)")
     cuda_graph_sizes: tuple[int, ...] | None = Field(None, description=
         "batch sizes of the decode step compiled (and captured on CUDA) with cuda_graphs: a "
         "decode-only pass runs in the smallest one that holds it, padded; past the largest it "
@@ -127,8 +129,7 @@ class EngineConfig:
         "devices one replica's model is sharded over, by the model's own tensor-parallel plan "
         "(transformers' base_model_tp_plan): the replica is rank 0, and tensor_parallel_size - 1 "
         "workers (Ray actors in the replica's placement group; processes outside Ray) hold the "
-        "other shards. Each rank needs a device of its own (GPUs: one each, nccl; CPU: gloo). "
-        "Passes run without the captured decode step")
+        "other shards. Each rank needs a device of its own (GPUs: one each, nccl; CPU: gloo)")
     enable_prefix_caching: bool = Field(True, description=
         "share the KV of full blocks between requests whose tokens start the same way (a system "
         "prompt, a conversation's history): cached tokens cost no prefill and no new KV")
@@ -174,12 +175,6 @@ class EngineConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         _positive("tbt_sample_window", self.tbt_sample_window)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1:
-            # The workers replay the pass rank 0 prepared; a captured step's collectives are not
-            # theirs (yet).
-            if self.cuda_graphs:
-                raise ValueError("cuda_graphs needs tensor_parallel_size 1 (the captured decode step "
-                                 "is not run across ranks); leave it null")
 
     @property
     def tbt_slo_s(self) -> float | None:

@@ -40,7 +40,7 @@ from replicas.execution.sampler import Sampler, SamplingPlan
 from replicas.scheduling.batch import ScheduledSeq, SchedulerOutput
 from replicas.execution.device_queue import Immediate, Job, StandInDevice
 from replicas.execution.overlap import TokenSlots
-from replicas.execution.parallel import receive_tokens
+from replicas.execution.parallel import any_rank, receive_tokens
 from replicas.execution.transfer import HostPack, Part, Readback, Staging
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class ModelRunner:
         heads. `peers` (rank 0 of a group, `execution.parallel.Peers`): every worker builds a
         runner like this one now, and replays each pass's forward (`forward`, `replay`)."""
         self.peers = peers
+        self.tensor_parallel_size = tensor_parallel_size
         if peers is not None:
             peers.build({"num_blocks": blocks.num_blocks, "block_size": blocks.block_size,
                          "max_model_len": max_model_len, "compile_decode_attention": compile_decode_attention,
@@ -143,6 +144,8 @@ class ModelRunner:
                 self._start_flex(sorted(set(graph_sizes)) if graph_sizes else bucket_sizes(max_num_seqs),
                                  compile_backend)
             except Exception as exc:  # noqa: BLE001 - whatever failed, the replica serves
+                if tensor_parallel_size > 1:  # not alone: a rank on another path would be out of step
+                    raise
                 self.fallback_error = f"{type(exc).__name__}: {exc}"
                 log.warning("the flex attention path failed to start (%s); running the eager SDPA path",
                             self.fallback_error, exc_info=True)
@@ -209,7 +212,10 @@ class ModelRunner:
                 self._warm_attention()
                 if self.graphs is not None:
                     self.graphs.warm_up()
-                if self.compiler.compiles == before:
+                compiled = self.compiler.compiles != before
+                if self.tensor_parallel_size > 1:  # every rank runs as many rounds: they meet inside
+                    compiled = any_rank(compiled, self.device)
+                if not compiled:
                     break
             else:
                 raise RuntimeError(f"warm-up still compiling after {WARM_UP_ROUNDS} rounds")
@@ -519,8 +525,9 @@ class Launched:
 
 def graphs_by_default(device_type: str, attention_backend: str, tensor_parallel_size: int) -> bool:
     """`cuda_graphs: null`: on wherever there is something to capture (flex on CUDA), except
-    across ranks (a captured step's collectives are not verified: tensor parallelism runs the
-    flex path uncaptured)."""
+    across ranks: there `cuda_graphs: true` opts in (each rank compiles and captures its decode
+    step in step with the others, the model's collectives inside; tested on CPU, where nothing is
+    captured, but a capture of nccl collectives has not run on a device here)."""
     return device_type == "cuda" and attention_backend == "flex" and tensor_parallel_size == 1
 
 

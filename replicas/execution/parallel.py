@@ -123,6 +123,14 @@ def receive_tokens(num: int, device: torch.device) -> torch.Tensor:
     return tokens
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank of the model's group (every rank calls it, at the same
+    point): a decision each rank must take alike, such as another warm-up round."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 

@@ -66,12 +66,11 @@ def test_what_shards_passes() -> None:
     check_tensor_parallel(AutoConfig.for_model("gpt2"), 1)  # tp 1 needs no plan
 
 
-def test_settings_a_tensor_parallel_replica_cannot_run_are_refused() -> None:
+def test_tensor_parallel_settings() -> None:
     assert EngineConfig().tensor_parallel_size == 1
     for overlap in ("auto", "on", "off"):  # the overlapped loop shares its tokens (test_tensor_parallel)
         assert EngineConfig(tensor_parallel_size=2, overlap=overlap).overlap == overlap
-    with pytest.raises(ValueError, match="cuda_graphs needs tensor_parallel_size 1"):
-        EngineConfig(tensor_parallel_size=2, cuda_graphs=True)
+    assert EngineConfig(tensor_parallel_size=2, cuda_graphs=True).cuda_graphs  # opted in (test_tensor_parallel)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
 

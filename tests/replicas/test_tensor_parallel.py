@@ -185,3 +185,31 @@ def test_the_overlapped_loop_across_ranks_gives_the_synchronous_tokens(tmp_path:
     assert [o.token_ids for o in one] == [o.token_ids for o in two]
     assert sum(o.num_preemptions for o in two) > 0, "nothing was preempted: nothing was tested"
     assert sum(o.num_cached_tokens for o in two) > 0, "no prefix hit: nothing was tested"
+
+
+def test_each_rank_runs_its_own_compiled_decode_step(tmp_path: Path) -> None:
+    """cuda_graphs true with TP=2 (flex attention, the decode step compiled per bucket: on CPU run,
+    not captured): every rank warms up as many rounds as the others (they meet in the model's
+    collectives inside; this process ran TP=1 first, so rank 0 alone would stop a round early and
+    leave the worker waiting), decode-only passes replay the bucket's step on both ranks, and the
+    tokens are TP=1's."""
+    model = tiny_model("llama", tmp_path)
+    prompts = [list(range(30, 62)) + [5, 6, 7], PROMPTS[0], PROMPTS[1]]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+    config = dict(attention_backend="flex", cuda_graphs=True, compile_backend="eager", max_num_seqs=4,
+                  max_batch_prefill_tokens=16, max_batch_total_tokens=320, block_size=16)
+    one = run(model, 1, params, prompts, **config)
+    engine = Engine.from_pretrained(model, EngineConfig(tensor_parallel_size=2, num_threads=1, **config))
+    try:
+        assert engine.runner.path == "flex+graphs" and engine.runner.graphs.buckets == [1, 2, 4]
+        graphs, replays = engine.runner.graphs, []
+        graph_run = graphs.run
+        graphs.run = lambda *a: replays.append(a[0]) or graph_run(*a)
+        two = engine.generate(prompts, params)
+        assert engine.runner.compiles[1] == 0  # nothing compiled after the warm-up
+    finally:
+        engine.close()
+    assert len(replays) >= 15 and set(replays) <= {1, 2, 4}  # the decode-only passes ran the buckets' steps
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
