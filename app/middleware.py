@@ -144,6 +144,24 @@ async def refuse(send: Send, err: OpenAIError) -> None:
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 QUIET_IN_FLIGHT = 2  # at most this many in flight: quiet enough to give memory back
+# On a generation response's start, from the ingress: milliseconds from its in-flight limit seeing
+# the request to that start. The proxy's door takes it off the time it waited for the start and
+# so learns how long the way to the ingress took (`proxy_door.Pending.hop`), which no clock shared
+# between the two processes tells.
+INGRESS_MS_HEADER = b"x-stallfree-ingress-ms"
+
+
+def _stamped(send: Send) -> Send:
+    """`send` with the response's start stamped with the milliseconds since now (`INGRESS_MS_HEADER`)."""
+    seen = time.perf_counter()
+
+    async def stamped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            ms = str(round(1000 * (time.perf_counter() - seen))).encode()
+            message = {**message, "headers": [*message.get("headers", ()), (INGRESS_MS_HEADER, ms)]}
+        await send(message)
+
+    return stamped
 
 
 class StreamLimitMiddleware:
@@ -182,11 +200,12 @@ class StreamLimitMiddleware:
                 f"{self.where}, its limit is {limit.limit} (it adapts to what the {self.where} relays "
                 f"without falling behind: its event loop lags {1000 * limit.state.lag_s:.0f} ms, target "
                 f"{1000 * limit.target_s:.0f} ms); retry after {retry} s", code="rate_limit_exceeded",
-                headers={"Retry-After": str(retry)}))
+                headers={"Retry-After": str(retry),
+                         **({INGRESS_MS_HEADER.decode(): "0"} if self.where == "ingress" else {})}))
             return
         limit.enter()
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send if self.where != "ingress" else _stamped(send))
         finally:
             limit.leave()
 

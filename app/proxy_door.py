@@ -10,7 +10,10 @@ request costs the proxy its HTTP parsing and one small response, and the ingress
 It closes (`Pending`): while at least 4 of the requests it forwarded wait for their first token
 and their median wait is over a target (a standing queue, whatever it stands in: the Ray hops, a
 starved ingress, the token door, the engine's queue; one long prompt prefilling does not close
-it); while the streams it relays arrive slowly (the gaps between a stream's chunks in the last
+it); while the requests it forwarded take long to reach the ingress (the median of the last
+second's, by the time their response started less the ingress's own part, which the ingress
+stamps on it: under overload Serve's proxy -> ingress call holds requests for seconds, and what
+the ingress then refuses comes back that late); while the streams it relays arrive slowly (the gaps between a stream's chunks in the last
 second over a target at a quantile: the app's TBT SLO at p99 where it has one, else 250 ms at
 p90; what is admitted keeps its quality, as the issue asks); while it relays as many requests
 as its stream cap, the number it learned keeps those gaps under the target (cut to 0.9 x the
@@ -60,7 +63,7 @@ from app.http_path import HA_PROXY_ENV, runs_in
 from autoscale.demand import DemandCounter, DemandCounts
 from replicas.config import STRICT
 from replicas.serving.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
-from app.middleware import GENERATION_PATHS, StreamLimitMiddleware, is_client_retry, refuse
+from app.middleware import GENERATION_PATHS, INGRESS_MS_HEADER, StreamLimitMiddleware, is_client_retry, refuse
 from app.stream_limit import (DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS, MAX_RETRY_AFTER_S, StreamLimit,
                               limit_observer)
 
@@ -77,6 +80,7 @@ DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_WAIT_TARGET_MS = 2000.0
 DEFAULT_GAP_TARGET_MS = 250.0
 DEFAULT_GAP_QUANTILE = 0.9
+DEFAULT_HOP_TARGET_MS = 500.0
 SLO_GAP_QUANTILE = 0.99  # a TBT SLO is a p99 (the autoscaler reads it so: autoscale/scaling.py)
 KV_KEY, KV_NAMESPACE = b"proxy_door", "stallfree"
 REFRESH_S = 2.0  # how often a door reads its settings again
@@ -104,6 +108,10 @@ class ProxyDoorConfig:
     gap_quantile: float | None = Field(None, gt=0, lt=1, description=
         f"null: {SLO_GAP_QUANTILE:g} when the gap target is the SLO (a p99), else {DEFAULT_GAP_QUANTILE:g}")
     watch_gaps: bool = Field(True, description="false: stream gaps never close the door")
+    hop_target_ms: float | None = Field(DEFAULT_HOP_TARGET_MS, gt=0, description=
+        "the door closes while the requests it forwarded in the last second took longer than this "
+        "to reach the ingress, at the median (Serve's proxy -> ingress call, which under overload "
+        "holds requests for seconds: the ingress's own refusals then come back that late); null: off")
 
     def __post_init__(self) -> None:
         if self.min_requests > self.max_requests:
@@ -117,7 +125,8 @@ class ProxyDoorConfig:
         quantile = self.gap_quantile or (SLO_GAP_QUANTILE if follows_slo else DEFAULT_GAP_QUANTILE)
         return DoorSettings(self.enabled, self.lag_target_ms / 1000, self.max_requests,
                             self.min_requests, self.wait_target_ms / 1000,
-                            gap / 1000 if self.watch_gaps else None, round(1 - quantile, 9))
+                            gap / 1000 if self.watch_gaps else None, round(1 - quantile, 9),
+                            hop_target_s=None if self.hop_target_ms is None else self.hop_target_ms / 1000)
 
 
 @std_dataclass(frozen=True)
@@ -136,6 +145,7 @@ class DoorSettings:
     controller_name: str = ""
     controller_namespace: str = ""
     deployment: str = ""
+    hop_target_s: float | None = None  # the way to the ingress (`Pending.hop`); None: not watched
 
 
 def publish(settings: DoorSettings) -> None:
@@ -203,9 +213,11 @@ class Door:
         self.pending.configure(settings)
         logger.info("proxy door %s: at most %d generation requests in flight, the limit adapting to "
                     "keep the proxy's event-loop lag under %.0f ms; closed while the median wait for "
-                    "a first token is over %.0f ms or over %.0f%% of stream gaps are over %s",
+                    "a first token is over %.0f ms, the way to the ingress takes over %s, or over %.0f%% "
+                    "of stream gaps are over %s",
                     "on" if settings.enabled else "off", settings.max_requests,
                     1000 * settings.lag_target_s, 1000 * settings.wait_target_s,
+                    "(off)" if settings.hop_target_s is None else f"{1000 * settings.hop_target_s:.0f} ms",
                     100 * settings.slow_share,
                     "(off)" if settings.gap_target_s is None else f"{1000 * settings.gap_target_s:.0f} ms")
 
@@ -272,6 +284,8 @@ class Pending:
     their median wait is over `target_s` (one long prompt prefilling does not close it; many
     requests queueing do). A 429 from downstream closes it too, for `hold_s` (at most its
     Retry-After): the server said no, so the next arrivals are answered here, not sent to hear it.
+    So does the way to the ingress (`hop`): while the median time the last `hop_window_s`'s
+    responses took there and back, the ingress's own part taken off, is over `hop_target_s`.
 
     The stream cap bounds the requests in flight (forwarded and not ended) by how many keep the
     streams' gaps quick, learned as an AIMD limit is: when the gaps turn slow with no more in
@@ -291,8 +305,13 @@ class Pending:
                  hold_s: float = 0.5, check_every_s: float = 0.05, gap_target_s: float | None = None,
                  gap_window_s: float = 1.0, min_gaps: int = 20, slow_share: float = 0.1,
                  max_cap: int = DEFAULT_MAX_REQUESTS, min_cap: int = DEFAULT_MIN_LIMIT,
+                 hop_target_s: float | None = None, hop_window_s: float = 1.0, min_hops: int = 4,
                  log: logging.Logger | None = None) -> None:
         self.enabled = True
+        self.hop_target_s, self.hop_window_s, self.min_hops = hop_target_s, hop_window_s, min_hops
+        self._hops: deque[tuple[float, float]] = deque()  # (when reported, seconds), last window
+        self._hop_slow = False
+        self.median_hop_s = 0.0
         self.target_s, self.min_pending, self.hold_s = target_s, min_pending, hold_s
         self.check_every_s = check_every_s
         self.gap_target_s, self.gap_window_s, self.min_gaps = gap_target_s, gap_window_s, min_gaps
@@ -319,6 +338,7 @@ class Pending:
     def configure(self, settings: DoorSettings) -> None:
         """Take new settings; what it learned (the stream cap) is kept within the new bounds."""
         self.enabled, self.target_s = settings.enabled, settings.wait_target_s
+        self.hop_target_s = settings.hop_target_s
         self.gap_target_s, self.slow_share = settings.gap_target_s, settings.slow_share
         self.min_gaps = max(20, round(2 / settings.slow_share))
         self.max_cap, self.min_cap = settings.max_requests, settings.min_requests
@@ -347,6 +367,24 @@ class Pending:
         slow = seconds > self.gap_target_s
         self._gaps.append((self._clock(), slow))
         self._num_slow += slow
+
+    def hop(self, seconds: float) -> None:
+        """A forwarded request took `seconds` to reach the ingress and come back (its response's
+        start, less the ingress's own time before it: `middleware.INGRESS_MS_HEADER`)."""
+        if self.hop_target_s is not None:
+            self._hops.append((self._clock(), seconds))
+
+    def slow_hop(self, now: float) -> bool:
+        """The median of the last window's hops (at least `min_hops` of them) is over the target:
+        a standing queue on the way to the ingress, not one slow call."""
+        hops = self._hops
+        while hops and now - hops[0][0] > self.hop_window_s:
+            hops.popleft()
+        if self.hop_target_s is None or len(hops) < self.min_hops:
+            self.median_hop_s = 0.0
+            return False
+        self.median_hop_s = sorted(h for _, h in hops)[len(hops) // 2]
+        return self.median_hop_s > self.hop_target_s
 
     def slow_streams(self, now: float) -> bool:
         """Over `slow_share` of the last window's chunk gaps (at least `min_gaps` of them) were
@@ -383,19 +421,24 @@ class Pending:
                 self._queueing = self.median_wait_s > self.target_s
                 if self._queueing:
                     self.retry_after = max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.median_wait_s)))
+            self._hop_slow = self.slow_hop(now)
+            if self._hop_slow and not self._queueing:
+                self.retry_after = max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.median_hop_s)))
             self._slow = self.slow_streams(now)
-            if self._slow and not self._queueing:
+            if self._slow and not (self._queueing or self._hop_slow):
                 self.retry_after = 1
             self._adapt_cap(now)
         if self._queueing:
             self.reason = "queueing"
+        elif self._hop_slow:
+            self.reason = "slow hop"
         elif self._slow:
             self.reason = "slow streams"
         elif self.in_flight >= self.cap:
             self.reason = "stream cap"
             self.retry_after = 1
             return False
-        return not (self._queueing or self._slow)
+        return not (self._queueing or self._hop_slow or self._slow)
 
     def _adapt_cap(self, now: float) -> None:
         """The stream cap's step (see the class docstring), at each check."""
@@ -444,6 +487,9 @@ class PendingMiddleware:
             if pending.reason == "queueing":
                 why = (f"the requests before this one wait {pending.median_wait_s:.1f} s for their "
                        f"first token (the proxy's target {pending.target_s:.1f} s)")
+            elif pending.reason == "slow hop":
+                why = (f"the requests it forwarded lately took {pending.median_hop_s:.1f} s to reach the "
+                       f"ingress (the proxy's target {pending.hop_target_s:.1f} s)")
             elif pending.reason == "slow streams":
                 why = (f"the streams it serves already arrive slowly (more than {pending.slow_share:.0%} "
                        f"of their gaps over {1000 * pending.gap_target_s:.0f} ms)")
@@ -458,6 +504,7 @@ class PendingMiddleware:
                                            code="rate_limit_exceeded", headers={"Retry-After": str(retry)}))
             return
         key = pending.start()
+        forwarded = pending.now()
 
         last_chunk: float | None = None
 
@@ -470,8 +517,12 @@ class PendingMiddleware:
                 last_chunk = now if message.get("more_body") else None
             elif message["type"] == "http.response.start":
                 pending.answered(key)
+                headers = message.get("headers", ())
+                ingress_ms = next((v for k, v in headers if k == INGRESS_MS_HEADER), None)
+                if ingress_ms is not None and ingress_ms.isdigit():  # the way there and back
+                    pending.hop(pending.now() - forwarded - int(ingress_ms) / 1000)
                 if message["status"] == 429:
-                    retry = next((v for k, v in message.get("headers", ()) if k.lower() == b"retry-after"), b"1")
+                    retry = next((v for k, v in headers if k.lower() == b"retry-after"), b"1")
                     pending.saw_429(int(retry) if retry.isdigit() else 1)
             await send(message)
 

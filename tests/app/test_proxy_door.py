@@ -11,7 +11,7 @@ import json
 import pytest
 from starlette.types import Message
 
-from app.middleware import StreamLimitMiddleware
+from app.middleware import INGRESS_MS_HEADER, StreamLimitMiddleware
 from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, HA_PROXY_ENV, IMPORT_PATH, NICENESS_ENV,
                             Pending, PendingMiddleware, ProxyDoorConfig, middlewares, proxy_env)
 
@@ -413,3 +413,71 @@ def test_proxy_env_sets_the_callback_and_priority_unless_given() -> None:
     assert proxy_env({HA_PROXY_ENV: "1"})[HA_PROXY_ENV] == "1"  # HAProxy mode, if the caller says so
     assert proxy_env({NICENESS_ENV: "5"})[NICENESS_ENV] == "5"  # the caller's priority wins
     assert proxy_env({CALLBACK_ENV: "mine:f"})[CALLBACK_ENV] == "mine:f"
+
+
+def test_a_slow_way_to_the_ingress_closes_the_door_until_it_leaves_the_window() -> None:
+    """The median of the last second's hops over the target closes it (Retry-After: that median,
+    rounded up); three slow hops are too few, one slow among quick ones is no standing queue; the
+    hops age out of the window; no target: never."""
+    pending, clock = pending_of()
+    pending.hop_target_s = 0.5
+    for _ in range(3):
+        pending.hop(2.0)
+    assert pending.admits()  # 3 < min_hops
+    clock.t += 0.06
+    pending.hop(0.1)
+    pending.hop(0.1)
+    assert not pending.admits() and pending.reason == "slow hop"  # 0.1, 0.1, 2, 2, 2: median 2 s
+    assert pending.median_hop_s == 2.0 and pending.retry_after == 2
+    clock.t += 1.0  # the 2 s hops leave the window; the 0.1 ones are too few to judge
+    assert pending.admits() and pending.median_hop_s == 0.0
+    for seconds in (0.1, 0.2, 0.1, 3.0, 0.1):
+        pending.hop(seconds)
+    clock.t += 0.06
+    assert pending.admits() and pending.median_hop_s == pytest.approx(0.1)
+    off, clock = pending_of()
+    assert off.hop_target_s is None
+    for _ in range(10):
+        off.hop(9.0)
+    clock.t += 0.06
+    assert off.admits()
+
+
+async def test_the_middleware_times_the_way_to_the_ingress_from_its_stamp() -> None:
+    """A forwarded request's hop is the wait for its response's start less the ingress's own
+    milliseconds on it: 1.5 s waited, 1.2 s of it at the ingress, is 0.3 s on the way."""
+    pending, clock = pending_of()
+    pending.hop_target_s = 0.5
+
+    def ingress(took_s: float, at_ingress_ms: int):  # noqa: ANN202
+        async def app(scope, receive, send) -> None:  # noqa: ANN001
+            clock.t += took_s
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(INGRESS_MS_HEADER, str(at_ingress_ms).encode())]})
+            await send({"type": "http.response.body", "body": b"{}"})
+        return app
+
+    await call(PendingMiddleware(ingress(1.5, 1200), pending), "/v1/completions")
+    assert [h for _, h in pending._hops] == [pytest.approx(0.3)]
+    reached = asyncio.Event()
+
+    async def held(scope, receive, send) -> None:  # noqa: ANN001 - waits 1 s on the way, refused at once
+        await reached.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(INGRESS_MS_HEADER, b"0")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    slow = [asyncio.create_task(call(PendingMiddleware(held, pending), "/v1/completions")) for _ in range(4)]
+    await settle(lambda: pending.in_flight == 4)
+    clock.t += 1.0
+    reached.set()
+    await asyncio.gather(*slow)
+    clock.t += 0.06
+    refused = await call(PendingMiddleware(ingress(0.0, 0), pending), "/v1/completions")
+    assert refused[0]["status"] == 429
+    assert "took 1.0 s to reach the ingress" in json.loads(refused[1]["body"])["error"]["message"]
+    fresh, _ = pending_of()
+    fresh.hop_target_s = 0.5
+    unstamped = App()  # an answer without the ingress's stamp (no ingress limit there): no hop
+    unstamped.release.set()
+    await call(PendingMiddleware(unstamped, fresh), "/v1/completions")
+    assert unstamped.calls == 1 and not fresh._hops

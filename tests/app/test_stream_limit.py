@@ -11,7 +11,7 @@ import json
 import pytest
 from starlette.types import Message
 
-from app.middleware import StreamLimitMiddleware
+from app.middleware import INGRESS_MS_HEADER, StreamLimitMiddleware
 from app.stream_limit import DECREASE, GROW_IDLE, PERSIST, StreamLimit, watch_loop
 
 pytestmark = pytest.mark.unit
@@ -204,3 +204,29 @@ async def test_the_middleware_never_limits_other_routes_or_without_a_limit() -> 
     off = App(None)
     off.release.set()
     assert (await call(StreamLimitMiddleware(off), off, "/v1/completions"))[0]["status"] == 200
+
+
+async def test_the_ingress_stamps_its_own_time_on_each_generation_responses_start() -> None:
+    """At the ingress, a generation response's start carries the milliseconds it took there
+    (`INGRESS_MS_HEADER`: the door takes it off its own wait to time the way to the ingress); a
+    refusal carries 0; the proxy's own limit stamps nothing."""
+    limit, _ = limit_of(max_limit=1, min_limit=1)
+    app = App(limit)
+    mw = StreamLimitMiddleware(app)
+    held = asyncio.create_task(call(mw, app, "/v1/completions"))
+    for _ in range(100):
+        if limit.in_flight == 1:
+            break
+        await asyncio.sleep(0)
+    refused = await call(mw, app, "/v1/completions")
+    assert dict(refused[0]["headers"])[INGRESS_MS_HEADER] == b"0"
+    await asyncio.sleep(0.05)  # the held request's time at the ingress
+    app.release.set()
+    ms = dict((await held)[0]["headers"])[INGRESS_MS_HEADER]
+    assert ms.isdigit() and int(ms) >= 40
+    assert (await call(mw, app, "/health"))[0]["headers"] == []  # other routes: untouched
+    proxy_limit, _ = limit_of(max_limit=4, min_limit=1)
+    at_proxy = App(proxy_limit)
+    at_proxy.release.set()
+    sent = await call(StreamLimitMiddleware(at_proxy, proxy_limit, where="proxy"), at_proxy, "/v1/completions")
+    assert INGRESS_MS_HEADER not in dict(sent[0]["headers"])

@@ -48,6 +48,7 @@ class Rec:
 # Which bound a 429 came from, by the words its message starts with (app/ and replicas/ errors).
 REFUSERS = (("the requests before this one wait", "proxy: queueing"),
             ("the streams it serves already arrive slowly", "proxy: slow streams"),
+            ("to reach the ingress", "proxy: slow hop"),
             ("as many as it found keep their streams' gaps", "proxy: stream cap"),
             ("it refused a request moments ago", "proxy: hold"),
             ("requests are in flight at this proxy", "proxy: in-flight limit"),
