@@ -173,7 +173,8 @@ class StreamLimitMiddleware:
 
     `limit` None: the ingress's, `app.state.stream_limit` (None there: no limit). `where` names
     the process in the refusal ("ingress", "proxy"). Generation routes are matched by their
-    ending, so they are found under any route prefix (the proxy sees the whole path).
+    ending, so they are found under any route prefix (the proxy sees the whole path). At the
+    ingress, each generation response's start carries its milliseconds there (`INGRESS_MS_HEADER`).
     """
 
     def __init__(self, app: ASGIApp, limit: StreamLimit | None = None, where: str = "ingress") -> None:

@@ -13,8 +13,9 @@ starved ingress, the token door, the engine's queue; one long prompt prefilling 
 it); while the requests it forwarded take long to reach the ingress (the median of the last
 second's, by the time their response started less the ingress's own part, which the ingress
 stamps on it: under overload Serve's proxy -> ingress call holds requests for seconds, and what
-the ingress then refuses comes back that late); while the streams it relays arrive slowly (the gaps between a stream's chunks in the last
-second over a target at a quantile: the app's TBT SLO at p99 where it has one, else 250 ms at
+the ingress then refuses comes back that late; off by default: measured, it did not cure that);
+while the streams it relays arrive slowly (the gaps between a stream's chunks in the last second
+over a target at a quantile: the app's TBT SLO at p99 where it has one, else 250 ms at
 p90; what is admitted keeps its quality, as the issue asks); while it relays as many requests
 as its stream cap, the number it learned keeps those gaps under the target (cut to 0.9 x the
 requests in flight when the gaps turn slow, grown by 5% at a time only while they stay quick
