@@ -82,11 +82,14 @@ def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
             params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         reqs.append(engine.add_request(prompt, params))
     text = StreamText(engine.tokenizer, reqs)
-    while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
-        engine.step()
-    for _ in range(5):  # warm-up decodes
+    def step_untimed() -> None:  # each stream decodes every delta it gets, its first ones too
         for out in engine.step():
             text.fill(out)
+
+    while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
+        step_untimed()
+    for _ in range(5):  # warm-up decodes
+        step_untimed()
     times: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
     runner.model = _Timed(runner.model, "forward", times)

@@ -351,10 +351,9 @@ class ModelRunner:
         logits = self.forward(prep)
         parts = self.sampler.sample_on_device(logits.sampled, logits.prompt, logits.sampling, logits.pack)
         if self.token_slots is not None:  # the next pass's decodes read these on the device
-            tokens = parts[0].to(self.device, torch.int64)
-            self.token_slots.write(prep.pack.get(prep.slot_rows), tokens)
+            self.token_slots.write(prep.pack.get(prep.slot_rows), parts[0])
             if self.peers is not None:  # the workers' slots get them too
-                self.peers.share_tokens(tokens.contiguous())
+                self.peers.share_tokens(parts[0].to(self.device, torch.int64).contiguous())
         if events is not None:
             events[1].record()
         return Readback(parts), events

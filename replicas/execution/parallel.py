@@ -159,12 +159,15 @@ class Peers:
         if self.failed is None and (dead := self.workers.dead()) is not None:
             self.failed = dead
         if self.failed is not None:
-            raise WorkerLost(f"tensor-parallel group broken: {self.failed}")
+            raise self._lost()
+
+    def _lost(self) -> WorkerLost:
+        return WorkerLost(f"tensor-parallel group broken: {self.failed}")
 
     def _send(self, kind: int, header: Any, body: np.ndarray | None = None) -> None:
         # No liveness poll here, on the hot path: a dead worker fails the collective itself.
         if self.failed is not None:
-            raise WorkerLost(f"tensor-parallel group broken: {self.failed}")
+            raise self._lost()
         try:
             self.channel.send(kind, header, body)
         except Exception as exc:
@@ -185,9 +188,8 @@ class Peers:
         self._send(PASS, dataclasses.replace(prep, pack=None, logits_plan=None, prompt_spans=[]), host_bytes)
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
-        """The pass's sampled tokens to every worker (`receive_tokens`), for their token slots."""
-        if self.failed is not None:
-            raise WorkerLost(f"tensor-parallel group broken: {self.failed}")
+        """The pass's sampled tokens to every worker (`receive_tokens`), for their token slots
+        (right after the pass's own message, which found the group whole)."""
         try:
             dist.broadcast(tokens, src=0)
         except Exception as exc:
@@ -197,7 +199,7 @@ class Peers:
         """Rank 0's side of a pass failed after the workers got it: the ranks are out of step."""
         if self.failed is None:
             self.failed = f"a pass failed on rank 0: {type(exc).__name__}: {exc}"
-        return WorkerLost(f"tensor-parallel group broken: {self.failed}")
+        return self._lost()
 
     def stop(self) -> None:
         """Workers leave their loop and exit; idempotent, and safe on a broken group."""
