@@ -29,7 +29,7 @@ from replicas.loading.models import load_config, load_model
 from replicas.execution.parallel import Peers
 from replicas.execution.parallel_workers import start_group
 from replicas.execution.overlap import InFlight, needs_history
-from replicas.outputs import OutputProcessor
+from replicas.outputs import Delta, OutputProcessor
 from replicas.scheduling.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
 from replicas.protocol import InvalidRequestError, Limits, RequestOutput, SamplingParams, check_priority, sample_id
 from replicas.request import Request, RequestStatus
@@ -295,7 +295,7 @@ class Engine:
         self.enqueue(req)
         return req
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | Delta | None:
         """Stop a request now and free its KV blocks (call from the loop's thread)."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
@@ -311,8 +311,9 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run one forward pass, postprocess. Overlapped
+    def step(self) -> list[RequestOutput | Delta]:
+        """One iteration: schedule, run one forward pass, postprocess (a delta left to the caller is
+        a `Delta`: `OutputProcessor.deltas_by_caller`). Overlapped
         (`config.overlap`): schedule and launch pass N+1, then postprocess pass N while the
         device runs it; the outputs returned are pass N's."""
         outputs = self._expire()
@@ -323,7 +324,7 @@ class Engine:
             return outputs
         return outputs + self._land(self._launch(batch))
 
-    def _step_overlapped(self) -> list[RequestOutput]:
+    def _step_overlapped(self) -> list[RequestOutput | Delta]:
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and any(needs_history(r) for r in self.scheduler.running):
             outputs = self.sync()  # its sampling reads the whole output on the host: no lag
@@ -332,7 +333,7 @@ class Engine:
         last, self._in_flight = self._in_flight, launched
         return outputs + (self._land(last) if last is not None else [])
 
-    def sync(self) -> list[RequestOutput]:
+    def sync(self) -> list[RequestOutput | Delta]:
         """Process the pass in flight, if any (the overlapped loop): after it, the host's
         request state is the device's."""
         last, self._in_flight = self._in_flight, None
@@ -353,7 +354,7 @@ class Engine:
         self.scheduler.launched(batch)
         return InFlight(batch, handle, shape, predicted, start, cpu_start)
 
-    def _land(self, p: InFlight) -> list[RequestOutput]:
+    def _land(self, p: InFlight) -> list[RequestOutput | Delta]:
         """The pass's tokens back on the host: advance its requests, check stops, emit deltas."""
         try:
             token_ids = self.runner.collect(p.handle)  # the tokens of batch.seqs that sample, in order
@@ -384,7 +385,7 @@ class Engine:
         sched = self.scheduler
         self.drain.note_backlog(bool(sched.waiting) or not all(map(_OUTPUT, sched.running)))  # one prefilling
 
-    def _expire(self) -> list[RequestOutput]:
+    def _expire(self) -> list[RequestOutput | Delta]:
         """Requests past the queue deadline, or predicted to start past it (at the rate its
         queue drains), leave before the pass is scheduled."""
         drain = self.drain_rate() if self.scheduler.waiting else None
@@ -399,7 +400,7 @@ class Engine:
             outputs.append(self._emit(req))
         return outputs
 
-    def _postprocess(self, batch: SchedulerOutput, token_ids: list[int], now: float) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, token_ids: list[int], now: float) -> list[RequestOutput | Delta]:
         """Advance the pass's requests by their tokens, check stops, emit the deltas; the
         pass's latency samples go to `last_pass` (observers) and `recent_tbt` (load reports)."""
         outputs = []
@@ -433,7 +434,7 @@ class Engine:
         self.num_tbt_samples += len(gaps)
         return outputs
 
-    def _emit(self, req: Request) -> RequestOutput:
+    def _emit(self, req: Request) -> RequestOutput | Delta:
         """The request's delta (`OutputProcessor.emit`); a finished request leaves the engine."""
         out = self.outputs.emit(req)
         if out.finished:

@@ -3,10 +3,12 @@ deltas (`RequestOutput`) a stream receives, each token's or a stream interval's 
 
 The engine's postprocess calls `check_stop` for every request that got a token and `emit` for
 those whose delta goes out. A request without stop strings is detokenized only when a delta of
-it goes out (the same tokens in the same order: the same text), or not at all when `text_by_caller`:
-its deltas carry token ids and `delta_text` None, and the caller decodes them (`StreamText`) off
-the engine's loop, as vLLM's front end and SGLang's detokenizer process do. Text that decides
-when a request stops (stop strings) is always decoded here.
+it goes out (the same tokens in the same order: the same text), or not at all when
+`deltas_by_caller`: then a request that needs nothing from the loop but its tokens (no stop
+strings, no logprobs) leaves each delta as a `Delta` (which request, which of its tokens), and
+the caller builds the `RequestOutput` and decodes its text (`StreamText`) off the engine's loop,
+as vLLM's front end builds its outputs and SGLang's detokenizer process decodes. Text that
+decides when a request stops (stop strings) is always decoded here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,32 @@ from replicas.request import Request, RequestStatus
 _STOPPED, _LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 
 
+class Delta:
+    """A delta as the loop leaves it for its caller (`OutputProcessor.deltas_by_caller`): the
+    request's output tokens `start:end`, and whether it finished with them. The caller builds
+    the `RequestOutput` (`output`), reading the request while the loop goes on: only what a
+    delta's end fixes (output tokens before `end` are never changed, a finished request's
+    reasons never again)."""
+
+    __slots__ = ("request_id", "req", "start", "end", "finished")
+
+    def __init__(self, req: Request, start: int, end: int, finished: bool) -> None:
+        self.request_id, self.req, self.start, self.end, self.finished = req.request_id, req, start, end, finished
+
+    def followed_by(self, later: Delta) -> Delta:
+        """One delta carrying this one's tokens and the `later` one's."""
+        return Delta(self.req, self.start, later.end, later.finished)
+
+    def output(self, text: str | None = None) -> RequestOutput:
+        req, finished = self.req, self.finished
+        return RequestOutput(
+            request_id=self.request_id, delta_text=text, delta_token_ids=req.output_token_ids[self.start:self.end],
+            finished=finished, finish_reason=req.finish_reason if finished else None,
+            num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=self.end,
+            stop_reason=req.stop_reason if finished else None, num_cached_tokens=req.num_cached_tokens,
+            index=req.index)
+
+
 class OutputProcessor:
     """Each queued request's detokenizer, and the deltas built from its tokens."""
 
@@ -28,14 +56,16 @@ class OutputProcessor:
         self.tokenizer, self.grammars = tokenizer, grammars
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._token_texts: dict[int, str] = {}  # each token decoded on its own (logprobs)
-        # The deltas of requests without stop strings go out as token ids only (delta_text None),
-        # for the caller to decode (the async engine sets it: its streams decode on their own loop).
-        self.text_by_caller = False
+        # The deltas of requests without stop strings or logprobs go out as `Delta`s, for the
+        # caller to build and decode (the async engine sets it: its streams do it on their own loop).
+        self.deltas_by_caller = False
 
     def add(self, req: Request) -> None:
-        if req.params.stop or not self.text_by_caller:
-            self.detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                 req.params.stop)
+        params = req.params
+        if params.stop or not self.deltas_by_caller:
+            self.detoks[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop)
+        else:
+            req.by_caller = params.logprobs is None and params.prompt_logprobs is None
 
     def check_stop(self, req: Request) -> RequestStatus | None:
         """Whether the request's latest token ends it: a stop string, a stop token or EOS (not
@@ -60,13 +90,17 @@ class OutputProcessor:
             return _LENGTH
         return None
 
-    def emit(self, req: Request) -> RequestOutput:
+    def emit(self, req: Request) -> RequestOutput | Delta:
         """The request's delta since the last one; a finished request's last (its detokenizer goes)."""
+        if req.by_caller:
+            start, end = req.num_sent_tokens, len(req.output_token_ids)
+            req.num_sent_tokens = end
+            return Delta(req, start, end, req.status >= _STOPPED)
         rid = req.request_id
         out_ids = req.output_token_ids
         finished = req.status >= _STOPPED
         detok = self.detoks.pop(rid, None) if finished else self.detoks.get(rid)
-        if detok is None:  # the caller decodes it (`text_by_caller`)
+        if detok is None:  # the caller decodes it (`deltas_by_caller`)
             text = None
         elif finished:  # a stop string already cut the text; anything else keeps it all
             text = detok.delta(out_ids, True, flush=not isinstance(req.stop_reason, str))
@@ -113,18 +147,20 @@ class OutputProcessor:
 
 
 class StreamText:
-    """The text of one stream's deltas that came as token ids (`OutputProcessor.text_by_caller`),
-    decoded where the stream is read: each sample's own detokenizer, fed the same tokens in the
-    same order as the engine's would be, so the same text. A delta that has its text already (a
-    request with stop strings) passes through."""
+    """One stream's deltas that the loop left to its caller (`OutputProcessor.deltas_by_caller`),
+    built and their text decoded where the stream is read: each sample's own detokenizer, fed the
+    same tokens in the same order as the engine's would be, so the same text. A delta that has its
+    text already (a request with stop strings) passes through."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, reqs: list[Request]) -> None:
         self._tokenizer = tokenizer
         self._prompts = {r.request_id: r.prompt_token_ids for r in reqs if not r.params.stop}
         self._detoks: dict[str, tuple[IncrementalDetokenizer, list[int]]] = {}
 
-    def fill(self, out: RequestOutput) -> RequestOutput:
-        if out.delta_text is not None:
+    def fill(self, out: RequestOutput | Delta) -> RequestOutput:
+        if isinstance(out, Delta):
+            out = out.output()
+        elif out.delta_text is not None:
             return out
         rid = out.request_id
         state = self._detoks.get(rid)

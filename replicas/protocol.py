@@ -319,7 +319,7 @@ class RequestOutput:
     crosses processes, and its fields grow."""
 
     request_id: str
-    # None: not decoded yet; the engine left it to its caller (`OutputProcessor.text_by_caller`),
+    # None: not decoded yet; the engine left it to its caller (`OutputProcessor.deltas_by_caller`),
     # whose stream fills it in (`outputs.StreamText`) before anyone reads it.
     delta_text: str | None
     delta_token_ids: list[int]

@@ -42,7 +42,7 @@ _FINISH_REASON = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation request as the engine tracks it.
 
@@ -98,6 +98,12 @@ class Request:
     # the next decode runs them, `max_tokens` counts them) but not in `output_token_ids`: the
     # value lives on the device until the pass lands (`overlap.InFlight`).
     num_inflight: int = 0
+    # Its deltas leave the loop as `outputs.Delta`s, built and decoded by its caller (set by
+    # `OutputProcessor.add`).
+    by_caller: bool = False
+    # Set from its params (`__post_init__`): see there.
+    argmax_only: bool = field(init=False)
+    plain_stops: bool = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.params

@@ -10,7 +10,7 @@ The model's forward call is timed on its own (attention included: it runs inside
     overhead = iteration - forward = schedule + metadata + sampling + postprocess + metrics + load
 
 As in a replica, the deltas' text is decoded off the loop, where each stream is read
-(`OutputProcessor.text_by_caller`, `StreamText`): that work is timed on its own (`caller text`),
+(`OutputProcessor.deltas_by_caller`, `StreamText`): that work is timed on its own (`caller text`),
 not in the overhead; `--text-on-loop` decodes on the loop instead (the offline engine's way).
 
 Three cases: all greedy; half the rows sampling with temperature/top-p/top-k (the per-row cost
@@ -63,13 +63,13 @@ def _publish(engine: Engine) -> None:
 
 
 def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
-            long_prompt: int = 0, stream_interval_ms: float = 0.0, text_by_caller: bool = True) -> dict[str, float]:
+            long_prompt: int = 0, stream_interval_ms: float = 0.0, deltas_by_caller: bool = True) -> dict[str, float]:
     config = EngineConfig(max_num_seqs=decodes, max_batch_prefill_tokens=max(512, decodes * 2),
                           max_batch_total_tokens=decodes * 512, num_threads=threads)
     engine = Engine.from_pretrained(model, config)
     if stream_interval_ms:  # as the replica's async engine sets it (replica.stream_interval_ms)
         engine.stream_interval_s = stream_interval_ms / 1000
-    engine.outputs.text_by_caller = text_by_caller
+    engine.outputs.deltas_by_caller = deltas_by_caller
     engine.observers.append(EngineMetrics(PrometheusBackend(), model, tbt_slo_s=0.1))
     vocab = engine.vocab_size
     reqs = []
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         write_json(args.json, {"model": args.model, "decodes": args.decodes, "steps": args.steps,
                                "threads": args.threads, "stream_interval_ms": args.stream_interval_ms,
-                               "text_by_caller": not args.text_on_loop,
+                               "deltas_by_caller": not args.text_on_loop,
                                "results": rows})
 
 

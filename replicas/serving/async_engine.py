@@ -3,8 +3,8 @@
 HTTP handling (asyncio) never blocks a forward pass and a forward pass never blocks
 request intake: callers put requests and aborts into an inbox; the loop thread drains it
 between iterations and pushes each delta back onto the caller's event loop. A delta's text is
-decoded there, on the caller's loop, not on the engine's (`outputs.StreamText`): the loop thread's
-work per pass is what the device waits for.
+built and decoded there, on the caller's loop, not on the engine's (`outputs.Delta`,
+`outputs.StreamText`): the loop thread's work per pass is what the device waits for.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
 from replicas.engine import Engine
-from replicas.outputs import StreamText
+from replicas.outputs import Delta, StreamText
 from replicas.scheduling.prefix_hash import PrefixSketch
 from replicas.protocol import RequestOutput, SamplingParams
 from replicas.request import Request
@@ -47,7 +47,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | Delta | BaseException) -> None:
         _call_in(self.loop, self.queue.put_nowait, item)
 
 
@@ -58,17 +58,18 @@ def _call_in(loop: asyncio.AbstractEventLoop, fn: Any, arg: Any) -> None:
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Delta]]) -> None:
     """On the caller's loop: one pass's deltas into their streams' queues."""
     for q, out in items:
         q.put_nowait(out)
 
 
-def _merged(first: RequestOutput | BaseException, q: asyncio.Queue) -> list[RequestOutput | BaseException]:
+def _merged(first: RequestOutput | Delta | BaseException,
+            q: asyncio.Queue) -> list[RequestOutput | Delta | BaseException]:
     """`first` and everything queued behind it, each sample's deltas merged into one (in order;
     an exception ends the list). A caller slower than the loop (or one holding deltas back for
     a stream interval) then hands every hop downstream (Serve's stream, SSE) fewer, larger items."""
-    merged: dict[str, RequestOutput] = {}
+    merged: dict[str, RequestOutput | Delta] = {}
     item = first
     while True:
         if isinstance(item, BaseException):
@@ -89,7 +90,7 @@ class AsyncEngine:
         self.wedge_timeout_s = wedge_timeout_s
         self.stream_interval_s = stream_interval_s
         engine.stream_interval_s = stream_interval_s  # deltas it would merge are not built at all
-        engine.outputs.text_by_caller = True  # the streams decode their text (`_iterate`)
+        engine.outputs.deltas_by_caller = True  # the streams build and decode their deltas (`_iterate`)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -153,14 +154,14 @@ class AsyncEngine:
         text decoded here (merged deltas: one decode for their tokens together)."""
         unfinished = {r.request_id for r in reqs}
         text = StreamText(self.engine.tokenizer, reqs)
-        ready: deque[RequestOutput | BaseException] = deque()  # merged, to hand out in order
+        ready: deque[RequestOutput | Delta | BaseException] = deque()  # merged, to hand out in order
         interval = self.stream_interval_s
         last: dict[str, float] = {}  # when each sample's latest delta was handed out
         try:
             while unfinished:
                 if not ready:
                     item = await stream.queue.get()
-                    if interval and isinstance(item, RequestOutput) and not item.finished:
+                    if interval and not isinstance(item, BaseException) and not item.finished:
                         wait = last.get(item.request_id, -math.inf) + interval - time.monotonic()
                         if wait > 0:  # the tokens of the next `wait` seconds go with this one
                             await asyncio.sleep(wait)
@@ -297,9 +298,9 @@ class AsyncEngine:
         if self.tbt_snapshot[0] != engine.num_tbt_samples:
             self.tbt_snapshot = (engine.num_tbt_samples, tuple(engine.recent_tbt))
 
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+    def _deliver_all(self, outputs: list[RequestOutput | Delta]) -> None:
         """A pass's deltas, with one wake-up of each caller's event loop (not one per stream)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Delta]]] = {}
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id)
@@ -311,7 +312,7 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             _call_in(loop, _put_all, items)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestOutput | Delta) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)

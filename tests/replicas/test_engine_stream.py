@@ -12,12 +12,12 @@ import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.loading.models import load_model
-from replicas.outputs import StreamText
+from replicas.outputs import Delta, StreamText
 from replicas.protocol import RequestOutput
 
 pytestmark = pytest.mark.engine
 
-PROMPTS = [list(range(5 + 3 * i, 45 + 3 * i)) for i in range(3)]
+PROMPTS = [list(range(5 + 3 * i, 45 + 3 * i)) for i in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -57,31 +57,37 @@ def test_deltas_held_to_the_interval_carry_the_same_text(llama) -> None:
 
 
 def test_text_decoded_by_the_caller_is_the_engines_text(llama) -> None:
-    """With `text_by_caller` (the async engine's setting) the loop decodes no request without stop
-    strings: its deltas carry token ids and no text, and `StreamText` on the caller's side, fed the
-    deltas as they come or merged, gives exactly the text the engine's own decoding gives. Random
-    weights break characters (lone bytes, held runs): the hard cases of incremental decoding."""
+    """With `deltas_by_caller` (the async engine's setting) the loop builds no output and decodes
+    no text for a request without stop strings or logprobs: its deltas are `Delta`s, and
+    `StreamText` on the caller's side, fed them as they come or merged, gives exactly the outputs
+    the engine's own building and decoding gives (every field). A request with logprobs gets its
+    output built on the loop, its text left to the caller. Random weights break characters (lone
+    bytes, held runs): the hard cases of incremental decoding."""
     params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=60, temperature=0.9, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, stop=["zz"])]
+              SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, stop=["zz"]),
+              SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, logprobs=1)]
     reference = streams(llama, 0.0, params)
     eng = Engine(*llama, EngineConfig(max_batch_prefill_tokens=64, max_batch_total_tokens=2048))
-    eng.outputs.text_by_caller = True
+    eng.outputs.deltas_by_caller = True
     reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
     assert set(eng.outputs.detoks) == {reqs[2].request_id}  # only the stop strings' request
-    got: dict[str, list[RequestOutput]] = {r.request_id: [] for r in reqs}
+    got: dict[str, list[RequestOutput | Delta]] = {r.request_id: [] for r in reqs}
     while eng.has_unfinished():
         for o in eng.step():
             got[o.request_id].append(o)
-    assert all(o.delta_text is None for rid in ("req-0", "req-1") for o in got[rid])
+    assert all(isinstance(o, Delta) for rid in ("req-0", "req-1") for o in got[rid])
     assert all(isinstance(o.delta_text, str) for o in got["req-2"])
+    assert all(isinstance(o, RequestOutput) and o.delta_text is None for o in got["req-3"])
     for merge in (1, 7):  # each delta on its own; seven at a time (a slow caller, an interval)
         text = StreamText(llama[1], reqs)
         for rid, outs in got.items():
-            outs = [dataclasses.replace(o) for o in outs]
-            merged = [functools.reduce(RequestOutput.followed_by, outs[i:i + merge])
+            outs = [o if isinstance(o, Delta) else dataclasses.replace(o) for o in outs]
+            merged = [functools.reduce(type(outs[0]).followed_by, outs[i:i + merge])
                       for i in range(0, len(outs), merge)]
             filled = [text.fill(o) for o in merged]
+            if merge == 1:
+                assert filled == reference[rid]
             assert "".join(o.delta_text for o in filled) == "".join(o.delta_text for o in reference[rid])
             assert [t for o in filled for t in o.delta_token_ids] == [
                 t for o in reference[rid] for t in o.delta_token_ids]
