@@ -77,6 +77,11 @@ class AppArgs(BaseModel):
                                    "detokenizing, copies) must keep up with the device")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per engine replica; under 1, replicas "
                             "share a device and each sizes its memory from its share")
+    ingress_in_replica: bool = Field(False, description="the engine replicas serve the OpenAI API "
+        "themselves (no ingress deployment): one Ray hop per request and per streamed event instead "
+        "of two; the proxy routes by the replicas' token load alone (no prefix or prompt-size "
+        "ranking: it routes before reading the body), and a request whose replica dies is not "
+        "resent (app/replica_ingress.py)")
     ingress_replicas: int | None = Field(None, ge=1, description="HTTP ingress replicas; null: 1 "
                                          "with one engine replica, else 2")
     ingress_num_cpus: float = Field(0.5, ge=0, description="reserved per ingress replica: HTTP, "
@@ -102,6 +107,10 @@ class AppArgs(BaseModel):
             raise ValueError("scaling.by tbt_slo needs engine.tbt_slo_ms")
         if self.engine.device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError("engine.device is cuda but num_gpus is 0: give each replica a GPU")
+        if self.ingress_in_replica and self.router == "prefix":
+            raise ValueError("router prefix needs the prompt, which Serve's proxy does not read before it "
+                             "routes to an engine replica serving HTTP itself (ingress_in_replica): use "
+                             "token_load or ttft there")
         if self.engine.tensor_parallel_size > 1 and self.num_gpus not in (0, 1):
             raise ValueError(f"engine.tensor_parallel_size {self.engine.tensor_parallel_size} takes whole GPUs, one "
                              f"per rank: num_gpus must be 1 (or 0 on CPU), got {self.num_gpus}")

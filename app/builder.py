@@ -16,7 +16,9 @@ from ray.serve.config import BackpressureConfig
 
 from app.args import AppArgs
 from app.ingress import OpenAIIngress
+from app.http_path import proxy_kind
 from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
+from app.replica_ingress import ReplicaIngress
 from autoscale.reporter import LoadReporter
 from autoscale.serve_options import deployment_options, graceful_shutdown_timeout
 from replicas.serving.deployment import LLMServer
@@ -77,9 +79,32 @@ def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
     return options
 
 
+def replica_ingress_options(args: AppArgs) -> dict[str, Any]:
+    """Serve options of engine replicas that serve HTTP themselves (`ingress_in_replica`): the
+    engine replica's, with the ingress's request cap, queue and event loop."""
+    options = llm_deployment_options(args)
+    actor = dict(options["ray_actor_options"])
+    env = {**actor.get("runtime_env", {}).get("env_vars", {}), **INGRESS_RUNTIME_ENV["env_vars"]}
+    actor["runtime_env"] = {**actor.get("runtime_env", {}), "env_vars": env}
+    options.update(
+        ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests,
+        max_queued_requests=args.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1))
+    if proxy_kind() == "haproxy":  # HAProxy balances the ingress itself and refuses a router there
+        options.pop("request_router_config", None)
+    return options
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
-    """Build the OpenAI app: an ingress deployment bound to the engine replica deployment."""
+    """Build the OpenAI app: an ingress deployment bound to the engine replica deployment, or
+    (`ingress_in_replica`) engine replicas serving HTTP themselves."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    # The replica reports its load to the controller through this (replicas/ imports nothing above it).
+    reporter = functools.partial(LoadReporter, controller_name=app_args.controller_name,
+                                 namespace=app_args.controller_namespace)
+    if app_args.ingress_in_replica:
+        merged = serve.deployment(ReplicaIngress).options(**replica_ingress_options(app_args))
+        return merged.bind(app_args.replica_config(), app_args, reporter_factory=reporter)
     llm = serve.deployment(LLMServer).options(**llm_deployment_options(app_args))
     ingress = OpenAIIngress.options(
         name=INGRESS_DEPLOYMENT, num_replicas=app_args.resolved_ingress_replicas,
@@ -88,7 +113,4 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         max_queued_requests=app_args.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1), logging_config=REPLICA_LOGGING,
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus, "runtime_env": INGRESS_RUNTIME_ENV})
-    # The replica reports its load to the controller through this (replicas/ imports nothing above it).
-    reporter = functools.partial(LoadReporter, controller_name=app_args.controller_name,
-                                 namespace=app_args.controller_namespace)
     return ingress.bind(llm.bind(app_args.replica_config(), reporter_factory=reporter), app_args)

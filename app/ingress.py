@@ -119,6 +119,8 @@ async def _guarded(gen: DeploymentResponseGenerator, events: AsyncIterator[bytes
 class OpenAIIngress:
     """HTTP face of one model application; `llm` is the handle to the engine replicas."""
 
+    start_attempts = START_ATTEMPTS  # sends of a request whose replica died before it started
+
     def __init__(self, llm: DeploymentHandle, args: AppArgs) -> None:
         use_serve_log()
         self._niceness = serve_at_full_priority(logger, "the ingress")
@@ -304,7 +306,8 @@ class OpenAIIngress:
         ticket = self.gate.admit(num_prompt_tokens)
         left_at = None  # when the first output left the replica's queue (its clock)
         try:
-            for attempt in range(1, START_ATTEMPTS + 1):
+            attempts = self.start_attempts
+            for attempt in range(1, attempts + 1):
                 # A fresh id per attempt: a replica that is only unreachable may still hold the first.
                 rid = request_id if attempt == 1 else f"{request_id}-retry{attempt - 1}"
                 gen = self.stream_llm.generate.remote(ids, params, priority, rid, arrived_at)
@@ -312,10 +315,10 @@ class OpenAIIngress:
                     first = await self._first_output(gen, ticket, arrived_at)
                 except BaseException as exc:
                     _cancel(gen)
-                    if attempt < START_ATTEMPTS and _retryable(exc):
+                    if attempt < attempts and _retryable(exc):
                         logger.warning("request %s: replica unavailable before it started (%s); "
                                        "retrying (%d/%d)", request_id, type(exc).__name__, attempt,
-                                       START_ATTEMPTS - 1)
+                                       attempts - 1)
                         self.gate.requeued(ticket)
                         await asyncio.sleep(RETRY_BACKOFF_S * attempt)
                         continue

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from ray.serve import Application
 
 from app.args import AppArgs
-from app.builder import build_app, llm_deployment_options
+from app.builder import INGRESS_RUNTIME_ENV, build_app, llm_deployment_options, replica_ingress_options
+from app.replica_ingress import ReplicaIngress
 from app.errors import OpenAIError, from_exception
 from app.proxy_door import CALLBACK_ENV, HA_PROXY_ENV, IMPORT_PATH
 from replicas.protocol import InvalidRequestError, QueueFullError, ReplicaUnhealthyError
@@ -79,6 +80,7 @@ def test_the_engine_and_replica_records_are_nested_not_copied() -> None:
     ({"proxy_door": {"min_requests": 9, "max_requests": 8}}, "min_requests (9) <= max_requests (8)"),
     ({"proxy_door": {"gap_quantile": 1}}, "gap_quantile"),
     ({"engine": {"kv_cache_memory_fraction": 1.5}}, "kv_cache_memory_fraction"),
+    ({"ingress_in_replica": True, "router": "prefix"}, "router prefix needs the prompt"),
 ])
 def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as err:
@@ -111,6 +113,23 @@ def test_builder_options() -> None:
     assert "prefix_imbalance" not in fixed["request_router_config"].request_router_kwargs
     assert isinstance(build_app({}), Application)
     assert isinstance(build_app(AppArgs()), Application)
+
+
+def test_engine_replicas_serving_http_take_the_ingress_s_limits() -> None:
+    """`ingress_in_replica`: one deployment, the engine replica's resources, router and scaling,
+    with the ingress's request cap, proxy queue (429 beyond it) and event loop."""
+    args = AppArgs(ingress_in_replica=True, num_replicas=2, num_cpus=2, ingress_max_ongoing_requests=300,
+                   ingress_max_queued_requests=40)
+    merged, engine = replica_ingress_options(args), llm_deployment_options(args)
+    assert merged["name"] == "LLMServer" and merged["num_replicas"] == 2
+    assert merged["ray_actor_options"]["num_cpus"] == 2
+    assert merged["ray_actor_options"]["runtime_env"] == INGRESS_RUNTIME_ENV
+    assert (merged["max_ongoing_requests"], merged["max_queued_requests"]) == (300, 40)
+    assert merged["backpressure_config"].status_code == 429
+    assert merged["request_router_config"] == engine["request_router_config"]
+    app = build_app(args)
+    assert app._bound_deployment.func_or_class is ReplicaIngress  # no ingress deployment bound to it
+    assert not any(isinstance(a, Application) for a in app._bound_deployment.init_args)
 
 
 def test_serve_config_yaml_is_valid_and_local() -> None:

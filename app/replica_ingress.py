@@ -1,0 +1,116 @@
+"""The engine replica as its own HTTP ingress (`ingress_in_replica: true`): one Ray hop per request
+and per streamed event instead of two.
+
+By default a request crosses two Serve deployments: Serve's proxy hands it to an `OpenAIIngress`
+replica (FastAPI: validation, tokenization, admission, SSE), which calls an engine replica
+(`LLMServer`) through a handle and relays each delta back. Each hop costs Python on both sides per
+request and per streamed item (docs/results/http_path.md). Here each engine replica runs the
+ingress's FastAPI app itself, calling its own `LLMServer` in process through `LocalHandle` (the
+few handle methods the ingress uses), so the proxy routes straight to an engine replica and the
+deltas go from the engine to the HTTP response on one event loop, as Ray Serve LLM's direct
+streaming and vLLM's API server (engine and HTTP in one process) do.
+
+What is the same: the OpenAI routes and shapes, the proxy's door, the ingress's in-flight limit
+and token gate (now per engine replica), demand counting, the replica's own admission, disconnects
+freeing KV, /health and /metrics. What differs: the proxy chooses the replica with the app's
+router (`TokenLoadRouter`) but without the request's prompt (Serve's proxy routes HTTP requests
+before reading their body), so by the replicas' reported token load alone: no prefix or
+prompt-size ranking; and a request whose replica dies is not retried on another one (there is
+no ingress in between to resend it), it fails with 503 and the client retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from app.ingress import OpenAIIngress
+from replicas.serving.deployment import LLMServer
+
+# The class Serve's `@serve.ingress(api)` built (routes on the shared FastAPI app): subclassed below.
+_IngressClass = OpenAIIngress.func_or_class
+
+
+class LocalStream:
+    """A call of `LLMServer.generate` in this process, as the ingress reads a handle's streaming
+    response: an async iterator with `cancel()` (which closes the generator: its `finally` aborts
+    the request and frees its KV blocks)."""
+
+    def __init__(self, gen: AsyncIterator[Any]) -> None:
+        self._gen = gen
+        self._closing: asyncio.Task | None = None
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._gen.__anext__()
+
+    def cancel(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._gen.aclose())
+
+
+class _LocalMethod:
+    def __init__(self, fn: Callable[..., Any], stream: bool) -> None:
+        self._fn, self._stream = fn, stream
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stream:
+            return LocalStream(self._fn(*args, **kwargs))
+        return self._call(*args, **kwargs)
+
+    async def _call(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+
+class LocalHandle:
+    """The part of a `DeploymentHandle` to `LLMServer` that the ingress uses, calling an
+    `LLMServer` in this process: `generate` (streaming), `model_info`, `check_health`."""
+
+    def __init__(self, server: LLMServer, app_name: str | None, deployment_name: str, stream: bool = False) -> None:
+        self.server, self.app_name, self.deployment_name, self._stream = server, app_name, deployment_name, stream
+
+    def options(self, stream: bool = False, **_: Any) -> LocalHandle:
+        return LocalHandle(self.server, self.app_name, self.deployment_name, stream)
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        if name not in ("generate", "model_info", "check_health"):
+            raise AttributeError(name)
+        return _LocalMethod(getattr(self.server, name), self._stream and name == "generate")
+
+
+class ReplicaIngress(_IngressClass):
+    """An engine replica that serves the OpenAI API itself: `LLMServer` plus the ingress's app."""
+
+    start_attempts = 1  # no other replica to resend to from here: a dead engine fails the request
+
+    async def __init__(self, config: Any, args: Any, reporter_factory: Callable[[], Any] | None = None) -> None:
+        from ray import serve
+
+        # The model loads off the event loop: Serve's own calls to the replica go on meanwhile.
+        self.server = await asyncio.to_thread(LLMServer, config, reporter_factory=reporter_factory)
+        try:
+            context = serve.get_replica_context()
+            app_name, deployment = context.app_name, context.deployment
+        except Exception:  # noqa: BLE001 - outside Serve (tests)
+            app_name, deployment = None, "LLMServer"
+        await super().__init__(LocalHandle(self.server, app_name, deployment), args)
+
+    # Serve's hooks on the deployment class (the engine's health and autoscaling metrics), and
+    # the engine replica's load report, as `LLMServer` answers them.
+    def load(self) -> Any:
+        return self.server.load()
+
+    def check_health(self) -> dict[str, Any]:
+        return self.server.check_health()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.server.record_autoscaling_stats()
+
+    async def __del__(self) -> None:  # Serve awaits it on graceful shutdown (the ASGI app's too)
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.shutdown()
+        await super().__del__()

@@ -1,0 +1,77 @@
+"""`ingress_in_replica: true`: the engine replicas serve the OpenAI API themselves, one Serve
+deployment and no ingress: the same answers as the default two-deployment app, refusals in
+OpenAI's shape, a client that leaves frees its KV."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.serve
+
+APP_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 2048},
+            "num_cpus": 1, "ingress_in_replica": True}
+NAME = "inreplica"
+
+
+@pytest.fixture(scope="module")
+def merged_url(extra_app) -> Iterator[str]:  # noqa: ANN001 - tests/conftest.py
+    with extra_app(NAME, APP_ARGS) as url:
+        yield url
+
+
+def test_one_deployment_serves_the_api(merged_url: str) -> None:
+    from ray import serve
+
+    deployments = serve.status().applications[NAME].deployments
+    assert set(deployments) == {"LLMServer"}
+    health = httpx.get(f"{merged_url}/health", timeout=60)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["runner"]["path"]  # the engine's own status, asked in process
+    models = httpx.get(f"{merged_url}/v1/models", timeout=60).json()
+    assert models["data"][0]["max_model_len"] > 0
+
+
+def test_the_same_answers_as_through_an_ingress(merged_url: str, client: httpx.Client) -> None:
+    body = {"model": "embedded-tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    want = client.post("/v1/completions", json=body).json()
+    got = httpx.post(f"{merged_url}/v1/completions", json=body, timeout=120).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["usage"] == want["usage"]
+    with httpx.stream("POST", f"{merged_url}/v1/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    events = [json.loads(d) for d in data[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want["choices"][0]["text"]
+    assert events[-1]["usage"] == want["usage"]
+    chat = {"model": "embedded-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "temperature": 0}
+    assert (httpx.post(f"{merged_url}/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"]
+            == client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"])
+
+
+def test_bad_requests_get_openai_errors(merged_url: str) -> None:
+    r = httpx.post(f"{merged_url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{merged_url}/v1/completions", json={"prompt": "x" * 20000, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_frees_its_kv(merged_url: str, wait_until) -> None:  # noqa: ANN001
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name=NAME)
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{merged_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert handle.load.remote().result().num_running == 1
+    wait_until(lambda: handle.load.remote().result().num_running == 0, what="the stream's request aborted")
+    assert handle.load.remote().result().running_tokens == 0
