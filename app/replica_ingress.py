@@ -16,7 +16,7 @@ freeing KV, /health and /metrics. What differs: the proxy chooses the replica wi
 router (`TokenLoadRouter`) but without the request's prompt (Serve's proxy routes HTTP requests
 before reading their body), so by the replicas' reported token load alone: no prefix or
 prompt-size ranking; and a request whose replica dies is not retried on another one (there is
-no ingress in between to resend it), it fails with 503 and the client retries.
+no ingress in between to resend it): it fails with a server error, which clients retry.
 """
 
 from __future__ import annotations
