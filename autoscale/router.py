@@ -28,7 +28,10 @@ is a field of `RouterTuning` (autoscale/router_tuning.py), where the defaults li
                                                "ranking": "prefix", "sample_size": 16})
 
 Handle calls are expected as `generate(prompt_token_ids, params, ...)` (see
-`routing.request_cost` for the accepted shapes); other methods cost nothing.
+`routing.request_cost` for the accepted shapes); other methods cost nothing. An HTTP request from
+Serve's proxy to replicas that serve HTTP themselves (`ingress_in_replica`) arrives with its body
+unread: it is booked at the replicas' mean tokens per running request (`unread_request_tokens`
+while none runs), so a burst between two load reports spreads.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class TokenLoadRouter(RequestRouter):
         self._odd_call_logged = False
         self._controller: Any = None
         self._loads: dict[str, ReplicaLoad] = {}  # replaced, never changed, by each snapshot
+        self._unread: tuple[object, RequestCost] = (None, RequestCost(0, 0))  # (of which loads, cost)
         # The ledger's unreflected tokens against `_view_loads`, kept current by the book.
         self._view_loads: Mapping[str, ReplicaLoad] | None = None
         self._in_flight: tuple[dict[str, int], dict[str, int]] = ({}, {})
@@ -165,6 +169,9 @@ class TokenLoadRouter(RequestRouter):
     def _cost(self, pending_request: PendingRequest | None) -> RequestCost:
         if pending_request is None:
             return RequestCost(0, 0)
+        args = pending_request.args
+        if args and isinstance(args[0], (bytes, bytearray)):  # Serve's proxy: an HTTP request, body unread
+            return self._unread_cost()
         try:
             return request_cost(pending_request.args, pending_request.kwargs, self.tuning.default_max_tokens)
         except Exception as exc:  # an odd call shape must not break routing: rank it as free
@@ -173,6 +180,17 @@ class TokenLoadRouter(RequestRouter):
                                "(logged once)", exc)
                 self._odd_call_logged = True
             return RequestCost(0, 0)
+
+    def _unread_cost(self) -> RequestCost:
+        """An HTTP request whose body nobody has read (`ingress_in_replica`): the replicas' mean
+        tokens per running request in the last snapshot, or `unread_request_tokens` without one."""
+        if self._unread[0] is not self._loads:  # once a snapshot, not once a request
+            loads = self._loads.values()
+            running = sum(load.num_running for load in loads)
+            tokens = (sum(load.running_tokens for load in loads) // running if running
+                      else self.tuning.unread_request_tokens)
+            self._unread = (self._loads, RequestCost(tokens, tokens))
+        return self._unread[1]
 
     def _fresh_loads(self, now: float) -> Mapping[str, ReplicaLoad]:
         if now - self._loads_at > self.tuning.max_snapshot_age_s:

@@ -34,6 +34,10 @@ class RouterTuning:
     prefix_hints: int = 131072  # about two entries a live conversation
     seed: int | None = None  # the tie-breaking and sampling RNG; None: fresh entropy
     default_max_tokens: int = 0  # a request without max_tokens needs this much KV beyond its prompt
+    # An HTTP request from Serve's proxy (to replicas that serve HTTP themselves) is routed before
+    # its body is read: it is booked at the replicas' mean tokens per running request, or this
+    # many while none runs, so a burst between two load reports spreads instead of piling up.
+    unread_request_tokens: int = 256
     # ---- the controller snapshot --------------------------------------------------------------
     refresh_interval_s: float = 0.05  # fetch a fresh snapshot at most this often
     stale_after_s: float = 0.2  # older than this: the next request waits for the refresh...
@@ -48,7 +52,7 @@ class RouterTuning:
             raise ValueError(f"ranking must be one of {RANKINGS}, got {self.ranking!r}")
         if self.sample_size is not None and (not _is_int(self.sample_size) or self.sample_size < 2):
             raise ValueError(f"sample_size must be an int >= 2 or None, got {self.sample_size!r}")
-        for name in ("prefix_hints", "default_max_tokens"):
+        for name in ("prefix_hints", "default_max_tokens", "unread_request_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -129,3 +129,34 @@ def test_prefix_ranking_sends_the_next_turn_where_the_history_went():
 
     first, second = asyncio.run(conversation())
     assert second == first
+
+
+def test_http_requests_routed_before_their_body_is_read_spread_over_a_burst():
+    """An engine replica that serves HTTP itself (`ingress_in_replica`) gets each request from
+    Serve's proxy as bytes, its body unread: the router books it at the replicas' mean tokens per
+    running request (256 while none runs), so a burst between two load reports spreads evenly
+    over equally loaded replicas instead of following ties at random."""
+    keys = ["a", "b"]
+    idle = {k: ReplicaLoad(k, free_blocks=1000, total_blocks=1000, block_size=16) for k in keys}
+    replicas = [Replica(k) for k in keys]
+
+    async def burst(r: TokenLoadRouter, n: int) -> list[str]:
+        chosen = []
+        for i in range(n):
+            meta = type("Meta", (), {"internal_request_id": f"h{i}"})()
+            pending = Pending((b"serialized ASGI request",), {}, meta)
+            best = (await r.choose_replicas(replicas, pending))[0][0]
+            r.on_request_routed(pending, best.replica_id, None)
+            chosen.append(best.replica_id)
+        return chosen
+
+    r = router(idle, seed=7)
+    chosen = asyncio.run(burst(r, 8))
+    # Each goes to the one booked less (ties at random): never more than one apart.
+    assert all(abs(chosen[:i].count("a") - chosen[:i].count("b")) <= 1 for i in range(1, 9))
+    assert r._cost(Pending((b"x",), {}, None)).tokens == 256
+    busy = {k: ReplicaLoad(k, running_tokens=3000, num_running=4, free_blocks=1000, total_blocks=1000,
+                           block_size=16) for k in keys}
+    r = router(busy, seed=7)
+    asyncio.run(burst(r, 1))  # the first request waits for the snapshot
+    assert r._cost(Pending((b"x",), {}, None)).tokens == 750  # 6000 tokens over 8 running requests
