@@ -25,7 +25,8 @@ FINISHED = "ray_stallfree_request_success_total"  # by finished_reason, from the
 LEFT_MID_STREAM: list[object] = []  # the streams this module's clients closed early
 SERVER_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 4096},
                "num_cpus": 1, "ingress_num_cpus": 0.1, "replica": {"stream_interval_ms": 0},
-               "proxy_door": {"max_requests": 1, "min_requests": 1}}
+               "proxy_door": {"max_requests": 1, "min_requests": 1},
+               "ingress_in_replica": True}  # as serve_config.yaml ships: the engine replica serves HTTP
 
 
 @pytest.fixture(scope="module")
