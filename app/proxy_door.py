@@ -21,8 +21,10 @@ as its stream cap, the number it learned keeps those gaps under the target (cut 
 requests in flight when the gaps turn slow, grown by 5% at a time only while they stay quick
 and the cap binds, held otherwise, through quiet spells too: without it, each time the gaps
 recovered the door let a flood in, which made them slow again for as long as those streams ran,
-and after the overload every new request waited for the flood to drain); and for a moment after the ingress
-refused one (the server just said no). It also keeps the ingress's lag-adaptive in-flight limit
+and after the overload every new request waited for the flood to drain); for a moment after the ingress
+refused one (the server just said no); and while as many of the requests it forwarded wait for an
+answer as the server has lately taken without refusing (a window learned as TCP's congestion
+window). It also keeps the ingress's lag-adaptive in-flight limit
 (`app.stream_limit.StreamLimit`) on the proxy's own event loop, for a proxy that is itself the
 one falling behind. The ingress keeps its own limit
 and the token door (`app.admission`): this door only answers early what they would refuse late.
@@ -274,6 +276,12 @@ CAP_COOLDOWN_S = 2.0  # at most one cut this often (the gap window must show wha
 CAP_GROW_EVERY_S = 1.0  # at most one growth step this often (about the time an admitted request
 # takes to show in the gaps: its first token under load)
 CAP_GROW_BINDING = 0.05  # while the gaps are quick and the cap binds: + this share of it (at least 1)
+# The window of requests forwarded and not yet answered (no response start), learned as TCP's
+# congestion window: a 429 from downstream cuts it to this x those waiting (at most once a
+# WINDOW_COOLDOWN_S: the requests already on their way bring the same news), each answer that
+# admits grows it by 1/window (one a window's worth of answers).
+WINDOW_DECREASE = 0.5
+WINDOW_COOLDOWN_S = 0.5
 
 
 class Pending:
@@ -286,6 +294,11 @@ class Pending:
     their median wait is over `target_s` (one long prompt prefilling does not close it; many
     requests queueing do). A 429 from downstream closes it too, for `hold_s` (at most its
     Retry-After): the server said no, so the next arrivals are answered here, not sent to hear it.
+    And it cuts the window of requests forwarded and not yet answered (`window`, as TCP's
+    congestion window: `WINDOW_DECREASE` x those on their way, at most once a `WINDOW_COOLDOWN_S`,
+    never under `min_cap`; +1/window for each request admitted downstream, up to `max_cap`):
+    without it the door reopened after each hold and let a round trip's worth of arrivals through
+    to be refused late.
     So does the way to the ingress (`hop`): while the median time the last `hop_window_s`'s
     responses took there and back, the ingress's own part taken off, is over `hop_target_s`.
 
@@ -333,6 +346,8 @@ class Pending:
         self.num_refused_retries = 0  # of which the client said they were retries (counted before)
         self.max_cap, self.min_cap = max_cap, min_cap
         self.cap = float(max_cap)
+        self.window = float(max_cap)  # forwarded and not answered, at most (`window_cut`, `admitted`)
+        self._window_cut_at = float("-inf")
         self.in_flight = 0  # forwarded, not ended (`start` .. `ended`)
         self._cut_at = self._grown_at = float("-inf")
         self._log = log
@@ -345,6 +360,7 @@ class Pending:
         self.min_gaps = max(20, round(2 / settings.slow_share))
         self.max_cap, self.min_cap = settings.max_requests, settings.min_requests
         self.cap = min(float(self.max_cap), max(float(self.min_cap), self.cap))
+        self.window = min(float(self.max_cap), max(float(self.min_cap), self.window))
 
     def start(self) -> int:
         key = next(self._ids)
@@ -397,8 +413,17 @@ class Pending:
         return len(gaps) >= self.min_gaps and self._num_slow > self.slow_share * len(gaps)
 
     def saw_429(self, retry_after: int) -> None:
+        now = self._clock()
         self.retry_after = max(1, retry_after)
-        self.held_until = max(self.held_until, self._clock() + min(self.hold_s, self.retry_after))
+        self.held_until = max(self.held_until, now + min(self.hold_s, self.retry_after))
+        if now - self._window_cut_at >= WINDOW_COOLDOWN_S:  # those still on their way were sent too many
+            self.window = max(float(self.min_cap), WINDOW_DECREASE * len(self._started))
+            self._window_cut_at = now
+
+    def admitted(self) -> None:
+        """A forwarded request was answered with its first token (not refused): the window grows."""
+        if self.window < self.max_cap:
+            self.window = min(float(self.max_cap), self.window + 1 / max(self.window, 1.0))
 
     @property
     def num_refused_demand(self) -> int:
@@ -411,6 +436,10 @@ class Pending:
         now = self._clock()
         if now < self.held_until:
             self.reason = "refused downstream"
+            return False
+        if len(self._started) >= self.window:
+            self.reason = "unanswered window"
+            self.retry_after = 1
             return False
         if now - self._checked_at >= self.check_every_s:
             self._checked_at = now
@@ -498,6 +527,9 @@ class PendingMiddleware:
             elif pending.reason == "stream cap":
                 why = (f"it relays {pending.in_flight} requests, as many as it found keep their streams' "
                        f"gaps under {1000 * (pending.gap_target_s or 0):.0f} ms")
+            elif pending.reason == "unanswered window":
+                why = (f"{len(pending._started)} requests it forwarded wait for their first token or refusal, "
+                       f"as many as the server has lately taken without refusing")
             else:
                 why = "it refused a request moments ago"
             if self.count is not None:
@@ -526,6 +558,8 @@ class PendingMiddleware:
                 if message["status"] == 429:
                     retry = next((v for k, v in headers if k.lower() == b"retry-after"), b"1")
                     pending.saw_429(int(retry) if retry.isdigit() else 1)
+                elif message["status"] < 300:
+                    pending.admitted()
             await send(message)
 
         try:

@@ -82,6 +82,32 @@ def test_a_429_from_downstream_holds_it_for_the_hold_at_most_the_retry_after() -
     assert pending.retry_after == 1 and not pending.admits()
 
 
+def test_a_429_cuts_the_window_of_unanswered_requests_and_answers_regrow_it() -> None:
+    """Like TCP's congestion window: a 429 from downstream cuts the requests the door may have
+    forwarded and not heard back from to half of those on their way (at most once in 0.5 s, and
+    never under min_requests), and each admitting answer grows it by 1/window."""
+    pending, clock = pending_of(gap_target_s=None)
+    pending.min_cap = 8
+    keys = [pending.start() for _ in range(40)]
+    pending.answered(keys.pop())  # the refused one
+    pending.saw_429(1)
+    assert pending.window == 19.5  # half of the 39 still on their way
+    pending.saw_429(1)  # the same news again, within the cooldown: no second cut
+    assert pending.window == 19.5
+    clock.t += 0.6  # past the hold
+    assert not pending.admits() and pending.reason == "unanswered window"  # 39 waiting >= 19.5
+    for key in keys[:20]:  # 20 answered with their first token: 19 left, and the window grows
+        pending.answered(key)
+        pending.admitted()
+    assert 20.4 < pending.window < 20.6
+    assert pending.admits()  # 19 waiting < 20.5
+    clock.t += 0.6
+    for key in keys[20:]:
+        pending.answered(key)
+    pending.saw_429(1)  # nothing on its way: the floor
+    assert pending.window == 8
+
+
 def test_slow_streams_close_it_until_their_gaps_leave_the_window() -> None:
     pending, clock = pending_of()
     for _ in range(18):
