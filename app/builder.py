@@ -17,7 +17,6 @@ from ray.serve.config import BackpressureConfig
 from app.args import AppArgs
 from app.ingress import OpenAIIngress
 from app.http_path import proxy_kind
-from app.proxy_door import CALLBACK_ENV, IMPORT_PATH
 from app.replica_ingress import ReplicaIngress
 from autoscale.reporter import LoadReporter
 from autoscale.serve_options import deployment_options, graceful_shutdown_timeout

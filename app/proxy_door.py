@@ -375,6 +375,11 @@ class Pending:
     def answered(self, key: int) -> None:
         self._started.pop(key, None)
 
+    @property
+    def unanswered(self) -> int:
+        """Forwarded requests with no response start yet (no first token, no refusal)."""
+        return len(self._started)
+
     def now(self) -> float:
         return self._clock()
 
@@ -417,7 +422,7 @@ class Pending:
         self.retry_after = max(1, retry_after)
         self.held_until = max(self.held_until, now + min(self.hold_s, self.retry_after))
         if now - self._window_cut_at >= WINDOW_COOLDOWN_S:  # those still on their way were sent too many
-            self.window = max(float(self.min_cap), WINDOW_DECREASE * len(self._started))
+            self.window = max(float(self.min_cap), WINDOW_DECREASE * self.unanswered)
             self._window_cut_at = now
 
     def admitted(self) -> None:
@@ -437,7 +442,7 @@ class Pending:
         if now < self.held_until:
             self.reason = "refused downstream"
             return False
-        if len(self._started) >= self.window:
+        if self.unanswered >= self.window:
             self.reason = "unanswered window"
             self.retry_after = 1
             return False
@@ -528,7 +533,7 @@ class PendingMiddleware:
                 why = (f"it relays {pending.in_flight} requests, as many as it found keep their streams' "
                        f"gaps under {1000 * (pending.gap_target_s or 0):.0f} ms")
             elif pending.reason == "unanswered window":
-                why = (f"{len(pending._started)} requests it forwarded wait for their first token or refusal, "
+                why = (f"{pending.unanswered} requests it forwarded wait for their first token or refusal, "
                        f"as many as the server has lately taken without refusing")
             else:
                 why = "it refused a request moments ago"

@@ -39,10 +39,11 @@ class Delta:
         """One delta carrying this one's tokens and the `later` one's."""
         return Delta(self.req, self.start, later.end, later.finished)
 
-    def output(self, text: str | None = None) -> RequestOutput:
+    def output(self) -> RequestOutput:
+        """The `RequestOutput` it stands for, its text not decoded yet (`StreamText.fill`)."""
         req, finished = self.req, self.finished
         return RequestOutput(
-            request_id=self.request_id, delta_text=text, delta_token_ids=req.output_token_ids[self.start:self.end],
+            request_id=self.request_id, delta_text=None, delta_token_ids=req.output_token_ids[self.start:self.end],
             finished=finished, finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=self.end,
             stop_reason=req.stop_reason if finished else None, num_cached_tokens=req.num_cached_tokens,
