@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import itertools
+import math
 import time
 from operator import attrgetter
 from collections import deque
@@ -29,7 +30,7 @@ from replicas.loading.models import load_config, load_model
 from replicas.execution.parallel import Peers
 from replicas.execution.parallel_workers import start_group
 from replicas.execution.overlap import InFlight, needs_history
-from replicas.outputs import Delta, OutputProcessor
+from replicas.outputs import Delta, OutputProcessor, merged_due
 from replicas.scheduling.pass_time import PassShape, PassTimeModel, seed_shapes, slo_control
 from replicas.protocol import InvalidRequestError, Limits, RequestOutput, SamplingParams, check_priority, sample_id
 from replicas.request import Request, RequestStatus
@@ -154,10 +155,11 @@ class Engine:
         self.recent_tbt: deque[float] = deque(maxlen=config.tbt_sample_window)
         self.last_pass = PassSamples()
         self.num_tbt_samples = 0
-        # A running request's delta goes out at most this often (its first and last at once), the
-        # tokens between detokenized and sent together (the async engine's stream interval; 0:
-        # every pass).
+        # A running request's delta goes out about this often (its first and last at once; at
+        # the landing nearest it is due: `merged_due`), the tokens between detokenized and sent
+        # together (the async engine's stream interval; 0: every pass).
         self.stream_interval_s = 0.0
+        self._landed_at = -math.inf  # perf_counter when the last pass's tokens landed
         # The rate its waiting prompt tokens drain, from its own passes (`drain_rate`).
         self.drain = DrainMeter(self.iterations, config.max_batch_prefill_tokens)
         # The scheduler's counts, refreshed after every change (`_changed`): the replica's load
@@ -408,7 +410,8 @@ class Engine:
         gaps = samples.gaps
         finish, check_stop, emit = self.scheduler.finish, self.outputs.check_stop, self.outputs.emit
         requests = self.requests
-        due = now - self.stream_interval_s  # a delta sent before this is due again
+        due = merged_due(now, self._landed_at, self.stream_interval_s)  # sent by then: due again
+        self._landed_at = now
         for req in self.scheduler.landed(batch, token_ids, now):
             times = req.token_times  # its last entry is `now` (none: a prompt only scored)
             if len(times) > 1:

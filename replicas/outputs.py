@@ -23,6 +23,18 @@ from replicas.request import Request, RequestStatus
 _STOPPED, _LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 
 
+def merged_due(now: float, last_landed: float, interval: float) -> float:
+    """A running stream's delta goes out at this landing if it was last sent at or before the
+    returned time: at the landing nearest its due time (`interval` after the last one), early by
+    up to half a pass rather than late by up to a whole one. The next landing is taken to come
+    as long after this one as this one came after `last_landed`, counted at most a whole
+    interval (so deltas go out at least half an interval apart). The chunks of a stream then
+    come `interval` apart on average, and at most `interval` plus half a pass (while passes are
+    shorter than it), where holding every delta until it is due, as before, let them come up to
+    `interval` plus a whole pass apart: a gap of nearly twice the interval under load."""
+    return now - interval + min(now - last_landed, interval) / 2
+
+
 class Delta:
     """A delta as the loop leaves it for its caller (`OutputProcessor.deltas_by_caller`): the
     request's output tokens `start:end`, and whether it finished with them. The caller builds

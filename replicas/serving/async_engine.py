@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import queue
 import threading
 import time
@@ -67,8 +66,8 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Delta]]) -> None:
 def _merged(first: RequestOutput | Delta | BaseException,
             q: asyncio.Queue) -> list[RequestOutput | Delta | BaseException]:
     """`first` and everything queued behind it, each sample's deltas merged into one (in order;
-    an exception ends the list). A caller slower than the loop (or one holding deltas back for
-    a stream interval) then hands every hop downstream (Serve's stream, SSE) fewer, larger items."""
+    an exception ends the list). A caller slower than the loop then hands every hop downstream
+    (Serve's stream, SSE) fewer, larger items."""
     merged: dict[str, RequestOutput | Delta] = {}
     item = first
     while True:
@@ -84,12 +83,12 @@ def _merged(first: RequestOutput | Delta | BaseException,
 class AsyncEngine:
     def __init__(self, engine: Engine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
                  stream_interval_s: float = 0.0) -> None:
-        """`stream_interval_s`: a stream hands its caller a delta at most this often (the first
-        and the last at once), the tokens in between merged into it; 0: every pass's."""
+        """`stream_interval_s`: a stream hands its caller a delta about this often (the first
+        and the last at once), the tokens in between merged into it; 0: every pass's. The engine
+        holds them (`Engine.stream_interval_s`): deltas it would merge are not built at all."""
         self.engine = engine
         self.wedge_timeout_s = wedge_timeout_s
-        self.stream_interval_s = stream_interval_s
-        engine.stream_interval_s = stream_interval_s  # deltas it would merge are not built at all
+        engine.stream_interval_s = stream_interval_s
         engine.outputs.deltas_by_caller = True  # the streams build and decode their deltas (`_iterate`)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -155,24 +154,15 @@ class AsyncEngine:
         unfinished = {r.request_id for r in reqs}
         text = StreamText(self.engine.tokenizer, reqs)
         ready: deque[RequestOutput | Delta | BaseException] = deque()  # merged, to hand out in order
-        interval = self.stream_interval_s
-        last: dict[str, float] = {}  # when each sample's latest delta was handed out
         try:
             while unfinished:
                 if not ready:
-                    item = await stream.queue.get()
-                    if interval and not isinstance(item, BaseException) and not item.finished:
-                        wait = last.get(item.request_id, -math.inf) + interval - time.monotonic()
-                        if wait > 0:  # the tokens of the next `wait` seconds go with this one
-                            await asyncio.sleep(wait)
-                    ready.extend(_merged(item, stream.queue))
+                    ready.extend(_merged(await stream.queue.get(), stream.queue))
                 item = ready.popleft()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
                     unfinished.discard(item.request_id)
-                if interval:
-                    last[item.request_id] = time.monotonic()
                 yield text.fill(item)
         finally:
             for request_id in unfinished:  # the caller went away: free its KV blocks next iteration

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
+from replicas import engine as engine_module
 from replicas.loading.models import load_model
 from replicas.outputs import Delta, StreamText
 from replicas.protocol import RequestOutput
@@ -92,3 +94,25 @@ def test_text_decoded_by_the_caller_is_the_engines_text(llama) -> None:
             assert [t for o in filled for t in o.delta_token_ids] == [
                 t for o in reference[rid] for t in o.delta_token_ids]
         assert not text._detoks and not text._prompts  # each finished stream let its decoder go
+
+
+def test_the_engine_sends_at_the_pass_nearest_the_interval(llama, monkeypatch) -> None:
+    """The engine's own loop, on a clock that moves 45 ms a pass: with a 50 ms interval, every
+    pass's token goes out (held until due, every other pass's would); at 10 ms a pass, every
+    fifth pass's."""
+    for pass_ms, expected_every in ((45, 1), (10, 5)):
+        clock = [100.0]
+        monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(
+            perf_counter=lambda: clock[0], process_time=lambda: 0.0, monotonic=lambda: clock[0]))
+        eng = Engine(*llama, EngineConfig(max_batch_total_tokens=512))
+        eng.stream_interval_s = 0.050
+        eng.add_request([5, 6, 7], SamplingParams(max_tokens=41, temperature=0, ignore_eos=True))
+        sent_at_pass = []
+        for i in range(41):
+            clock[0] += pass_ms * 1e-3
+            if eng.step():
+                sent_at_pass.append(i)
+        assert not eng.has_unfinished()
+        assert sent_at_pass[0] == 0 and sent_at_pass[-1] == 40  # the first and the last at once
+        middle = sent_at_pass[1:-1]
+        assert middle and all(b - a == expected_every for a, b in zip(sent_at_pass, middle))
