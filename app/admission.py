@@ -55,6 +55,11 @@ class AdmissionGate:
         # Left a replica's queue within SETTLED_KEEP_S (gate clock): only those can still be in a
         # report fresh enough to decide on.
         self._settled: deque[tuple[float, _Ticket]] = deque(maxlen=4096)
+        # `_unreflected` over the snapshot `_base_loads`, kept up to date by every admission,
+        # acknowledgement and settlement: a decision walks the tickets only when a new snapshot
+        # arrives, not once per request (under overload, hundreds of tickets per request).
+        self._base_loads: Mapping[str, ReplicaLoad] | None = None
+        self._base = 0
         self._ids = itertools.count()
         self.num_refused = 0
         self.num_decided = 0
@@ -111,47 +116,65 @@ class AdmissionGate:
         """Count an admitted prompt until `settle(ticket)` (first token, refusal or failure)."""
         ticket = next(self._ids)
         self._tickets[ticket] = _Ticket(prompt_tokens, self._clock())
+        self._base += prompt_tokens  # in no replica's queue yet: counted (`_waiting`)
         return ticket
 
     def acknowledged(self, ticket: int, replica_id: str | None, at: float) -> None:
         """Replica `replica_id` queued it at `at` (its own clock): its reports from then on count it."""
         entry = self._tickets.get(ticket)
         if entry is not None:
+            self._base -= self._waiting(entry)
             entry.replica_id, entry.queued_at = replica_id, at
+            self._base += self._waiting(entry)
 
     def requeued(self, ticket: int) -> None:
         """Sent again (its replica died): no replica holds it until the next acknowledgement."""
         entry = self._tickets.get(ticket)
         if entry is not None:
+            self._base -= self._waiting(entry)
             entry.replica_id, entry.queued_at = None, None
+            self._base += self._waiting(entry)
 
     def settle(self, ticket: int, left_at: float | None = None) -> None:
         """Its first token came (it left the queue at `left_at`, the replica's clock), or it ended."""
         entry = self._tickets.pop(ticket, None)
-        if entry is not None and entry.queued_at is not None and left_at is not None:
+        if entry is None:
+            return
+        self._base -= self._waiting(entry)
+        if entry.queued_at is not None and left_at is not None:
             entry.left_at = left_at
             self._settled.append((self._clock(), entry))
+            self._base -= self._left(entry)
 
     def _unreflected(self, loads: Mapping[str, ReplicaLoad], now: float) -> int:
         """Our own admissions the reports do not show right, judged per replica on its own
         clock: prompts no replica has queued yet (Serve's handle queue, in transit) or queued
-        after that replica's report was taken, minus those that left its queue after the report."""
-        total = 0
+        after that replica's report was taken, minus those that left its queue after the report.
+        Summed over every ticket when a new snapshot arrives, kept since by each change."""
+        if loads is self._base_loads:
+            return self._base
+        self._base_loads = loads
         for ticket, entry in list(self._tickets.items()):
             if now - entry.admitted_at > self.ticket_ttl_s:  # never settled (a lost stream)
                 del self._tickets[ticket]
-            elif entry.queued_at is None:
-                total += entry.tokens
-            elif (load := loads.get(entry.replica_id or "")) is not None and \
-                    entry.queued_at >= load.timestamp - self.reflect_grace_s:
-                total += entry.tokens
         while self._settled and now - self._settled[0][0] > SETTLED_KEEP_S:
             self._settled.popleft()
-        for _, entry in self._settled:
-            load = loads.get(entry.replica_id or "")
-            if load is not None and entry.queued_at < load.timestamp <= entry.left_at:
-                total -= entry.tokens
-        return total
+        self._base = (sum(self._waiting(entry) for entry in self._tickets.values())
+                      - sum(self._left(entry) for _, entry in self._settled))
+        return self._base
+
+    def _waiting(self, entry: _Ticket) -> int:
+        """A ticket's tokens if the snapshot `_base_loads` does not show it waiting: no replica
+        queued it yet, or its replica's report was taken before it was queued."""
+        if entry.queued_at is None:
+            return entry.tokens
+        load = (self._base_loads or {}).get(entry.replica_id or "")
+        return entry.tokens if load is not None and entry.queued_at >= load.timestamp - self.reflect_grace_s else 0
+
+    def _left(self, entry: _Ticket) -> int:
+        """A settled ticket's tokens if the snapshot still shows it waiting, though it started."""
+        load = (self._base_loads or {}).get(entry.replica_id or "")
+        return entry.tokens if load is not None and entry.queued_at < load.timestamp <= entry.left_at else 0
 
     # ---- the snapshot ---------------------------------------------------------------------
 

@@ -119,3 +119,31 @@ def test_the_runner_path_and_compiles_are_set_again_while_idle():
     metrics.on_idle(eng)
     assert sets == [(1, "sdpa"), (1, "sdpa")]
     assert reg.get_sample_value("stallfree_compiles", {"model_name": "m", "phase": "warm_up"}) == 0
+
+
+def test_the_ray_histogram_bound_once_records_what_observe_records():
+    """The Ray backend's many-values path (`_ray_observer`: the tags resolved once per pass)
+    hands Ray's record the same values and tags as `observe` does, value by value."""
+    from ray.serve.metrics import Histogram
+
+    from replicas.serving.metrics import RayBackend
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple[float, dict[str, str]]] = []
+
+        def record(self, value: float, tags: dict[str, str]) -> None:
+            self.calls.append((value, dict(tags)))
+
+    metric = RayBackend().histogram("stallfree_test_gaps_seconds", "test", [0.01, 0.1, 1.0], ["model"])
+    ray_metric = metric._bind.args[0]  # the Ray histogram the backend made
+    assert isinstance(ray_metric, Histogram)
+    ray_metric._metric = Recorder()
+    values = [0.003, 0.05, 0.05, 2.0]
+    for v in values:
+        ray_metric.observe(v, tags={"model": "m"})
+    by_observe = list(ray_metric._metric.calls)
+    ray_metric._metric.calls.clear()
+    metric.record_many(values, {"model": "m"})
+    assert ray_metric._metric.calls == by_observe and len(by_observe) == 4
+    assert by_observe[0][1]["model"] == "m"

@@ -116,7 +116,8 @@ async def run_overload(ctx: Ctx, args: argparse.Namespace, rate: float, found: d
     lag, probe = ov["client_loop_lag"], ov["door_probe"]
     notes = (f"  client fell behind its schedule by at most {ov['client_max_lag_s']:.3f} s; its event loop "
              f"woke late by p50 {ms(lag['p50_s'])} p99 {ms(lag['p99_s'])} max {ms(lag['max_s'])} "
-             f"(niceness {result.get('client_nice')}); the overload's requests all ended "
+             f"(niceness {result.get('client_nice')}; its garbage collector off, "
+             f"{sum(ov['client_gc']['collections'].values())} collections ran anyway); the overload's requests all ended "
              f"{ov['drained_after_s']:g} s after the last send; /health after: {result['health_after']}\n"
              f"  door probe (a second client, its own process, one request every "
              f"{args.door_probe_interval_s:g} s): {probe['status_codes']}; 429 latency p50 "
