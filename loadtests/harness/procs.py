@@ -8,10 +8,12 @@ Ray process of that instance is given), with every descendant of either.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 Proc = tuple[int, str, int, int]  # (parent pid, command line, RSS bytes, start time in clock ticks)
@@ -72,3 +74,20 @@ def ended(pid: int) -> bool:
         return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Processes started in this block get SIGINT's default action even where this process
+    ignores it (started in the background by a shell without job control, or by `nohup`):
+    Python installs its KeyboardInterrupt handler only where SIGINT is not ignored at start, so
+    a `serve run` started from such a process sat out the SIGINT that stops it, and its stopper
+    waited out its whole grace (60 s a server in a test run started that way)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

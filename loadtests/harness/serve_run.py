@@ -113,8 +113,9 @@ class Stack:
         when it fails."""
         self.log.write(f"$ {' '.join(argv)}\n")
         self.log.flush()
-        proc = subprocess.Popen(argv, cwd=self.repo, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        with procs.interruptible():  # it stops on SIGINT (`close`)
+            proc = subprocess.Popen(argv, cwd=self.repo, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         self.procs.append(proc)
         if to_end and proc.wait(STOP_GRACE_S * 3) != 0:
             raise RuntimeError(f"{argv[0]} {argv[1]} exited with code {proc.returncode} (log: {self.log.name})")

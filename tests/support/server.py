@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtests.harness import procs
+
 REPO = Path(__file__).resolve().parents[2]
 STOP_S = 60.0  # serve run shuts Serve and Ray down in this time at most
 
@@ -49,8 +51,9 @@ def serve_run(app_args: dict[str, Any], log_path: Path, timeout_s: float = 600.0
     env = {**os.environ, "RAY_TMPDIR": str(temp_dir), "RAY_worker_niceness": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "-a", "local", str(config)],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with procs.interruptible():  # it stops on SIGINT (below)
+            proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "-a", "local", str(config)],
+                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, timeout_s, log_path)
