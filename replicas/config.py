@@ -201,8 +201,7 @@ class ReplicaOptions:
     stream_interval_ms: float | None = Field(None, description=
         "a stream's tokens go out about this often (the first and the last at once; at the pass "
         "nearest the interval), those between merged into one chunk: fewer, larger items "
-        "through Serve and SSE with many "
-        f"streams; 0: every pass; null: {DEFAULT_STREAM_INTERVAL_MS:g} ms, at most half of "
+        f"through Serve and SSE with many streams; 0: every pass; null: {DEFAULT_STREAM_INTERVAL_MS:g} ms, at most half of "
         "tbt_slo_ms. Set explicitly, it must be at most half of tbt_slo_ms")
     wedge_timeout_s: float = Field(DEFAULT_WEDGE_TIMEOUT_S, description=
         "one engine iteration longer than this fails the replica's health check")
@@ -236,8 +235,9 @@ class ReplicaConfig:
         if slo is not None and interval is not None and 2 * interval > slo:
             # A chunk goes out at the pass end nearest the interval after the last one
             # (`outputs.merged_due`), so a client's gap is under the interval plus half a pass:
-            # under 1.5 x the interval while passes are shorter than it. The proxy door refuses for gaps over the SLO, so an interval over
-            # half of it would close the door on a quiet server.
+            # under 1.5 x the interval while passes are shorter than it. The proxy door refuses
+            # for gaps over the SLO, so an interval over half of it would close the door on a
+            # quiet server.
             raise ValueError(f"stream_interval_ms ({interval:g}) must be at most half of tbt_slo_ms "
                              f"({slo:g}): merged chunks alone would make gaps over the SLO")
 

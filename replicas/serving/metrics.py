@@ -9,7 +9,6 @@ the controller's endpoint, anything outside Serve).
 from __future__ import annotations
 
 import functools
-
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
