@@ -208,6 +208,10 @@ class ReplicaOptions:
     pass_trace_dir: str | None = Field(None, description=
         "each replica writes one JSON line per forward pass here (passes-<pid>.jsonl): wall and "
         "CPU time, predicted time, the SLO target and budget; null: no trace")
+    engine_process: bool = Field(False, description=
+        "the engine loop runs in a process of its own beside the replica's (as vLLM's EngineCore): "
+        "the replica's HTTP work, detokenizing and metrics no longer share a GIL with the passes; "
+        "false: a thread of the replica's process")
 
     def __post_init__(self) -> None:
         _positive("max_queued_tokens", self.max_queued_tokens)

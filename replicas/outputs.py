@@ -13,6 +13,8 @@ decides when a request stops (stop strings) is always decoded here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 from replicas.detokenizer import IncrementalDetokenizer
@@ -165,10 +167,17 @@ class StreamText:
     same tokens in the same order as the engine's would be, so the same text. A delta that has its
     text already (a request with stop strings) passes through."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, reqs: list[Request]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompts: dict[str, Sequence[int]]) -> None:
+        """`prompts`: the prompt of each request whose text is decoded here (`of` picks them)."""
         self._tokenizer = tokenizer
-        self._prompts = {r.request_id: r.prompt_token_ids for r in reqs if not r.params.stop}
+        self._prompts = prompts
         self._detoks: dict[str, tuple[IncrementalDetokenizer, list[int]]] = {}
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, reqs: list[Request]) -> StreamText:
+        """The stream of `reqs`: those without stop strings are decoded here (the loop decodes
+        the others' text, which decides when they stop)."""
+        return cls(tokenizer, {r.request_id: r.prompt_token_ids for r in reqs if not r.params.stop})
 
     def fill(self, out: RequestOutput | Delta) -> RequestOutput:
         if isinstance(out, Delta):

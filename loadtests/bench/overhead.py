@@ -81,7 +81,7 @@ def measure(model: str, decodes: int, steps: int, sampled: bool, threads: int,
         else:
             params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         reqs.append(engine.add_request(prompt, params))
-    text = StreamText(engine.tokenizer, reqs)
+    text = StreamText.of(engine.tokenizer, reqs)
     def step_untimed() -> None:  # each stream decodes every delta it gets, its first ones too
         for out in engine.step():
             text.fill(out)

@@ -63,7 +63,7 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Delta]]) -> None:
         q.put_nowait(out)
 
 
-def _merged(first: RequestOutput | Delta | BaseException,
+def merged_items(first: RequestOutput | Delta | BaseException,
             q: asyncio.Queue) -> list[RequestOutput | Delta | BaseException]:
     """`first` and everything queued behind it, each sample's deltas merged into one (in order;
     an exception ends the list). A caller slower than the loop then hands every hop downstream
@@ -78,6 +78,22 @@ def _merged(first: RequestOutput | Delta | BaseException,
         if q.empty():
             return list(merged.values())
         item = q.get_nowait()
+
+
+async def read_stream(q: asyncio.Queue, unfinished: set[str], text: StreamText) -> AsyncIterator[RequestOutput]:
+    """A request's deltas from `q`, their text decoded (merged deltas: one decode for their
+    tokens together), until each sample in `unfinished` finished (removed from it as it does);
+    an exception queued is raised."""
+    ready: deque[RequestOutput | Delta | BaseException] = deque()  # merged, to hand out in order
+    while unfinished:
+        if not ready:
+            ready.extend(merged_items(await q.get(), q))
+        item = ready.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            unfinished.discard(item.request_id)
+        yield text.fill(item)
 
 
 class AsyncEngine:
@@ -149,21 +165,11 @@ class AsyncEngine:
         return self._iterate(reqs, stream)
 
     async def _iterate(self, reqs: list[Request], stream: _Stream) -> AsyncIterator[RequestOutput]:
-        """The deltas of the request's samples (one stream for all n), until each finished, their
-        text decoded here (merged deltas: one decode for their tokens together)."""
+        """The deltas of the request's samples (one stream for all n), until each finished."""
         unfinished = {r.request_id for r in reqs}
-        text = StreamText(self.engine.tokenizer, reqs)
-        ready: deque[RequestOutput | Delta | BaseException] = deque()  # merged, to hand out in order
         try:
-            while unfinished:
-                if not ready:
-                    ready.extend(_merged(await stream.queue.get(), stream.queue))
-                item = ready.popleft()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    unfinished.discard(item.request_id)
-                yield text.fill(item)
+            async for out in read_stream(stream.queue, unfinished, StreamText.of(self.engine.tokenizer, reqs)):
+                yield out
         finally:
             for request_id in unfinished:  # the caller went away: free its KV blocks next iteration
                 self._abort_own(request_id, stream)

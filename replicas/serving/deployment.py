@@ -2,7 +2,8 @@
 
 `LLMServer` is a plain class: the app builder wraps it with `serve.deployment`, and tests can
 build it without Ray from any engine factory. The batching loop runs on `AsyncEngine`'s own
-thread, so the replica's event loop only moves token ids in and deltas out.
+thread, or in a process of its own (`replica.engine_process`, `ProcessEngine`), so the replica's
+event loop only moves token ids in and deltas out.
 
 Handle protocol (what the ingress calls):
 - `generate(prompt_token_ids, params, priority, request_id)`, a streaming method. Its first
@@ -30,6 +31,7 @@ from replicas.engine import Engine
 from replicas.serving.metrics import Backend, EngineMetrics, RayBackend
 from replicas.loading.models import load_model
 from replicas.serving.pass_trace import PassTrace
+from replicas.serving.engine_process import ChildSpec, ProcessEngine
 from replicas.protocol import (Acknowledged, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, prompt_batch, sample_id)
@@ -57,12 +59,13 @@ class LoadSink(Protocol):
     def stop(self) -> None: ...
 
 
-def build_engine(config: ReplicaConfig) -> Engine:
+def build_engine(config: ReplicaConfig, share: float | None = None) -> Engine:
     """The default engine factory: load the model and build the engine. A replica given part of
-    a GPU (num_gpus < 1) sizes its memory from that part: replicas sharing a device split it."""
+    a GPU (num_gpus < 1) sizes its memory from that part (`share`; None: as Ray gave this
+    process): replicas sharing a device split it."""
     engine_config = config.engine
     fraction = engine_config.kv_cache_memory_fraction
-    share = _gpu_share()
+    share = _gpu_share() if share is None else share
     if fraction is not None and share < 1:
         engine_config = engine_config.replace(kv_cache_memory_fraction=fraction * share)
     return Engine.from_pretrained(config.model, engine_config)
@@ -90,16 +93,24 @@ class LLMServer:
         use_serve_log()
         serve_at_full_priority(logger, "the engine replica")
         self.config = config
-        factory = engine_factory or functools.partial(build_engine, config)
-        engine = factory()
+        factory = engine_factory or functools.partial(build_engine, config, _gpu_share())
         in_serve = _in_serve_replica()
         backend = metrics_backend or (RayBackend() if in_serve else None)
-        if backend is not None:
-            engine.observers.append(EngineMetrics(backend, config.model, config.engine.tbt_slo_s))
-        if config.options.pass_trace_dir is not None:
-            engine.observers.append(PassTrace(config.options.pass_trace_dir))
-        self.engine = AsyncEngine(engine, wedge_timeout_s=config.options.wedge_timeout_s,
-                                  stream_interval_s=config.stream_interval_s)
+        options = config.options
+        self.engine: AsyncEngine | ProcessEngine
+        if options.engine_process:  # the factory, pickled, builds the engine in the child
+            self.engine = ProcessEngine(ChildSpec(
+                factory, options.wedge_timeout_s, config.stream_interval_s,
+                metrics_model=config.model if backend is not None else None, tbt_slo_s=config.engine.tbt_slo_s,
+                pass_trace_dir=options.pass_trace_dir), backend)
+        else:
+            engine = factory()
+            if backend is not None:
+                engine.observers.append(EngineMetrics(backend, config.model, config.engine.tbt_slo_s))
+            if options.pass_trace_dir is not None:
+                engine.observers.append(PassTrace(options.pass_trace_dir))
+            self.engine = AsyncEngine(engine, wedge_timeout_s=options.wedge_timeout_s,
+                                      stream_interval_s=config.stream_interval_s)
         # Load reports to the controller at iteration granularity (only inside Serve).
         self.reporter = reporter_factory() if reporter_factory is not None else None
         if in_serve and self.reporter is not None:

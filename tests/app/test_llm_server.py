@@ -6,6 +6,7 @@ or wedged. (Covers replicas/serving/deployment.py; it lives here beside the app 
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -32,13 +33,15 @@ module_loop = pytest.mark.asyncio(loop_scope="module")
 
 def make_server(engine_config: EngineConfig, **replica: object) -> LLMServer:
     config = ReplicaConfig(model=MODEL, engine=engine_config, options=ReplicaOptions(**replica))  # type: ignore[arg-type]
-    return LLMServer(config, engine_factory=lambda: Engine.from_pretrained(MODEL, engine_config))
+    return LLMServer(config, engine_factory=functools.partial(Engine.from_pretrained, MODEL, engine_config))
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LLMServer]:
-    """One sequence slot, so a second request must wait in the queue."""
-    srv = make_server(EngineConfig(max_num_seqs=1, max_batch_total_tokens=1024), max_queued_tokens=CAP)
+@pytest.fixture(scope="module", params=[False, True], ids=["loop-thread", "engine-process"])
+def server(request: pytest.FixtureRequest) -> Iterator[LLMServer]:
+    """One sequence slot, so a second request must wait in the queue; the engine's loop on a
+    thread of the replica's process, then in a process of its own (`replica.engine_process`)."""
+    srv = make_server(EngineConfig(max_num_seqs=1, max_batch_total_tokens=1024), max_queued_tokens=CAP,
+                      engine_process=request.param)
     yield srv
     srv.shutdown()
 
@@ -76,6 +79,7 @@ async def test_ack_then_deltas_with_exact_counts(server: LLMServer) -> None:
 ])
 async def test_refusals_are_yielded_as_the_only_item(server: LLMServer, ids: list[int], params: dict,
                                                      param: str | None, fragment: str) -> None:
+    params = dict(params)  # the case's own dict is shared by both servers
     priority = params.pop("priority", 0)
     items = [item async for item in server.generate(ids, SamplingParams(**params), priority, "bad")]
     assert len(items) == 1 and isinstance(items[0], InvalidRequestError)
@@ -146,7 +150,7 @@ async def test_one_failing_request_leaves_the_others_running(server: LLMServer,
                                                              await_until: Callable) -> None:
     first = asyncio.ensure_future(drain(server, [5] * 8, {"max_tokens": 300, "ignore_eos": True}, "dup"))
     # Accepted; it then streams its 300 tokens (a short run would free the id before the retry).
-    await await_until(lambda: "dup" in server.engine.engine.requests, interval_s=0.001, what="first request queued")
+    await await_until(lambda: server.engine.load_snapshot.num_running, interval_s=0.001, what="first request running")
     [duplicate] = await drain(server, [5] * 8, {"max_tokens": 2}, "dup")
     assert isinstance(duplicate, InvalidRequestError) and "already in use" in duplicate.message
     [invalid] = await drain(server, [5] * 8, {"max_tokens": 5000}, "other")

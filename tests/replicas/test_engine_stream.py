@@ -82,7 +82,7 @@ def test_text_decoded_by_the_caller_is_the_engines_text(llama) -> None:
     assert all(isinstance(o.delta_text, str) for o in got["req-2"])
     assert all(isinstance(o, RequestOutput) and o.delta_text is None for o in got["req-3"])
     for merge in (1, 7):  # each delta on its own; seven at a time (a slow caller, an interval)
-        text = StreamText(llama[1], reqs)
+        text = StreamText.of(llama[1], reqs)
         for rid, outs in got.items():
             outs = [o if isinstance(o, Delta) else dataclasses.replace(o) for o in outs]
             merged = [functools.reduce(type(outs[0]).followed_by, outs[i:i + merge])

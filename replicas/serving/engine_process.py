@@ -1,0 +1,547 @@
+"""The engine loop in a process of its own (`replica.engine_process`), as vLLM's EngineCore.
+
+In one process the engine's loop thread and the replica's event loop (HTTP, SSE writes,
+admission, detokenizing) share one GIL: under load each torch call the loop makes waits for the
+event loop to let go, and passes run long (measured: a neighbour thread busy a third of the
+time stretched 128-stream decode passes 1.6x; the same work in another process, not at all).
+Here the engine and its loop run in a child process, and the replica's process keeps only
+what faces its callers:
+
+- `ProcessEngine` (the replica's side) has `AsyncEngine`'s interface: `add_request` answers
+  with the stream of a request's deltas (their text decoded here, `StreamText`), `abort`,
+  health, and the snapshots the replica's load reports read (`EngineMirror`: what the engine
+  last published).
+- The child (`child_main`, started as `python -c`) runs an `AsyncEngine` whose streams are
+  the parent's, over one socket: a request's intake and aborts come in; each pass's deltas (as
+  `RequestOutput`s, undecoded), its load, TBT samples, iterations and metric records go out in
+  one message.
+
+The child dies with its parent: it reads until the socket closes. Metrics are recorded in the
+child into a list (`_Forwarding`) and replayed by the parent into its own backend (Ray's metrics
+work only in a Ray worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from replicas.outputs import Delta, StreamText
+from replicas.protocol import RequestOutput, SamplingParams, sample_id
+from replicas.scheduling.batch import QueueCounts
+from replicas.serving.async_engine import AsyncEngine, EngineDeadError, read_stream
+
+logger = logging.getLogger(__name__)
+
+BEAT_S = 0.5  # the child tells its state at least this often, busy or idle (health, gauges)
+START_TIMEOUT_S = 900.0  # the child's model load and warm-up, at most
+ITERATIONS_KEPT = 4096  # the mirror's recent passes (the load reporter reads at most 1,024 back)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildSpec:
+    """What the child builds: `factory()` returns the engine (picklable: a module-level function
+    and its arguments); metrics recorded for `metrics_model` when set; a pass trace when set."""
+
+    factory: Callable[[], Any]
+    wedge_timeout_s: float
+    stream_interval_s: float
+    metrics_model: str | None = None
+    tbt_slo_s: float | None = None
+    pass_trace_dir: str | None = None
+
+
+@dataclasses.dataclass
+class EngineState:
+    """What the child publishes after each pass (and each beat): the replica's view of it."""
+
+    load: QueueCounts
+    tbt: tuple[int, tuple[float, ...]]
+    drain_rate: float | None
+    prefill_tps: float | None
+    busy_since: float | None  # time.monotonic() (one clock for the host) while a pass runs
+    runner: dict[str, Any]
+    sketch: Any = None  # a fresh prefix sketch, when the child rebuilt it
+
+
+# ---- the replica's side -------------------------------------------------------------------
+
+
+class _PassTime:
+    def __init__(self) -> None:
+        self.prefill_tokens_per_s: float | None = None
+
+
+class _Peers:
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+class _Runner:
+    def __init__(self, status: dict[str, Any]) -> None:
+        self.update(status)
+
+    def update(self, status: dict[str, Any]) -> None:
+        self.path, self.fallback_error = status["path"], status["fallback_error"]
+        self.compiles = tuple(status["compiles"])
+
+
+class EngineMirror:
+    """What the replica reads of an engine in another process, as the child last published it:
+    the same names as `Engine`'s, read-only (the limits fixed at start, the rest refreshed)."""
+
+    def __init__(self, info: dict[str, Any], state: EngineState) -> None:
+        self.config = info["config"]
+        self.max_model_len, self.max_batch_total_tokens = info["max_model_len"], info["max_batch_total_tokens"]
+        self.vocab_size, self.block_size = info["vocab_size"], info["block_size"]
+        self.tokenizer = info["tokenizer"]
+        self.iterations: deque[Any] = deque(maxlen=ITERATIONS_KEPT)
+        self.pass_time = _PassTime() if info["pass_time"] else None
+        self.peers = _Peers() if self.config.tensor_parallel_size > 1 else None
+        self.runner = _Runner(state.runner)
+        self._drain_rate: float | None = None
+        self.update(state)
+
+    def update(self, state: EngineState) -> None:
+        self._drain_rate = state.drain_rate
+        if self.pass_time is not None:
+            self.pass_time.prefill_tokens_per_s = state.prefill_tps
+        self.runner.update(state.runner)
+
+    def drain_rate(self) -> float | None:
+        return self._drain_rate
+
+    def close(self) -> None:  # the child closes its engine when it stops
+        pass
+
+
+class _Stream:
+    """A request's deltas as they arrive, on its caller's event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+
+class ProcessEngine:
+    """`AsyncEngine`'s interface over an engine loop in a child process."""
+
+    def __init__(self, spec: ChildSpec, metrics_backend: Any = None) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        main = f"from replicas.serving.engine_process import child_main; child_main({theirs.fileno()})"
+        self._proc = subprocess.Popen([sys.executable, "-c", main], pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._backend = metrics_backend
+        self._metrics: dict[int, Any] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._keys = iter(range(1, 1 << 62))
+        self.error: BaseException | None = None
+        self.wedge_timeout_s = spec.wedge_timeout_s
+        try:
+            self._send(("spec", spec))
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._proc.wait(timeout=30)
+            raise RuntimeError(f"the engine process exited ({self._proc.returncode}) while starting: see its log "
+                               "above") from exc
+        except BaseException:
+            self._kill()
+            raise
+        if kind == "failed":
+            self._proc.wait(timeout=30)
+            raise RuntimeError(f"the engine process failed to start: {payload}")
+        info, state, ops = payload
+        self.engine = EngineMirror(info, state)
+        self.sketch_snapshot = state.sketch
+        self._apply(state, ops, [])
+        self._heard_at = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
+        self._reader.start()
+
+    # ---- caller side -------------------------------------------------------------------
+
+    async def add_request(self, prompts: Sequence[Sequence[int]], params: SamplingParams, request_id: str,
+                          priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """As `AsyncEngine.add_request`: the child checks and queues the request and answers;
+        once queued, the stream of its deltas (their text decoded here)."""
+        if isinstance(prompts, str) or any(isinstance(p, str) for p in prompts):
+            raise TypeError("ProcessEngine.add_request takes prompt token ids, not text")
+        if not prompts:
+            raise ValueError("ProcessEngine.add_request takes one prompt at least")
+        now = time.perf_counter()  # CLOCK_MONOTONIC: the child's perf_counter reads the same clock
+        arrival = now if arrival_time is None else min(arrival_time, now)
+        if not self.is_alive():
+            raise EngineDeadError("engine process is not running")
+        key, stream = next(self._keys), _Stream()
+        self._streams[key] = stream
+        prompts = [list(p) for p in prompts]
+        try:
+            self._send(("add", key, prompts, params, request_id, priority, arrival))
+            answer = await stream.queue.get()
+        except BaseException:  # the caller left before the answer: take back what was queued
+            self._streams.pop(key, None)
+            for i in range(len(prompts) * params.n):
+                self._try_send(("abort", sample_id(request_id, i), key))
+            raise
+        if isinstance(answer, BaseException):
+            self._streams.pop(key, None)
+            raise answer
+        n = params.n
+        texts = {sample_id(request_id, p * n + j): ids for p, ids in enumerate(prompts) for j in range(n)
+                 if not params.stop}
+        return self._iterate(key, request_id, len(prompts) * n, stream, StreamText(self.engine.tokenizer, texts))
+
+    async def _iterate(self, key: int, request_id: str, num: int, stream: _Stream,
+                       text: StreamText) -> AsyncIterator[RequestOutput]:
+        unfinished = {sample_id(request_id, i) for i in range(num)}
+        try:
+            async for out in read_stream(stream.queue, unfinished, text):
+                yield out
+        finally:
+            self._streams.pop(key, None)
+            for sample in unfinished:  # the caller went away: the child frees their KV blocks
+                self._try_send(("abort", sample, key))
+
+    def abort(self, request_id: str) -> None:
+        self._try_send(("abort", request_id, None))
+
+    def is_alive(self) -> bool:
+        return self.error is None and self._proc.poll() is None and self._reader.is_alive()
+
+    def is_healthy(self) -> bool:
+        """False when the child died, a pass has run past the wedge timeout, or the child has
+        said nothing for that long (it tells its state every BEAT_S)."""
+        now = time.monotonic()
+        busy = self._busy_since
+        wedged = busy is not None and now - busy > self.wedge_timeout_s
+        silent = now - self._heard_at > self.wedge_timeout_s + BEAT_S
+        return self.is_alive() and not wedged and not silent
+
+    def shutdown(self) -> None:
+        self._try_send(("stop",))
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        self._conn.close()
+
+    def _kill(self) -> None:
+        self._proc.kill()
+        self._proc.wait(timeout=30)
+
+    def _send(self, message: tuple) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._conn.send_bytes(data)
+
+    def _try_send(self, message: tuple) -> None:
+        try:
+            self._send(message)
+        except OSError:  # the child is gone: nothing left to stop
+            pass
+
+    # ---- the reader thread ---------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, payload = self._conn.recv()
+                self._heard_at = time.monotonic()
+                if kind == "pass":
+                    outputs, state, ops, iterations = payload
+                    self._apply(state, ops, iterations)
+                    self._deliver(outputs)
+                elif kind == "answer":
+                    key, answer = payload
+                    stream = self._streams.get(key)
+                    if stream is not None:
+                        stream.put(answer)
+                elif kind == "peers":  # a tensor-parallel worker's state, for the health check
+                    if self.engine.peers is not None:
+                        self.engine.peers.error = payload
+                elif kind == "dead":
+                    raise EngineDeadError(payload)
+        except BaseException as exc:  # EOF: the child exited
+            code = self._proc.poll()
+            self.error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+                f"the engine process exited ({code})" if code is not None else f"lost the engine process: {exc!r}")
+            if not isinstance(exc, (EOFError, OSError, EngineDeadError)):
+                logger.exception("engine process reader failed")
+            for stream in list(self._streams.values()):
+                stream.put(self.error)
+            self._streams.clear()
+
+    def _apply(self, state: EngineState | None, ops: list[tuple], iterations: list[Any]) -> None:
+        if state is not None:
+            self.load_snapshot, self.tbt_snapshot, self._busy_since = state.load, state.tbt, state.busy_since
+            if state.sketch is not None:
+                self.sketch_snapshot = state.sketch
+            self.engine.update(state)
+        self.engine.iterations.extend(iterations)
+        if ops and self._backend is not None:
+            try:
+                replay(ops, self._backend, self._metrics)
+            except Exception:  # metrics must never stop the stream
+                logger.exception("replaying the engine's metrics failed")
+
+    def _deliver(self, outputs: list[tuple[int, RequestOutput]]) -> None:
+        """A pass's deltas, one wake-up per caller loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        streams = self._streams
+        for key, out in outputs:
+            stream = streams.get(key)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+# ---- metrics across the process boundary ---------------------------------------------------
+
+
+class _Forwarding:
+    """A metrics backend that records what it is asked into `ops`, for `replay` elsewhere."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+        self._count = 0
+
+    def _new(self, kind: str, *args: Any) -> _Forwarded:
+        self._count += 1
+        self.ops.append(("new", self._count, kind, args))
+        return _Forwarded(self._count, self.ops)
+
+    def counter(self, name: str, doc: str, tags: Sequence[str]) -> _Forwarded:
+        return self._new("counter", name, doc, tuple(tags))
+
+    def gauge(self, name: str, doc: str, tags: Sequence[str]) -> _Forwarded:
+        return self._new("gauge", name, doc, tuple(tags))
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> _Forwarded:
+        return self._new("histogram", name, doc, tuple(buckets), tuple(tags))
+
+    def take(self) -> list[tuple]:
+        ops, self.ops[:] = list(self.ops), []
+        return ops
+
+
+class _Forwarded:
+    __slots__ = ("_id", "_ops")
+
+    def __init__(self, metric_id: int, ops: list[tuple]) -> None:
+        self._id, self._ops = metric_id, ops
+
+    def record(self, value: float, tags: dict[str, str]) -> None:
+        self._ops.append(("one", self._id, value, tags))
+
+    def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
+        self._ops.append(("many", self._id, list(values), tags))
+
+
+def replay(ops: list[tuple], backend: Any, metrics: dict[int, Any]) -> None:
+    """Record `ops` (from `_Forwarding`) into `backend`; `metrics`: those made so far, by id."""
+    for op in ops:
+        if op[0] == "new":
+            _, metric_id, kind, args = op
+            metrics[metric_id] = getattr(backend, kind)(*args)
+        elif op[0] == "one":
+            metrics[op[1]].record(op[2], op[3])
+        else:
+            metrics[op[1]].record_many(op[2], op[3])
+
+
+# ---- the child's side ----------------------------------------------------------------------
+
+
+class _Remote:
+    """A parent's stream, as the child's loop sees it: answers go out at once."""
+
+    __slots__ = ("key", "core")
+
+    def __init__(self, key: int, core: _Core) -> None:
+        self.key, self.core = key, core
+
+    def put(self, item: Any) -> None:
+        self.core.send(("answer", (self.key, item)))
+
+
+class _Core(AsyncEngine):
+    """The child's async engine: its streams are the parent's, each pass's deltas one message."""
+
+    def __init__(self, engine: Any, conn: Connection, spec: ChildSpec, forwarding: _Forwarding | None) -> None:
+        self.conn, self._send_lock, self.forwarding = conn, threading.Lock(), forwarding
+        self._sent_iteration: float = -1.0
+        self._sent_sketch: Any = None
+        self._told_at = time.monotonic()
+        super().__init__(engine, wedge_timeout_s=spec.wedge_timeout_s, stream_interval_s=spec.stream_interval_s)
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def state(self) -> tuple[EngineState, list[tuple], list[Any]]:
+        """The engine's state, the metric records since the last call and the passes since the
+        last call (on the loop's thread: it alone appends to `iterations`)."""
+        engine = self.engine
+        sketch = self.sketch_snapshot
+        fresh_sketch = sketch if sketch is not self._sent_sketch else None
+        self._sent_sketch = sketch
+        runner = engine.runner
+        state = EngineState(
+            load=self.load_snapshot, tbt=self.tbt_snapshot, drain_rate=engine.drain_rate(),
+            prefill_tps=engine.pass_time.prefill_tokens_per_s if engine.pass_time is not None else None,
+            busy_since=self._busy_since,
+            runner={"path": runner.path, "fallback_error": runner.fallback_error, "compiles": runner.compiles},
+            sketch=fresh_sketch)
+        iterations = []
+        for it in reversed(engine.iterations):
+            if it.start <= self._sent_iteration or len(iterations) == ITERATIONS_KEPT:
+                break
+            iterations.append(it)
+        if iterations:
+            iterations.reverse()
+            self._sent_iteration = iterations[-1].start
+        self._told_at = time.monotonic()
+        return state, self.forwarding.take() if self.forwarding is not None else [], iterations
+
+    def _tell_idle(self) -> None:
+        """While idle: the observers' gauges, and the state at least every BEAT_S."""
+        super()._tell_idle()
+        if time.monotonic() - self._told_at >= BEAT_S:
+            self.send(("pass", ([], *self.state())))
+
+    def _deliver_all(self, outputs: list[RequestOutput | Delta]) -> None:
+        streams = self._streams
+        sent = []
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            sent.append((stream.key, out.output() if isinstance(out, Delta) else out))
+            if out.finished:
+                del streams[out.request_id]
+        self.send(("pass", (sent, *self.state())))
+
+    def _deliver(self, out: RequestOutput | Delta) -> None:
+        self._deliver_all([out])
+
+
+def child_main(fd: int) -> None:
+    """The engine process: build the engine `ChildSpec` says, then serve the parent on `fd`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s")
+    conn = Connection(fd)
+    _, spec = pickle.loads(conn.recv_bytes())
+    try:
+        engine = spec.factory()
+        forwarding = None
+        if spec.metrics_model is not None:
+            from replicas.serving.metrics import EngineMetrics
+            forwarding = _Forwarding()
+            engine.observers.append(EngineMetrics(forwarding, spec.metrics_model, spec.tbt_slo_s))
+        if spec.pass_trace_dir is not None:
+            from replicas.serving.pass_trace import PassTrace
+            engine.observers.append(PassTrace(spec.pass_trace_dir))
+        core = _Core(engine, conn, spec, forwarding)
+    except BaseException as exc:
+        logger.exception("the engine failed to start")
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    info = {"config": engine.config, "max_model_len": engine.max_model_len,
+            "max_batch_total_tokens": engine.max_batch_total_tokens, "vocab_size": engine.vocab_size,
+            "block_size": engine.block_size, "tokenizer": engine.tokenizer, "pass_time": engine.pass_time is not None}
+    state, ops, _ = core.state()  # the warm-up's passes are not the replica's
+    core.send(("ready", (info, state, ops)))
+    try:
+        _serve(conn, core)
+    finally:
+        core.shutdown()
+        engine.close()
+
+
+def _serve(conn: Connection, core: _Core) -> None:
+    """Take the parent's intake and aborts until it says stop or goes away; meanwhile tell it
+    when the loop died or a tensor-parallel worker is lost."""
+    engine = core.engine
+    remotes: dict[int, _Remote] = {}  # the parent's streams, by key (an abort names its caller's)
+    peers_error: str | None = None
+    while True:
+        if not core.is_alive():
+            core.send(("dead", repr(core.error) if core.error else "the engine loop stopped"))
+            return
+        if engine.peers is not None:
+            try:
+                engine.peers.check()
+                error = None
+            except Exception as exc:  # noqa: BLE001 - reported to the parent's health check
+                error = f"{type(exc).__name__}: {exc}"
+            if error != peers_error:
+                peers_error = error
+                core.send(("peers", error))
+        if not conn.poll(BEAT_S):
+            continue
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the parent is gone
+            return
+        kind = message[0]
+        if kind == "add":
+            _, key, prompts, params, request_id, priority, arrival = message
+            remote = remotes[key] = _Remote(key, core)
+            try:
+                reqs = []
+                for ids in prompts:  # each prompt's n samples follow the previous prompt's
+                    reqs += engine.make_requests(ids, params, request_id, priority, arrival, first_index=len(reqs))
+                for req in reqs[1:]:
+                    req.first_choice = reqs[0]
+            except Exception as exc:  # noqa: BLE001 - a bad request: its caller hears why
+                remote.put(exc)
+                continue
+            core._inbox.put(("add", reqs, remote))
+            core._wake.set()
+        elif kind == "abort":
+            _, request_id, key = message
+            core._abort_own(request_id, remotes.get(key) if key is not None else None)
+        elif kind == "stop":
+            return
+        if len(remotes) > 2 * len(core._streams) + 4096:  # forget the keys of streams long finished
+            live = {id(s) for s in core._streams.values()}
+            newest = max(remotes)
+            for k in [k for k, r in remotes.items() if id(r) not in live and k < newest - 1024]:
+                del remotes[k]
+

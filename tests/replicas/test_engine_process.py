@@ -1,0 +1,195 @@
+"""The engine loop in a process of its own (`replica.engine_process`, `ProcessEngine`): the same
+deltas, text and usage as the loop on a thread; refusals raised before any stream; a caller
+that leaves frees its blocks in the child; the child's metrics, load, TBT samples and passes
+reach the replica's process; a dead child fails its streams and the health check; a child
+whose parent dies exits."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+
+import prometheus_client
+import pytest
+
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.protocol import InvalidRequestError
+from replicas.serving.async_engine import AsyncEngine, EngineDeadError
+from replicas.serving.engine_process import ChildSpec, ProcessEngine, _Forwarding, replay
+from replicas.serving.metrics import EngineMetrics, PrometheusBackend
+
+pytestmark = pytest.mark.engine
+
+MODEL = "embedded:tiny"
+CONFIG = EngineConfig(num_threads=1, max_batch_total_tokens=4096)
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+def spec(**kw: object) -> ChildSpec:
+    return ChildSpec(functools.partial(Engine.from_pretrained, MODEL, CONFIG), wedge_timeout_s=60,
+                     stream_interval_s=0.0, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def backend() -> PrometheusBackend:
+    return PrometheusBackend(prometheus_client.CollectorRegistry())
+
+
+@pytest.fixture(scope="module")
+def proc(backend: PrometheusBackend) -> Iterator[ProcessEngine]:
+    engine = ProcessEngine(spec(metrics_model="m", tbt_slo_s=0.5), backend)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncEngine | ProcessEngine, prompts: list[list[int]], params: SamplingParams,
+                  request_id: str) -> list[tuple]:
+    stream = await engine.add_request(prompts, params, request_id)
+    return [(o.request_id, o.index, o.delta_text, tuple(o.delta_token_ids), o.finished, o.finish_reason,
+             o.stop_reason, o.num_prompt_tokens, o.num_output_tokens,
+             [(lp.token_id, lp.token, round(lp.logprob, 5), [(i, t, round(v, 5)) for i, t, v in lp.top])
+              for lp in o.logprobs or []])
+            async for o in stream]
+
+
+CASES = [
+    ([list(range(5, 40))], SamplingParams(max_tokens=24, temperature=0)),
+    ([list(range(7, 30)), list(range(9, 20))], SamplingParams(max_tokens=9, temperature=0.9, seed=5, n=2)),
+    ([list(range(5, 40))], SamplingParams(max_tokens=30, temperature=0, stop=["e"])),
+    ([list(range(11, 31))], SamplingParams(max_tokens=8, temperature=0, logprobs=2, repetition_penalty=1.3)),
+]
+
+
+@module_loop
+async def test_the_same_deltas_as_the_loop_on_a_thread(proc: ProcessEngine) -> None:
+    local = Engine.from_pretrained(MODEL, CONFIG)
+    thread = AsyncEngine(local)
+    try:
+        for k, (prompts, params) in enumerate(CASES):
+            ours = await collect(proc, prompts, params, f"case-{k}")
+            theirs = await collect(thread, prompts, params, f"case-{k}")
+            assert ours == theirs
+            assert ours[-1][4] and sum(len(o[3]) for o in ours) > 0
+    finally:
+        thread.shutdown()
+
+
+@module_loop
+async def test_a_refusal_is_raised_before_any_stream(proc: ProcessEngine) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        await proc.add_request([[5] * 10], SamplingParams(max_tokens=5000), "too-long")
+    assert refused.value.param == "max_tokens" and "maximum context length is 2048" in refused.value.message
+    running = await proc.add_request([[5] * 8], SamplingParams(max_tokens=1500, ignore_eos=True), "dup")
+    await anext(running)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        await proc.add_request([[5] * 8], SamplingParams(max_tokens=2), "dup")
+    await running.aclose()
+
+
+@module_loop
+async def test_a_caller_that_leaves_frees_its_blocks(proc: ProcessEngine, await_until: Callable) -> None:
+    stream = await proc.add_request([[5] * 30], SamplingParams(max_tokens=1500, ignore_eos=True), "gone")
+    for _ in range(4):
+        await anext(stream)
+    assert proc.load_snapshot.num_running == 1 and proc.load_snapshot.free_blocks < proc.load_snapshot.total_blocks
+    await stream.aclose()
+    await await_until(lambda: proc.load_snapshot.num_running == 0
+                      and proc.load_snapshot.free_blocks == proc.load_snapshot.total_blocks,
+                      what="the child freed the blocks of the stream its caller left")
+
+
+@module_loop
+async def test_metrics_load_and_passes_reach_the_replica(proc: ProcessEngine, backend: PrometheusBackend,
+                                                        await_until: Callable) -> None:
+    def tokens() -> float:
+        return backend.registry.get_sample_value("stallfree_generation_tokens_total", {"model_name": "m"}) or 0.0
+
+    before, samples, passes = tokens(), proc.tbt_snapshot[0], len(proc.engine.iterations)
+    out = await collect(proc, [[5] * 12], SamplingParams(max_tokens=20, ignore_eos=True), "counted")
+    assert out[-1][8] == 20
+    await await_until(lambda: tokens() == before + 20, what="the child's token counter replayed here")
+    assert proc.tbt_snapshot[0] >= samples + 19  # a gap per token after the first
+    assert len(proc.engine.iterations) >= passes + 20  # the passes the load reporter reads
+    assert proc.engine.runner.path == "sdpa" and proc.engine.max_model_len == 2048
+    assert proc.is_healthy()
+
+
+def test_replay_records_what_the_child_recorded() -> None:
+    """The forwarding backend and `replay` give the registry what EngineMetrics would give it."""
+    direct, relayed = (PrometheusBackend(prometheus_client.CollectorRegistry()) for _ in range(2))
+    forwarding = _Forwarding()
+    for b in (direct, forwarding):
+        hist = b.histogram("h_seconds", "doc", [0.1, 1.0], ["model_name"])
+        hist.record_many([0.05, 0.5, 2.0], {"model_name": "x"})
+        b.counter("c_total", "doc", ["model_name"]).record(3, {"model_name": "x"})
+        b.gauge("g", "doc", []).record(7, {})
+    replay(forwarding.take(), relayed, {})
+    assert forwarding.take() == []
+    def samples(backend: PrometheusBackend) -> list[tuple]:
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for m in backend.registry.collect()
+                      for s in m.samples if not s.name.endswith("_created"))
+
+    assert samples(relayed) == samples(direct) and ("h_seconds_bucket", (("le", "1.0"), ("model_name", "x")), 2.0) \
+        in samples(relayed)
+    assert EngineMetrics(forwarding, "m") and forwarding.ops  # EngineMetrics makes its metrics through it
+
+
+@module_loop
+async def test_a_dead_engine_process_fails_its_streams_and_health(await_until: Callable) -> None:
+    engine = ProcessEngine(spec())
+    try:
+        stream = await engine.add_request([[5] * 8], SamplingParams(max_tokens=1500, ignore_eos=True), "doomed")
+        await anext(stream)
+        engine._proc.kill()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        await await_until(lambda: not engine.is_healthy(), what="health fails")
+        with pytest.raises(EngineDeadError):
+            await engine.add_request([[5]], SamplingParams(), "after")
+    finally:
+        engine.shutdown()
+
+
+def test_the_engine_process_exits_with_its_parent(tmp_path: object, wait_until: Callable) -> None:
+    script = textwrap.dedent(f"""
+        import functools, os
+        from replicas import Engine, EngineConfig
+        from replicas.serving.engine_process import ChildSpec, ProcessEngine
+        engine = ProcessEngine(ChildSpec(functools.partial(Engine.from_pretrained, {MODEL!r},
+                                         EngineConfig(num_threads=1)), 60, 0.0))
+        print(engine._proc.pid, flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert parent.returncode == -signal.SIGKILL, parent.stderr
+    child = int(parent.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{child}/stat") as f:  # a zombie awaiting its reaper has exited too
+            return f.read().split(")")[-1].split()[0] == "Z"
+
+    wait_until(gone, what="the orphaned engine process exited")
+
+
+def test_starting_fails_with_the_childs_reason() -> None:
+    bad = ChildSpec(functools.partial(Engine.from_pretrained, "embedded:no-such-model", CONFIG), 60, 0.0)
+    with pytest.raises(RuntimeError, match="failed to start: .*no-such-model"):
+        ProcessEngine(bad)
+
+
+def test_shutdown_stops_the_child_cleanly_and_twice_is_harmless() -> None:
+    engine = ProcessEngine(spec())  # built outside any event loop, as in a replica's constructor
+    assert engine.is_healthy()
+    engine.shutdown()
+    engine.shutdown()
+    assert engine._proc.returncode == 0 and not engine.is_alive()
