@@ -244,6 +244,11 @@ class ReplicaConfig:
             # quiet server.
             raise ValueError(f"stream_interval_ms ({interval:g}) must be at most half of tbt_slo_ms "
                              f"({slo:g}): merged chunks alone would make gaps over the SLO")
+        if self.options.engine_process and self.engine.tensor_parallel_size > 1:
+            # In Serve a group's workers are Ray actors on the replica's placement group: the
+            # engine process is no Ray worker, and would start them as local processes instead.
+            raise ValueError("replica.engine_process runs one device's engine: with "
+                             "engine.tensor_parallel_size > 1 leave it false")
 
     @property
     def stream_interval_s(self) -> float:

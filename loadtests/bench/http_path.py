@@ -47,6 +47,8 @@ def role_of(cmdline: str) -> str:
         return "proxy"
     if "LoadController" in cmdline or "ServeController" in cmdline:
         return "controller"
+    if "replicas.serving.engine_process" in cmdline:  # replica.engine_process: the engine's own process
+        return "engine"
     group = group_of(cmdline)
     return {"ProxyActor": "proxy", "OpenAIIngress": "ingress", "LLMServer": "engine"}.get(group or "", "ray")
 

@@ -45,7 +45,7 @@ from replicas.serving.async_engine import AsyncEngine, EngineDeadError, read_str
 
 logger = logging.getLogger(__name__)
 
-BEAT_S = 0.5  # the child tells its state at least this often, busy or idle (health, gauges)
+BEAT_S = 0.5  # the child tells its state after every pass, and this often while idle (health, gauges)
 START_TIMEOUT_S = 900.0  # the child's model load and warm-up, at most
 ITERATIONS_KEPT = 4096  # the mirror's recent passes (the load reporter reads at most 1,024 back)
 
@@ -71,7 +71,6 @@ class EngineState:
     tbt: tuple[int, tuple[float, ...]]
     drain_rate: float | None
     prefill_tps: float | None
-    busy_since: float | None  # time.monotonic() (one clock for the host) while a pass runs
     runner: dict[str, Any]
     sketch: Any = None  # a fresh prefix sketch, when the child rebuilt it
 
@@ -82,15 +81,6 @@ class EngineState:
 class _PassTime:
     def __init__(self) -> None:
         self.prefill_tokens_per_s: float | None = None
-
-
-class _Peers:
-    def __init__(self) -> None:
-        self.error: str | None = None
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(self.error)
 
 
 class _Runner:
@@ -113,7 +103,7 @@ class EngineMirror:
         self.tokenizer = info["tokenizer"]
         self.iterations: deque[Any] = deque(maxlen=ITERATIONS_KEPT)
         self.pass_time = _PassTime() if info["pass_time"] else None
-        self.peers = _Peers() if self.config.tensor_parallel_size > 1 else None
+        self.peers = None  # no tensor-parallel group (refused with replica.engine_process)
         self.runner = _Runner(state.runner)
         self._drain_rate: float | None = None
         self.update(state)
@@ -167,7 +157,7 @@ class ProcessEngine:
             if not self._conn.poll(START_TIMEOUT_S):
                 raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
             kind, payload = self._conn.recv()
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, EngineDeadError) as exc:
             self._proc.wait(timeout=30)
             raise RuntimeError(f"the engine process exited ({self._proc.returncode}) while starting: see its log "
                                "above") from exc
@@ -201,6 +191,9 @@ class ProcessEngine:
             raise EngineDeadError("engine process is not running")
         key, stream = next(self._keys), _Stream()
         self._streams[key] = stream
+        if self.error is not None:  # the reader failed the streams before this one was added
+            self._streams.pop(key, None)
+            raise EngineDeadError("engine process is not running")
         prompts = [list(p) for p in prompts]
         try:
             self._send(("add", key, prompts, params, request_id, priority, arrival))
@@ -236,13 +229,11 @@ class ProcessEngine:
         return self.error is None and self._proc.poll() is None and self._reader.is_alive()
 
     def is_healthy(self) -> bool:
-        """False when the child died, a pass has run past the wedge timeout, or the child has
-        said nothing for that long (it tells its state every BEAT_S)."""
-        now = time.monotonic()
-        busy = self._busy_since
-        wedged = busy is not None and now - busy > self.wedge_timeout_s
-        silent = now - self._heard_at > self.wedge_timeout_s + BEAT_S
-        return self.is_alive() and not wedged and not silent
+        """False when the child died or has said nothing for the wedge timeout: it tells its
+        state after every pass and every BEAT_S while idle, so one pass (or a stopped process)
+        that lasts longer is wedged."""
+        silent = time.monotonic() - self._heard_at > self.wedge_timeout_s + BEAT_S
+        return self.is_alive() and not silent
 
     def shutdown(self) -> None:
         self._try_send(("stop",))
@@ -258,13 +249,16 @@ class ProcessEngine:
 
     def _send(self, message: tuple) -> None:
         data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self._conn.send_bytes(data)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError as exc:  # a closed or broken socket: the child is gone
+            raise EngineDeadError(f"lost the engine process: {exc!r}") from None
 
     def _try_send(self, message: tuple) -> None:
         try:
             self._send(message)
-        except OSError:  # the child is gone: nothing left to stop
+        except EngineDeadError:  # nothing left to stop
             pass
 
     # ---- the reader thread ---------------------------------------------------------------
@@ -283,9 +277,6 @@ class ProcessEngine:
                     stream = self._streams.get(key)
                     if stream is not None:
                         stream.put(answer)
-                elif kind == "peers":  # a tensor-parallel worker's state, for the health check
-                    if self.engine.peers is not None:
-                        self.engine.peers.error = payload
                 elif kind == "dead":
                     raise EngineDeadError(payload)
         except BaseException as exc:  # EOF: the child exited
@@ -300,7 +291,7 @@ class ProcessEngine:
 
     def _apply(self, state: EngineState | None, ops: list[tuple], iterations: list[Any]) -> None:
         if state is not None:
-            self.load_snapshot, self.tbt_snapshot, self._busy_since = state.load, state.tbt, state.busy_since
+            self.load_snapshot, self.tbt_snapshot = state.load, state.tbt
             if state.sketch is not None:
                 self.sketch_snapshot = state.sketch
             self.engine.update(state)
@@ -426,7 +417,6 @@ class _Core(AsyncEngine):
         state = EngineState(
             load=self.load_snapshot, tbt=self.tbt_snapshot, drain_rate=engine.drain_rate(),
             prefill_tps=engine.pass_time.prefill_tokens_per_s if engine.pass_time is not None else None,
-            busy_since=self._busy_since,
             runner={"path": runner.path, "fallback_error": runner.fallback_error, "compiles": runner.compiles},
             sketch=fresh_sketch)
         iterations = []
@@ -495,24 +485,14 @@ def child_main(fd: int) -> None:
 
 
 def _serve(conn: Connection, core: _Core) -> None:
-    """Take the parent's intake and aborts until it says stop or goes away; meanwhile tell it
-    when the loop died or a tensor-parallel worker is lost."""
+    """Take the parent's intake and aborts until it says stop or goes away; tell it if the loop
+    dies meanwhile."""
     engine = core.engine
     remotes: dict[int, _Remote] = {}  # the parent's streams, by key (an abort names its caller's)
-    peers_error: str | None = None
     while True:
         if not core.is_alive():
             core.send(("dead", repr(core.error) if core.error else "the engine loop stopped"))
             return
-        if engine.peers is not None:
-            try:
-                engine.peers.check()
-                error = None
-            except Exception as exc:  # noqa: BLE001 - reported to the parent's health check
-                error = f"{type(exc).__name__}: {exc}"
-            if error != peers_error:
-                peers_error = error
-                core.send(("peers", error))
         if not conn.poll(BEAT_S):
             continue
         try:

@@ -81,6 +81,8 @@ def test_the_engine_and_replica_records_are_nested_not_copied() -> None:
     ({"proxy_door": {"gap_quantile": 1}}, "gap_quantile"),
     ({"engine": {"kv_cache_memory_fraction": 1.5}}, "kv_cache_memory_fraction"),
     ({"ingress_in_replica": True, "router": "prefix"}, "router prefix needs the prompt"),
+    ({"replica": {"engine_process": True}, "engine": {"tensor_parallel_size": 2}},
+     "replica.engine_process runs one device's engine"),
 ])
 def test_invalid_args_fail_at_build_time_naming_the_field(bad: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as err:

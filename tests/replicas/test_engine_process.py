@@ -156,6 +156,22 @@ async def test_a_dead_engine_process_fails_its_streams_and_health(await_until: C
         engine.shutdown()
 
 
+def test_a_child_silent_past_the_wedge_timeout_fails_health(wait_until: Callable) -> None:
+    """A pass that never lands, as a stopped process: health fails, then holds again once it
+    goes on (the child says something at least every BEAT_S)."""
+    engine = ProcessEngine(ChildSpec(functools.partial(Engine.from_pretrained, MODEL, CONFIG), wedge_timeout_s=0.3,
+                                     stream_interval_s=0.0))
+    try:
+        wait_until(engine.is_healthy, what="healthy once started")
+        os.kill(engine._proc.pid, signal.SIGSTOP)
+        wait_until(lambda: not engine.is_healthy(), what="health fails while the child says nothing")
+        os.kill(engine._proc.pid, signal.SIGCONT)
+        wait_until(engine.is_healthy, what="healthy again")
+    finally:
+        os.kill(engine._proc.pid, signal.SIGCONT)
+        engine.shutdown()
+
+
 def test_the_engine_process_exits_with_its_parent(tmp_path: object, wait_until: Callable) -> None:
     script = textwrap.dedent(f"""
         import functools, os

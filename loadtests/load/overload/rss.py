@@ -64,7 +64,10 @@ def rss_report(samples: Sequence[Sample], group: str, t_start: float, t_end: flo
 
 
 def group_of(cmdline: str) -> str | None:
-    """The RSS group of a process by its title (`ray::ServeReplica:llm:LLMServer`), or None."""
+    """The RSS group of a process by its title (`ray::ServeReplica:llm:LLMServer`), or None. An
+    engine replica's own engine process (`replica.engine_process`) counts with its replica."""
+    if "replicas.serving.engine_process" in cmdline:
+        return "LLMServer"
     if "ServeReplica:" in cmdline:
         for group in ("LLMServer", "OpenAIIngress"):
             if f":{group}" in cmdline:

@@ -256,6 +256,7 @@ def test_rss_report() -> None:
     ("ray::ServeReplica:llm:LLMServer.generate", "LLMServer"),
     ("ray::ServeReplica:llm:OpenAIIngress", "OpenAIIngress"),
     ("ray::ProxyActor", "ProxyActor"),
+    ("python -c from replicas.serving.engine_process import child_main; child_main(9)", "LLMServer"),
     ("ray::ServeController.listen_for_change", None),
     ("python -m loadtests.load.overload --set x=LLMServer", None),
 ])
