@@ -1,6 +1,8 @@
 """`ingress_in_replica: true`: the engine replicas serve the OpenAI API themselves, one Serve
 deployment and no ingress: the same answers as the default two-deployment app, refusals in
-OpenAI's shape, a client that leaves frees its KV."""
+OpenAI's shape, a client that leaves frees its KV. This app runs its engine loop in a process of
+its own too (`replica.engine_process`; test_proxy_door_live.py's in-replica app on a thread):
+its metrics reach Ray's export from the replica."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.serve
 
 APP_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 2048},
-            "num_cpus": 1, "ingress_in_replica": True}
+            "num_cpus": 1, "ingress_in_replica": True, "replica": {"engine_process": True}}
 NAME = "inreplica"
 
 
@@ -75,3 +77,21 @@ def test_a_client_that_leaves_frees_its_kv(merged_url: str, wait_until) -> None:
         assert handle.load.remote().result().num_running == 1
     wait_until(lambda: handle.load.remote().result().num_running == 0, what="the stream's request aborted")
     assert handle.load.remote().result().running_tokens == 0
+
+
+def test_the_engine_process_serves_and_its_metrics_are_exported(merged_url: str, ray_serve, wait_until) -> None:  # noqa: ANN001
+    from loadtests.harness import procs
+
+    engines = [pid for pid, (_, cmd, _, _) in procs.table().items() if "replicas.serving.engine_process" in cmd]
+    assert engines, "no engine process runs beside the replica"
+    r = httpx.post(f"{merged_url}/v1/completions", timeout=120,
+                   json={"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+    def exported():  # noqa: ANN202 - recorded in the engine's process, replayed in the replica's
+        samples = ray_serve.scrape()
+        tokens = samples.total("ray_stallfree_generation_tokens_total", application=NAME)
+        ttft = samples.total("ray_stallfree_time_to_first_token_seconds_count", application=NAME)
+        return (tokens, ttft) if tokens >= 16 and ttft >= 1 else None
+
+    wait_until(exported, interval_s=1.0, what="the engine process's metrics exported")
