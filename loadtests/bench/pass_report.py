@@ -7,6 +7,12 @@ predicted length: the passes near the SLO target are the ones whose overruns bec
 the SLO), the CPU time the process got against the wall time (well under 1 with one torch
 thread: the pass waited for a core), and every pass with decodes that ran over the SLO (a gap
 over the SLO for every stream in it). `--json` writes the same as one object.
+
+`--min-seqs N --stream-interval-ms MS` adds the cadence of the span where passes ran N or more
+sequences (a full batch under overload): pass durations and their ratio to prediction, the time
+between landings, and the gaps between a running stream's chunks if its deltas go out at the
+landings `outputs.merged_due` picks for that interval: what the engine alone makes of a client's
+TBT (a client measuring more adds the HTTP path and its own lateness).
 """
 
 from __future__ import annotations
@@ -60,6 +66,50 @@ def report(rows: Sequence[dict[str, Any]], slo_s: float) -> dict[str, Any]:
             "ratio_by_predicted": ratios, "over_slo_with_decodes": over}
 
 
+def percentiles(xs: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(xs, dtype=float)
+    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}
+
+
+def cadence(rows: Sequence[dict[str, Any]], min_seqs: int, interval_s: float) -> dict[str, Any] | None:
+    """Over the span from the first to the last pass of `min_seqs` sequences or more: their
+    durations and ratios to prediction, the time between landings (every pass's), and the gaps
+    between one running stream's chunks, sent at the landings `merged_due` picks."""
+    from replicas.outputs import merged_due
+
+    full = [r for r in rows if r["sequences"] >= min_seqs]
+    if len(full) < 2:
+        return None
+    span = [r for r in rows if full[0]["time"] <= r["time"] <= full[-1]["time"]]
+    landed = [r["time"] + r["duration_s"] for r in span]
+    gaps, sent, before = [], landed[0], landed[0]
+    for at in landed[1:]:
+        if sent <= merged_due(at, before, interval_s):
+            gaps.append(at - sent)
+            sent = at
+        before = at
+    ratios = [r["duration_s"] / r["predicted_s"] for r in full if r.get("predicted_s")]
+    return {"min_seqs": min_seqs, "passes": len(full), "span_s": landed[-1] - landed[0],
+            "duration_s": percentiles([r["duration_s"] for r in full]),
+            "actual_over_predicted": percentiles(ratios) if ratios else None,
+            "landing_interval_s": percentiles(np.diff(landed)), "stream_interval_s": interval_s,
+            "chunk_gap_s": percentiles(gaps) if gaps else None}
+
+
+def format_cadence(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "no span of full passes"
+
+    def ms(p: dict[str, float] | None) -> str:
+        return "-" if p is None else " / ".join(f"{1e3 * p[k]:.1f}" for k in ("p50", "p90", "p99"))
+
+    ratio = c["actual_over_predicted"]
+    ratio_text = "-" if ratio is None else " / ".join(f"{ratio[k]:.2f}" for k in ("p50", "p90", "p99"))
+    return (f"passes of {c['min_seqs']}+ sequences: {c['passes']} over {c['span_s']:.0f} s; duration p50 / p90 / p99 "
+            f"{ms(c['duration_s'])} ms; actual / predicted {ratio_text}; landings every {ms(c['landing_interval_s'])} "
+            f"ms; a stream's chunks at {1e3 * c['stream_interval_s']:g} ms merging: gaps {ms(c['chunk_gap_s'])} ms")
+
+
 def format_report(rep: dict[str, Any], slo_s: float) -> str:
     if not rep["passes"]:
         return "no passes"
@@ -89,10 +139,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("paths", nargs="+", help="passes-<pid>.jsonl files (one replica's, or several)")
     p.add_argument("--slo-ms", type=float, default=1000.0, help="the TBT SLO the passes are judged by")
     p.add_argument("--json", type=Path, help="write the report here too")
+    p.add_argument("--min-seqs", type=int, help="add the cadence of the span of passes with this many "
+                   "sequences or more")
+    p.add_argument("--stream-interval-ms", type=float, default=50.0, help="the merging the cadence replays")
     args = p.parse_args(argv)
     slo_s = args.slo_ms / 1000
-    rep = report(load(args.paths), slo_s)
+    rows = load(args.paths)
+    rep = report(rows, slo_s)
     print(format_report(rep, slo_s))
+    if args.min_seqs is not None:
+        rep["cadence"] = cadence(rows, args.min_seqs, args.stream_interval_ms / 1000)
+        print("\n" + format_cadence(rep["cadence"]))
     if args.json:
         args.json.write_text(json.dumps(rep, indent=2) + "\n")
     return rep

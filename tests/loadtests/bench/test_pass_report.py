@@ -37,3 +37,19 @@ def test_the_report_finds_the_overrun_that_became_a_gap_and_the_pass_that_waited
     assert rep["busy_s"] == pytest.approx(busy)
     assert rep["cpu_per_wall"] == pytest.approx((busy - 0.45) / busy)
     assert json.loads((tmp_path / "r.json").read_text())["passes"] == 13
+
+
+def test_the_cadence_replays_chunks_at_the_landings_merging_picks(tmp_path):
+    """Full passes of 10 ms landing every 10 ms: a stream's chunks at 50 ms merging go out every
+    fifth landing, 50 ms apart; the quieter passes before the full span are left out."""
+    rows = [dict(_row(t, 0.004, 0.004, 0, 1), sequences=2) for t in (0.0, 0.5)]
+    rows += [dict(_row(1.0 + 0.01 * i, 0.01, 0.008, 0, 127), sequences=128) for i in range(101)]
+    path = tmp_path / "passes-1.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rep = pass_report.main([str(path), "--min-seqs", "100", "--stream-interval-ms", "50"])
+    c = rep["cadence"]
+    assert c["passes"] == 101 and c["span_s"] == pytest.approx(1.0)
+    assert c["landing_interval_s"]["p99"] == pytest.approx(0.01)
+    assert c["actual_over_predicted"]["p50"] == pytest.approx(1.25)
+    assert c["chunk_gap_s"]["p50"] == pytest.approx(0.05) and c["chunk_gap_s"]["p99"] == pytest.approx(0.05)
+    assert pass_report.cadence(rows, 1000, 0.05) is None  # no span of full passes
