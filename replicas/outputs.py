@@ -55,13 +55,24 @@ class Delta:
 
     def output(self) -> RequestOutput:
         """The `RequestOutput` it stands for, its text not decoded yet (`StreamText.fill`)."""
+        return output_of(self.fields())
+
+    def fields(self) -> tuple:
+        """The `RequestOutput` it stands for as a tuple (`output_of` builds it): what crosses to
+        the replica's process from an engine in its own (`replica.engine_process`), cheaper to
+        pickle than the object."""
         req, finished = self.req, self.finished
-        return RequestOutput(
-            request_id=self.request_id, delta_text=None, delta_token_ids=req.output_token_ids[self.start:self.end],
-            finished=finished, finish_reason=req.finish_reason if finished else None,
-            num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=self.end,
-            stop_reason=req.stop_reason if finished else None, num_cached_tokens=req.num_cached_tokens,
-            index=req.index)
+        return (self.request_id, req.output_token_ids[self.start:self.end], finished,
+                req.finish_reason if finished else None, len(req.prompt_token_ids), self.end,
+                req.stop_reason if finished else None, req.num_cached_tokens, req.index)
+
+
+def output_of(fields: tuple) -> RequestOutput:
+    """The `RequestOutput` of a `Delta.fields` tuple, its text not decoded yet."""
+    rid, ids, finished, reason, num_prompt, num_output, stop, cached, index = fields
+    return RequestOutput(request_id=rid, delta_text=None, delta_token_ids=ids, finished=finished,
+                         finish_reason=reason, num_prompt_tokens=num_prompt, num_output_tokens=num_output,
+                         stop_reason=stop, num_cached_tokens=cached, index=index)
 
 
 class OutputProcessor:

@@ -13,8 +13,8 @@ what faces its callers:
   last published).
 - The child (`child_main`, started as `python -c`) runs an `AsyncEngine` whose streams are
   the parent's, over one socket: a request's intake and aborts come in; each pass's deltas (as
-  `RequestOutput`s, undecoded), its load, TBT samples, iterations and metric records go out in
-  one message.
+  `Delta.fields` tuples: cheap to pickle, built and decoded here), its load, new TBT samples,
+  iterations and metric records go out in one message.
 
 The child dies with its parent: it reads until the socket closes. Metrics are recorded in the
 child into a list (`_Forwarding`) and replayed by the parent into its own backend (Ray's metrics
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -38,7 +39,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from replicas.outputs import Delta, StreamText
+from replicas.outputs import Delta, StreamText, output_of
 from replicas.protocol import RequestOutput, SamplingParams, sample_id
 from replicas.scheduling.batch import QueueCounts
 from replicas.serving.async_engine import AsyncEngine, EngineDeadError, read_stream
@@ -68,7 +69,7 @@ class EngineState:
     """What the child publishes after each pass (and each beat): the replica's view of it."""
 
     load: QueueCounts
-    tbt: tuple[int, tuple[float, ...]]
+    tbt: tuple[int, list[float]]  # the samples taken ever, and those since the last state
     drain_rate: float | None
     prefill_tps: float | None
     runner: dict[str, Any]
@@ -169,6 +170,7 @@ class ProcessEngine:
             raise RuntimeError(f"the engine process failed to start: {payload}")
         info, state, ops = payload
         self.engine = EngineMirror(info, state)
+        self._tbt_total, self._tbt_tail = 0, deque(maxlen=info["config"].tbt_sample_window)
         self.sketch_snapshot = state.sketch
         self._apply(state, ops, [])
         self._heard_at = time.monotonic()
@@ -289,9 +291,16 @@ class ProcessEngine:
                 stream.put(self.error)
             self._streams.clear()
 
+    @property
+    def tbt_snapshot(self) -> tuple[int, tuple[float, ...]]:
+        """As `AsyncEngine.tbt_snapshot`: the TBT samples taken ever, and the latest of them."""
+        return self._tbt_total, tuple(self._tbt_tail)
+
     def _apply(self, state: EngineState | None, ops: list[tuple], iterations: list[Any]) -> None:
         if state is not None:
-            self.load_snapshot, self.tbt_snapshot = state.load, state.tbt
+            self.load_snapshot = state.load
+            self._tbt_total = state.tbt[0]
+            self._tbt_tail.extend(state.tbt[1])
             if state.sketch is not None:
                 self.sketch_snapshot = state.sketch
             self.engine.update(state)
@@ -302,14 +311,16 @@ class ProcessEngine:
             except Exception:  # metrics must never stop the stream
                 logger.exception("replaying the engine's metrics failed")
 
-    def _deliver(self, outputs: list[tuple[int, RequestOutput]]) -> None:
-        """A pass's deltas, one wake-up per caller loop."""
+    def _deliver(self, outputs: list[tuple[int, RequestOutput | tuple]]) -> None:
+        """A pass's deltas (a `Delta.fields` tuple, or the output the child built), one wake-up
+        per caller loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         streams = self._streams
         for key, out in outputs:
             stream = streams.get(key)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append(
+                    (stream.queue, output_of(out) if isinstance(out, tuple) else out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -397,6 +408,7 @@ class _Core(AsyncEngine):
     def __init__(self, engine: Any, conn: Connection, spec: ChildSpec, forwarding: _Forwarding | None) -> None:
         self.conn, self._send_lock, self.forwarding = conn, threading.Lock(), forwarding
         self._sent_iteration: float = -1.0
+        self._sent_tbt = 0  # TBT samples taken so far that the parent has heard of
         self._sent_sketch: Any = None
         self._told_at = time.monotonic()
         super().__init__(engine, wedge_timeout_s=spec.wedge_timeout_s, stream_interval_s=spec.stream_interval_s)
@@ -414,8 +426,12 @@ class _Core(AsyncEngine):
         fresh_sketch = sketch if sketch is not self._sent_sketch else None
         self._sent_sketch = sketch
         runner = engine.runner
+        total = engine.num_tbt_samples
+        fresh = min(total - self._sent_tbt, len(engine.recent_tbt))
+        self._sent_tbt = total
         state = EngineState(
-            load=self.load_snapshot, tbt=self.tbt_snapshot, drain_rate=engine.drain_rate(),
+            load=self.load_snapshot, tbt=(total, list(itertools.islice(reversed(engine.recent_tbt), fresh))[::-1]),
+            drain_rate=engine.drain_rate(),
             prefill_tps=engine.pass_time.prefill_tokens_per_s if engine.pass_time is not None else None,
             runner={"path": runner.path, "fallback_error": runner.fallback_error, "compiles": runner.compiles},
             sketch=fresh_sketch)
@@ -443,7 +459,7 @@ class _Core(AsyncEngine):
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
-            sent.append((stream.key, out.output() if isinstance(out, Delta) else out))
+            sent.append((stream.key, out.fields() if isinstance(out, Delta) else out))
             if out.finished:
                 del streams[out.request_id]
         self.send(("pass", (sent, *self.state())))

@@ -48,13 +48,18 @@ def proc(backend: PrometheusBackend) -> Iterator[ProcessEngine]:
 
 
 async def collect(engine: AsyncEngine | ProcessEngine, prompts: list[list[int]], params: SamplingParams,
-                  request_id: str) -> list[tuple]:
+                  request_id: str) -> dict[str, tuple]:
+    """Each sample's stream joined: text, tokens, logprobs, and how it ended (how its deltas were
+    cut depends on when the caller read them: a slower reader gets them merged)."""
+    joined: dict[str, tuple] = {}
     stream = await engine.add_request(prompts, params, request_id)
-    return [(o.request_id, o.index, o.delta_text, tuple(o.delta_token_ids), o.finished, o.finish_reason,
-             o.stop_reason, o.num_prompt_tokens, o.num_output_tokens,
-             [(lp.token_id, lp.token, round(lp.logprob, 5), [(i, t, round(v, 5)) for i, t, v in lp.top])
-              for lp in o.logprobs or []])
-            async for o in stream]
+    async for o in stream:
+        text, ids, lps, _ = joined.get(o.request_id, ("", (), [], None))
+        lps = lps + [(lp.token_id, lp.token, round(lp.logprob, 5), [(i, t, round(v, 5)) for i, t, v in lp.top])
+                     for lp in o.logprobs or []]
+        end = (o.index, o.finished, o.finish_reason, o.stop_reason, o.num_prompt_tokens, o.num_output_tokens)
+        joined[o.request_id] = (text + o.delta_text, ids + tuple(o.delta_token_ids), lps, end)
+    return joined
 
 
 CASES = [
@@ -74,7 +79,9 @@ async def test_the_same_deltas_as_the_loop_on_a_thread(proc: ProcessEngine) -> N
             ours = await collect(proc, prompts, params, f"case-{k}")
             theirs = await collect(thread, prompts, params, f"case-{k}")
             assert ours == theirs
-            assert ours[-1][4] and sum(len(o[3]) for o in ours) > 0
+            assert len(ours) == len(prompts) * params.n
+            for text, ids, _, (_, finished, *_, num_output) in ours.values():
+                assert finished and text and len(ids) == num_output > 0
     finally:
         thread.shutdown()
 
@@ -111,7 +118,7 @@ async def test_metrics_load_and_passes_reach_the_replica(proc: ProcessEngine, ba
 
     before, samples, passes = tokens(), proc.tbt_snapshot[0], len(proc.engine.iterations)
     out = await collect(proc, [[5] * 12], SamplingParams(max_tokens=20, ignore_eos=True), "counted")
-    assert out[-1][8] == 20
+    assert len(out["counted"][1]) == 20
     await await_until(lambda: tokens() == before + 20, what="the child's token counter replayed here")
     assert proc.tbt_snapshot[0] >= samples + 19  # a gap per token after the first
     assert len(proc.engine.iterations) >= passes + 20  # the passes the load reporter reads
