@@ -142,16 +142,11 @@ class AsyncEngine:
             raise ValueError("AsyncEngine.add_request takes one prompt at least")
         now = time.perf_counter()
         arrival = now if arrival_time is None else min(arrival_time, now)
-        reqs: list[Request] = []
-        for ids in prompts:  # each prompt's n samples follow the previous prompt's
-            reqs += self.engine.make_requests(ids, params, request_id, priority, arrival, first_index=len(reqs))
-        for req in reqs[1:]:
-            req.first_choice = reqs[0]
+        reqs = self._requests(prompts, params, request_id, priority, arrival)
         if not self.is_alive():
             raise EngineDeadError("engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(("add", reqs, stream))
-        self._wake.set()
+        self._submit(reqs, stream)
         if not self.is_alive():  # it stopped meanwhile: nobody else will answer
             self._refuse_inbox(EngineDeadError("engine loop is not running"))
         try:
@@ -163,6 +158,22 @@ class AsyncEngine:
         if isinstance(answer, BaseException):
             raise answer
         return self._iterate(reqs, stream)
+
+    def _requests(self, prompts: Sequence[Sequence[int]], params: SamplingParams, request_id: str,
+                  priority: int, arrival: float) -> list[Request]:
+        """One request's samples, checked (InvalidRequestError): each prompt's n samples after
+        the previous prompt's, all forked from the first."""
+        reqs: list[Request] = []
+        for ids in prompts:
+            reqs += self.engine.make_requests(ids, params, request_id, priority, arrival, first_index=len(reqs))
+        for req in reqs[1:]:
+            req.first_choice = reqs[0]
+        return reqs
+
+    def _submit(self, reqs: list[Request], stream: Any) -> None:
+        """Hand `reqs` to the loop, which answers on `stream` (QUEUED, or why not)."""
+        self._inbox.put(("add", reqs, stream))
+        self._wake.set()
 
     async def _iterate(self, reqs: list[Request], stream: _Stream) -> AsyncIterator[RequestOutput]:
         """The deltas of the request's samples (one stream for all n), until each finished."""

@@ -391,14 +391,17 @@ def replay(ops: list[tuple], backend: Any, metrics: dict[int, Any]) -> None:
 
 
 class _Remote:
-    """A parent's stream, as the child's loop sees it: answers go out at once."""
+    """A parent's stream, as the child's loop sees it: answers go out at once; `open`: its
+    samples not finished yet (at 0 the core forgets its key)."""
 
-    __slots__ = ("key", "core")
+    __slots__ = ("key", "core", "open")
 
     def __init__(self, key: int, core: _Core) -> None:
-        self.key, self.core = key, core
+        self.key, self.core, self.open = key, core, 0
 
     def put(self, item: Any) -> None:
+        if isinstance(item, BaseException):  # refused: nothing of it will stream
+            self.core.remotes.pop(self.key, None)
         self.core.send(("answer", (self.key, item)))
 
 
@@ -407,6 +410,7 @@ class _Core(AsyncEngine):
 
     def __init__(self, engine: Any, conn: Connection, spec: ChildSpec, forwarding: _Forwarding | None) -> None:
         self.conn, self._send_lock, self.forwarding = conn, threading.Lock(), forwarding
+        self.remotes: dict[int, _Remote] = {}  # the parent's streams by key (an abort names its own)
         self._sent_iteration: float = -1.0
         self._sent_tbt = 0  # TBT samples taken so far that the parent has heard of
         self._sent_sketch: Any = None
@@ -462,10 +466,32 @@ class _Core(AsyncEngine):
             sent.append((stream.key, out.fields() if isinstance(out, Delta) else out))
             if out.finished:
                 del streams[out.request_id]
+                stream.open -= 1
+                if not stream.open:
+                    self.remotes.pop(stream.key, None)
         self.send(("pass", (sent, *self.state())))
 
     def _deliver(self, out: RequestOutput | Delta) -> None:
         self._deliver_all([out])
+
+    def take(self, message: tuple) -> None:
+        """A request's intake or an abort, from the parent (on the child's main thread)."""
+        if message[0] == "add":
+            _, key, prompts, params, request_id, priority, arrival = message
+            remote = self.remotes[key] = _Remote(key, self)
+            try:
+                reqs = self._requests(prompts, params, request_id, priority, arrival)
+            except Exception as exc:  # noqa: BLE001 - a bad request: its caller hears why
+                remote.put(exc)
+                return
+            remote.open = len(reqs)
+            self._submit(reqs, remote)
+        else:
+            _, request_id, key = message
+            if key is None:  # `abort(request_id)`: whichever stream has it
+                self._abort_own(request_id, None)
+            elif key in self.remotes:  # a caller that left: its own request only (a key gone: finished)
+                self._abort_own(request_id, self.remotes[key])
 
 
 def child_main(fd: int) -> None:
@@ -503,8 +529,6 @@ def child_main(fd: int) -> None:
 def _serve(conn: Connection, core: _Core) -> None:
     """Take the parent's intake and aborts until it says stop or goes away; tell it if the loop
     dies meanwhile."""
-    engine = core.engine
-    remotes: dict[int, _Remote] = {}  # the parent's streams, by key (an abort names its caller's)
     while True:
         if not core.is_alive():
             core.send(("dead", repr(core.error) if core.error else "the engine loop stopped"))
@@ -515,29 +539,6 @@ def _serve(conn: Connection, core: _Core) -> None:
             message = pickle.loads(conn.recv_bytes())
         except EOFError:  # the parent is gone
             return
-        kind = message[0]
-        if kind == "add":
-            _, key, prompts, params, request_id, priority, arrival = message
-            remote = remotes[key] = _Remote(key, core)
-            try:
-                reqs = []
-                for ids in prompts:  # each prompt's n samples follow the previous prompt's
-                    reqs += engine.make_requests(ids, params, request_id, priority, arrival, first_index=len(reqs))
-                for req in reqs[1:]:
-                    req.first_choice = reqs[0]
-            except Exception as exc:  # noqa: BLE001 - a bad request: its caller hears why
-                remote.put(exc)
-                continue
-            core._inbox.put(("add", reqs, remote))
-            core._wake.set()
-        elif kind == "abort":
-            _, request_id, key = message
-            core._abort_own(request_id, remotes.get(key) if key is not None else None)
-        elif kind == "stop":
+        if message[0] == "stop":
             return
-        if len(remotes) > 2 * len(core._streams) + 4096:  # forget the keys of streams long finished
-            live = {id(s) for s in core._streams.values()}
-            newest = max(remotes)
-            for k in [k for k, r in remotes.items() if id(r) not in live and k < newest - 1024]:
-                del remotes[k]
-
+        core.take(message)

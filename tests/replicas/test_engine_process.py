@@ -216,3 +216,52 @@ def test_shutdown_stops_the_child_cleanly_and_twice_is_harmless() -> None:
     engine.shutdown()
     engine.shutdown()
     assert engine._proc.returncode == 0 and not engine.is_alive()
+
+
+def test_the_child_forgets_finished_streams_and_a_stale_abort_stops_nothing(wait_until: Callable) -> None:
+    """The child's side in process: a stream's key is forgotten once its samples finish, and an
+    abort from a caller whose stream finished does not stop a new request that took the same id."""
+    import socket
+    import threading
+    import time
+    from multiprocessing.connection import Connection
+
+    from replicas.serving.engine_process import _Core
+
+    ours, theirs = socket.socketpair()
+    parent, child = Connection(ours.detach()), Connection(theirs.detach())
+    heard: list[tuple] = []
+    reader = threading.Thread(target=lambda: _read_all(parent, heard), daemon=True)
+    reader.start()
+    core = _Core(Engine.from_pretrained(MODEL, CONFIG), child, spec(), None)
+    try:
+        def finished(key: int) -> bool:
+            return any(kind == "pass" and any(k == key and out[2] for k, out in body[0]) for kind, body in heard)
+
+        def tokens(key: int) -> int:  # streamed so far (each delta a `Delta.fields` tuple)
+            return sum(len(out[1]) for kind, body in list(heard) if kind == "pass" for k, out in body[0] if k == key)
+
+        core.take(("add", 1, [[5] * 4], SamplingParams(max_tokens=3, n=2), "x", 0, time.perf_counter()))
+        wait_until(lambda: finished(1) and not core.remotes, what="both samples done and key 1 forgotten")
+        core.take(("add", 2, [[5] * 4], SamplingParams(max_tokens=1500, ignore_eos=True), "x", 0, time.perf_counter()))
+        wait_until(lambda: tokens(2) >= 1, what="the second request, the same id, streaming")
+        core.take(("abort", "x", 1))  # the first caller, long gone, names the same id
+        before = tokens(2)
+        wait_until(lambda: tokens(2) >= before + 3, what="passes after the stale abort was queued")
+        assert not finished(2) and 2 in core.remotes  # the loop took the abort and stopped nothing
+        core.take(("abort", "x", 2))
+        wait_until(lambda: finished(2) and not core.remotes, what="its own caller's abort stops it")
+    finally:
+        core.shutdown()
+        parent.close()
+        child.close()
+
+
+def _read_all(conn: object, heard: list) -> None:
+    import pickle
+
+    try:
+        while True:
+            heard.append(pickle.loads(conn.recv_bytes()))  # type: ignore[attr-defined]
+    except (EOFError, OSError):
+        return
