@@ -411,6 +411,7 @@ class _Core(AsyncEngine):
     def __init__(self, engine: Any, conn: Connection, spec: ChildSpec, forwarding: _Forwarding | None) -> None:
         self.conn, self._send_lock, self.forwarding = conn, threading.Lock(), forwarding
         self.remotes: dict[int, _Remote] = {}  # the parent's streams by key (an abort names its own)
+        self.started = False  # "ready" sent: the parent reads states from then on
         self._sent_iteration: float = -1.0
         self._sent_tbt = 0  # TBT samples taken so far that the parent has heard of
         self._sent_sketch: Any = None
@@ -453,7 +454,7 @@ class _Core(AsyncEngine):
     def _tell_idle(self) -> None:
         """While idle: the observers' gauges, and the state at least every BEAT_S."""
         super()._tell_idle()
-        if time.monotonic() - self._told_at >= BEAT_S:
+        if self.started and time.monotonic() - self._told_at >= BEAT_S:
             self.send(("pass", ([], *self.state())))
 
     def _deliver_all(self, outputs: list[RequestOutput | Delta]) -> None:
@@ -519,6 +520,7 @@ def child_main(fd: int) -> None:
             "block_size": engine.block_size, "tokenizer": engine.tokenizer, "pass_time": engine.pass_time is not None}
     state, ops, _ = core.state()  # the warm-up's passes are not the replica's
     core.send(("ready", (info, state, ops)))
+    core.started = True
     try:
         _serve(conn, core)
     finally:
