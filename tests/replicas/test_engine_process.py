@@ -6,12 +6,14 @@ whose parent dies exits."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 
 import prometheus_client
@@ -172,8 +174,18 @@ def test_a_child_silent_past_the_wedge_timeout_fails_health(wait_until: Callable
         wait_until(engine.is_healthy, what="healthy once started")
         os.kill(engine._proc.pid, signal.SIGSTOP)
         wait_until(lambda: not engine.is_healthy(), what="health fails while the child says nothing")
+        # Wedged, not dead: the process runs, the reader waits, and no error is set.
+        assert engine.is_alive() and engine.error is None and engine._proc.poll() is None
+        assert time.monotonic() - engine._heard_at > engine.wedge_timeout_s
         os.kill(engine._proc.pid, signal.SIGCONT)
         wait_until(engine.is_healthy, what="healthy again")
+
+        async def serve_one() -> list:
+            stream = await engine.add_request([[5] * 6], SamplingParams(max_tokens=4, ignore_eos=True), "after")
+            return [o async for o in stream]
+
+        outs = asyncio.run(serve_one())  # and it serves again
+        assert outs[-1].finished and outs[-1].num_output_tokens == 4
     finally:
         os.kill(engine._proc.pid, signal.SIGCONT)
         engine.shutdown()
@@ -223,7 +235,6 @@ def test_the_child_forgets_finished_streams_and_a_stale_abort_stops_nothing(wait
     abort from a caller whose stream finished does not stop a new request that took the same id."""
     import socket
     import threading
-    import time
     from multiprocessing.connection import Connection
 
     from replicas.serving.engine_process import _Core
