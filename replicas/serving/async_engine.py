@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,17 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Delta]]) -> None:
         q.put_nowait(out)
 
 
-def merged_items(first: RequestOutput | Delta | BaseException,
+def hand_out(items: Iterable[tuple[_Stream, Any]]) -> None:
+    """Each item into its stream's queue, with one wake-up of each caller's event loop (not one
+    per stream)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for stream, out in items:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+    for loop, batch in by_loop.items():
+        _call_in(loop, _put_all, batch)
+
+
+def _merged(first: RequestOutput | Delta | BaseException,
             q: asyncio.Queue) -> list[RequestOutput | Delta | BaseException]:
     """`first` and everything queued behind it, each sample's deltas merged into one (in order;
     an exception ends the list). A caller slower than the loop then hands every hop downstream
@@ -87,7 +97,7 @@ async def read_stream(q: asyncio.Queue, unfinished: set[str], text: StreamText) 
     ready: deque[RequestOutput | Delta | BaseException] = deque()  # merged, to hand out in order
     while unfinished:
         if not ready:
-            ready.extend(merged_items(await q.get(), q))
+            ready.extend(_merged(await q.get(), q))
         item = ready.popleft()
         if isinstance(item, BaseException):
             raise item
@@ -306,18 +316,17 @@ class AsyncEngine:
             self.tbt_snapshot = (engine.num_tbt_samples, tuple(engine.recent_tbt))
 
     def _deliver_all(self, outputs: list[RequestOutput | Delta]) -> None:
-        """A pass's deltas, with one wake-up of each caller's event loop (not one per stream)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Delta]]] = {}
+        """A pass's deltas, to their callers."""
         streams = self._streams
+        pairs = []
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
-            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            pairs.append((stream, out))
             if out.finished:
                 del streams[out.request_id]
-        for loop, items in by_loop.items():
-            _call_in(loop, _put_all, items)
+        hand_out(pairs)
 
     def _deliver(self, out: RequestOutput | Delta) -> None:
         stream = self._streams.get(out.request_id)

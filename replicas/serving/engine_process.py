@@ -42,7 +42,7 @@ from typing import Any
 from replicas.outputs import Delta, StreamText, output_of
 from replicas.protocol import RequestOutput, SamplingParams, sample_id
 from replicas.scheduling.batch import QueueCounts
-from replicas.serving.async_engine import AsyncEngine, EngineDeadError, read_stream
+from replicas.serving.async_engine import AsyncEngine, EngineDeadError, _Stream, hand_out, read_stream
 
 logger = logging.getLogger(__name__)
 
@@ -122,20 +122,6 @@ class EngineMirror:
         pass
 
 
-class _Stream:
-    """A request's deltas as they arrive, on its caller's event loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            pass
-
-
 class ProcessEngine:
     """`AsyncEngine`'s interface over an engine loop in a child process."""
 
@@ -191,7 +177,7 @@ class ProcessEngine:
         arrival = now if arrival_time is None else min(arrival_time, now)
         if not self.is_alive():
             raise EngineDeadError("engine process is not running")
-        key, stream = next(self._keys), _Stream()
+        key, stream = next(self._keys), _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[key] = stream
         if self.error is not None:  # the reader failed the streams before this one was added
             self._streams.pop(key, None)
@@ -209,13 +195,12 @@ class ProcessEngine:
             self._streams.pop(key, None)
             raise answer
         n = params.n
-        texts = {sample_id(request_id, p * n + j): ids for p, ids in enumerate(prompts) for j in range(n)
-                 if not params.stop}
-        return self._iterate(key, request_id, len(prompts) * n, stream, StreamText(self.engine.tokenizer, texts))
+        samples = [sample_id(request_id, i) for i in range(len(prompts) * n)]  # choice p * n + j
+        texts = {} if params.stop else {rid: prompts[i // n] for i, rid in enumerate(samples)}
+        return self._iterate(key, set(samples), stream, StreamText(self.engine.tokenizer, texts))
 
-    async def _iterate(self, key: int, request_id: str, num: int, stream: _Stream,
+    async def _iterate(self, key: int, unfinished: set[str], stream: _Stream,
                        text: StreamText) -> AsyncIterator[RequestOutput]:
-        unfinished = {sample_id(request_id, i) for i in range(num)}
         try:
             async for out in read_stream(stream.queue, unfinished, text):
                 yield out
@@ -312,25 +297,10 @@ class ProcessEngine:
                 logger.exception("replaying the engine's metrics failed")
 
     def _deliver(self, outputs: list[tuple[int, RequestOutput | tuple]]) -> None:
-        """A pass's deltas (a `Delta.fields` tuple, or the output the child built), one wake-up
-        per caller loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        """A pass's deltas (a `Delta.fields` tuple, or the output the child built) to their callers."""
         streams = self._streams
-        for key, out in outputs:
-            stream = streams.get(key)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append(
-                    (stream.queue, output_of(out) if isinstance(out, tuple) else out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+        hand_out((stream, output_of(out) if isinstance(out, tuple) else out)
+                 for key, out in outputs if (stream := streams.get(key)) is not None)
 
 
 # ---- metrics across the process boundary ---------------------------------------------------
