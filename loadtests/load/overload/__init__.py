@@ -45,17 +45,22 @@ Latencies count from each request's scheduled send time (open loop: the arrival 
 waits for responses, so a server or client that falls behind is measured, not hidden); how late
 the generator sent each request is reported too (send lag p50/p99). The load generator stands in
 for clients on other machines, so on a machine it shares with the server it keeps its own cost
-and wait small: aiohttp (a C HTTP parser: a pure-Python client's event loop saturates on the
-chunks of a 10x overload and reads its own delay as the server's) and, once the server is up,
-CPU niceness `--client-nice` (-10; when the OS allows it). Its event loop's own lag is reported.
+and wait small (reads parsed in place by a reader callback, no task woken per chunk; once the
+server is up, CPU niceness `--client-nice`, -10 when the OS allows it), and it times every gap
+twice (`wire`): as its event loop read the chunk, and on arrival, from the kernel's receive time
+of the chunk's bytes (`SO_TIMESTAMPNS`), which the generator's own lag does not reach. Chunks
+that waited in the socket together carry the later one's arrival, so a gap on arrival can read
+long, never short. Its event loop's own lag is reported.
 During the overload a second client, the door probe, sends one small request every
 `--door-probe-interval-s` from its own process, on a new connection each: the 429 latency is
-judged by it too. TBT is what the client sees: events that arrive in one network read have a gap
-of 0. Every request is bounded by `--timeout-s` (its own category). Prints the run table (per
-phase: 429 p50/p99, accepted TTFT/TBT p99 beside the sustainable rate's, 5xx, cut streams, send
-lag) and the targets with PASS/MISS (n/a: nothing to judge, e.g. no 429 at all), and writes
-everything to `--json`; the server's log lands next to it.
+judged by it too. TBT as read is what the client sees: events read together have a gap of 0;
+the accepted TBT target is judged both as read and on arrival (each against the sustainable
+rate's measured the same way). Every request is bounded by `--timeout-s` (its own category).
+Prints the run table (per phase: 429 p50/p99, accepted TTFT/TBT p99 beside the sustainable
+rate's, TBT p99 on arrival, 5xx, cut streams, send lag) and the targets with PASS/MISS (n/a:
+nothing to judge, e.g. no 429 at all), and writes everything to `--json`; the server's log lands
+next to it.
 
-Modules: `cli` (flags, the run), `phases`, `sse_client` (the load generator), `workload`,
-`records`, `summary`, `search`, `report` (targets, tables), `rss`, `gauges`.
+Modules: `cli` (flags, the run), `phases`, `sse_client` (the load generator), `wire` (its HTTP
+client), `workload`, `records`, `summary`, `search`, `report` (targets, tables), `rss`, `gauges`.
 """

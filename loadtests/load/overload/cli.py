@@ -22,6 +22,7 @@ from loadtests.load.overload.report import (format_phase, format_runs, format_st
                                        overload_targets, run_row, soak_targets, target)
 from loadtests.load.overload.rss import GROUPS, Pids, RssSampler, rss_report
 from loadtests.load.overload.sse_client import raise_priority
+from loadtests.load.overload.wire import Wire
 from loadtests.load.overload.workload import WORKLOAD_DEFAULTS, WORKLOADS
 from loadtests.harness.report import bench_parser, write_json
 from loadtests.harness.serve_local import merge_args, parse_sets, served
@@ -58,15 +59,16 @@ def bounds(args: argparse.Namespace) -> dict[str, float]:
 
 async def run_all(args: argparse.Namespace, base: str, sampler: RssSampler, result: dict[str, Any]) -> None:
     """Every phase in order; `result` is filled as they finish (so a crash keeps what ran)."""
-    # aiohttp, not httpx: its C parser costs the load generator a fraction of the CPU per
-    # streamed chunk, and on a machine it shares with the server its own lag is measured too.
+    # Measured requests go over the stamped wire (their gaps as read and on arrival); aiohttp
+    # sends the few setup requests (models, calibration, health).
     connector = aiohttp.TCPConnector(limit=args.max_connections)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)
     result["client_nice"] = raise_priority(args.client_nice) if args.client_nice else None
-    async with aiohttp.ClientSession(base_url=base, connector=connector, timeout=timeout) as client:
+    async with (aiohttp.ClientSession(base_url=base, connector=connector, timeout=timeout) as client,
+                Wire.to(base, args.max_connections) as wire):
         async with client.get("/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
-        ctx = await calibrate(client, base, model, args)
+        ctx = await calibrate(client, wire, base, model, args)
         result["model"] = model
         result["warm_up"] = warm = await warm_up(ctx)
         tqdm.write(f"model {model}: prompts of {ctx.words} words (~{warm['prompt_tokens_est']} tokens), "
@@ -112,7 +114,8 @@ async def run_overload(ctx: Ctx, args: argparse.Namespace, rate: float, found: d
                      "series_mb": sampler.series(t_start)}
     result["health_after"] = await health(ctx.client)
     result["targets"] = overload_targets(ov["summary"], found["baseline_tbt_p99_s"],
-                                         ov["recovery"]["recovery_s"], rss, bounds(args), ov["door_probe"])
+                                         ov["recovery"]["recovery_s"], rss, bounds(args), ov["door_probe"],
+                                         found.get("baseline_tbt_arrival_p99_s"))
     lag, probe = ov["client_loop_lag"], ov["door_probe"]
     notes = (f"  client fell behind its schedule by at most {ov['client_max_lag_s']:.3f} s; its event loop "
              f"woke late by p50 {ms(lag['p50_s'])} p99 {ms(lag['p99_s'])} max {ms(lag['max_s'])} "

@@ -26,6 +26,7 @@ from loadtests.load.overload.rss import GROUPS, RssSampler, rss_report, rss_slop
 from loadtests.load.overload.search import next_rate, recovery_seconds, step_verdict, sustainable_rate
 from loadtests.load.overload.sse_client import HEADERS, STALL_S, door_probe, drain, open_loop, sequential
 from loadtests.load.overload.summary import counts, probe_summary, summarize
+from loadtests.load.overload.wire import Wire
 from loadtests.load.overload.workload import completion_spec, load_specs, random_text, soak_spec, uniform_specs
 from loadtests.harness.stats import percentile, spread
 
@@ -34,7 +35,8 @@ from loadtests.harness.stats import percentile, spread
 class Ctx:
     """What every phase needs."""
 
-    client: aiohttp.ClientSession
+    client: aiohttp.ClientSession  # setup and health: models, calibration, /health
+    wire: Wire  # every measured request
     base: str  # the server's URL
     model: str
     args: argparse.Namespace
@@ -47,21 +49,22 @@ class Ctx:
                           self.args.max_tokens, 1.0 / self.tokens_per_word)
 
 
-async def calibrate(client: aiohttp.ClientSession, base: str, model: str, args: argparse.Namespace) -> Ctx:
+async def calibrate(client: aiohttp.ClientSession, wire: Wire, base: str, model: str,
+                    args: argparse.Namespace) -> Ctx:
     """Tokens per prompt word of the served model (one non-streaming request's usage)."""
     rng = np.random.default_rng(args.seed + 999)
     spec = completion_spec(model, random_text(rng, 100), 1, stream=False)
     async with client.post(spec.path, data=spec.payload, headers=HEADERS) as resp:
         resp.raise_for_status()
         per_word = (await resp.json())["usage"]["prompt_tokens"] / 100
-    return Ctx(client, base, model, args, max(1, round(args.prompt_tokens / per_word)), per_word)
+    return Ctx(client, wire, base, model, args, max(1, round(args.prompt_tokens / per_word)), per_word)
 
 
 async def warm_up(ctx: Ctx) -> dict[str, Any]:
     """Unloaded latencies: requests one at a time (the first pays first-call costs, dropped)."""
     rng = np.random.default_rng(ctx.args.seed + 998)
     specs = uniform_specs(rng, 4, ctx.model, ctx.words, ctx.args.max_tokens)
-    recs = (await sequential(ctx.client, specs, ctx.args.timeout_s))[1:]
+    recs = (await sequential(ctx.wire, specs, ctx.args.timeout_s))[1:]
     bad = [classify(r) for r in recs if classify(r) != "ok"]
     if bad:
         raise RuntimeError(f"warm-up requests failed on an idle server: {bad}")
@@ -81,7 +84,7 @@ async def run_step(ctx: Ctx, rate: float, seed: int, grace_s: float, seconds: fl
     offsets = poisson_window(rate, seconds, seed)
     specs = ctx.specs(seed, len(offsets))
     with tqdm(total=len(specs), desc=f"{desc} {rate:g} req/s", unit="req", leave=False) as bar, quiet_gc():
-        run = await open_loop(ctx.client, specs, offsets, ctx.args.timeout_s, bar)
+        run = await open_loop(ctx.wire, specs, offsets, ctx.args.timeout_s, bar)
         await drain(run, grace_s)
     return summarize(run.recs, seconds)
 
@@ -95,7 +98,7 @@ async def bursts(ctx: Ctx, count: int, size: int, pause_s: float) -> dict[str, A
         await asyncio.sleep(pause_s)
         specs = ctx.specs(ctx.args.seed + 500 + k, size)
         with tqdm(total=size, desc=f"burst {k + 1}/{count}", unit="req", leave=False) as bar:
-            run = await open_loop(ctx.client, specs, [0.0] * size, ctx.args.timeout_s, bar)
+            run = await open_loop(ctx.wire, specs, [0.0] * size, ctx.args.timeout_s, bar)
             await drain(run, None)
         s = summarize(run.recs, 0.0)
         per_burst.append({"counts": s["counts"], "ttft_p99_s": s["ttft_p99_s"],
@@ -135,7 +138,8 @@ async def search(ctx: Ctx, warm: dict[str, Any]) -> dict[str, Any]:
         best = min(r for r, _ in history)
     base = next(st for st in steps if st["rate"] == best)
     return {"steps": steps, "sustainable_req_s": best, "found": found, "given": bool(a.rate),
-            "baseline_tbt_p99_s": base["tbt_p99_s"], "baseline_ttft_p99_s": base["ttft_p99_s"]}
+            "baseline_tbt_p99_s": base["tbt_p99_s"], "baseline_ttft_p99_s": base["ttft_p99_s"],
+            "baseline_tbt_arrival_p99_s": base["tbt_arrival_p99_s"]}
 
 
 async def steady(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +157,10 @@ def with_steady_baseline(found: dict[str, Any], st: dict[str, Any]) -> dict[str,
     """The search's result with its baselines taken from the steady phase `st` (the search
     step's own kept as `search_tbt_p99_s` / `search_ttft_p99_s`)."""
     return {**found, "steady": st, "search_tbt_p99_s": found["baseline_tbt_p99_s"],
+            "search_tbt_arrival_p99_s": found.get("baseline_tbt_arrival_p99_s"),
             "search_ttft_p99_s": found["baseline_ttft_p99_s"],
-            "baseline_tbt_p99_s": st["tbt_p99_s"], "baseline_ttft_p99_s": st["ttft_p99_s"]}
+            "baseline_tbt_p99_s": st["tbt_p99_s"], "baseline_ttft_p99_s": st["ttft_p99_s"],
+            "baseline_tbt_arrival_p99_s": st["tbt_arrival_p99_s"]}
 
 
 @contextlib.contextmanager
@@ -212,7 +218,7 @@ async def recovery(ctx: Ctx, unloaded_ttft_s: float, interval_s: float) -> dict[
     specs = uniform_specs(np.random.default_rng(a.seed + 3000), n, ctx.model, ctx.words,
                           min(a.max_tokens, a.probe_max_tokens))
     with tqdm(total=n, desc="recovery probes", unit="req", leave=False) as bar:
-        run = await open_loop(ctx.client, specs, offsets, a.timeout_s, bar)
+        run = await open_loop(ctx.wire, specs, offsets, a.timeout_s, bar)
         await drain(run, None)
     bound = a.recovery_ttft_factor * unloaded_ttft_s
     probes = [(r.sched_s, classify(r) == "ok" and r.ttft_s is not None and r.ttft_s <= bound, r.ttft_s)
@@ -246,7 +252,7 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
         watcher = asyncio.create_task(watch_loop(woke, time.perf_counter, tick_s=0.05))
         with quiet_gc() as client_gc:
             with tqdm(total=len(specs), desc=f"overload {rate:g} req/s", unit="req", leave=False) as bar:
-                run = await open_loop(ctx.client, specs, offsets, a.timeout_s, bar)
+                run = await open_loop(ctx.wire, specs, offsets, a.timeout_s, bar)
             t_end = time.monotonic()
             watcher.cancel()
             interval = probe_interval_s(a.probe_interval_s, rate / a.factor)
@@ -277,7 +283,7 @@ async def soak(ctx: Ctx, rate: float, sampler: RssSampler) -> dict[str, Any]:
     specs = [soak_spec(rng, ctx.model, 1.0 / ctx.tokens_per_word) for _ in offsets]
     t_start = time.monotonic()
     with tqdm(total=len(specs), desc=f"soak {rate:.2f} req/s", unit="req") as bar:
-        run = await open_loop(ctx.client, specs, offsets, a.timeout_s, bar)
+        run = await open_loop(ctx.wire, specs, offsets, a.timeout_s, bar)
     t_end = time.monotonic()
     await drain(run, None)
     tqdm.write(f"soak sent; waiting {a.quiet_s:g} s of quiet before reading the engine's gauges")

@@ -31,7 +31,8 @@ class Rec:
     headers_s: float | None = None
     ttft_s: float | None = None
     end_s: float | None = None
-    gaps: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # between content events, as the client read them
+    arrival_gaps: list[float] = field(default_factory=list)  # the same, as their bytes reached the kernel
     worst_gap_at_s: float | None = None  # when the longest gap ended, from the start of its phase
     chunks: int = 0
     done: bool = False  # `data: [DONE]` (streams) / a complete JSON answer (non-streaming)

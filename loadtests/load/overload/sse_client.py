@@ -1,5 +1,6 @@
-"""The load generator: open-loop sends over aiohttp, SSE streams read and timed, the door probe
-(a second client in its own process) and the generator's own priority."""
+"""The load generator: open-loop sends over the stamped wire (`wire.py`), SSE streams read and
+timed as read and on arrival, the door probe (a second client in its own process) and the
+generator's own priority."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import aiohttp
 from tqdm import tqdm
 
 from loadtests.load.overload.records import Rec, ReqSpec, is_openai_error, refuser
 from loadtests.load.overload.summary import counts
+from loadtests.load.overload.wire import Head, Wire
 
 
 def sse_kind(event: bytes) -> str:
@@ -53,71 +54,74 @@ STALL_S = 0.1  # the load generator's loop woke this late: its gaps then include
 HEADERS = {"Content-Type": "application/json"}
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, rec: Rec, t_sched: float) -> None:
-    """Consume an SSE body: TTFT, every gap between content chunks, [DONE], error events."""
-    buf, last, worst = b"", None, -1.0
-    async for piece in resp.content.iter_any():
-        now = time.perf_counter()
-        events, buf = split_events(buf + piece)
+class Answer:
+    """Fills `rec` from one answer as the wire reads it: the head, then for a streamed 200 every
+    content event's time both as read and on arrival (TTFT, the gaps, [DONE], error events), for
+    anything else the whole body, judged at its end."""
+
+    def __init__(self, spec: ReqSpec, rec: Rec, t_sched: float) -> None:
+        self.spec, self.rec, self.t_sched = spec, rec, t_sched
+        self.buf = b""
+        self.last: float | None = None
+        self.last_at = 0.0
+        self.worst = -1.0
+
+    def head(self, head: Head, now: float) -> None:
+        self.rec.status, self.rec.headers_s = head.status, now - self.t_sched
+
+    def body(self, piece: bytes, now: float, at: float) -> None:
+        rec = self.rec
+        if rec.status != 200 or not self.spec.stream:
+            self.buf += piece
+            return
+        events, self.buf = split_events(self.buf + piece)
         for event in events:
             kind = sse_kind(event)
             if kind == "content":
-                if last is None:
-                    rec.ttft_s = now - t_sched
+                if self.last is None:
+                    rec.ttft_s = now - self.t_sched
                 else:
-                    if now - last > worst:
-                        worst, rec.worst_gap_at_s = now - last, rec.sched_s + now - t_sched
-                    rec.gaps.append(now - last)
-                last = now
+                    if now - self.last > self.worst:
+                        self.worst, rec.worst_gap_at_s = now - self.last, rec.sched_s + now - self.t_sched
+                    rec.gaps.append(now - self.last)
+                    rec.arrival_gaps.append(max(0.0, at - self.last_at))
+                self.last, self.last_at = now, at
                 rec.chunks += 1
             elif kind == "done":
                 rec.done = True
             elif kind == "error":
                 rec.error_event = True
 
-
-async def _read_whole(resp: aiohttp.ClientResponse, rec: Rec, t_sched: float) -> None:
-    """A non-streaming 200: done when it is a JSON answer with choices."""
-    body = await resp.read()
-    rec.ttft_s = time.perf_counter() - t_sched
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return
-    rec.error_event = isinstance(data, dict) and "error" in data
-    rec.done = isinstance(data, dict) and bool(data.get("choices"))
-
-
-async def _read_error(resp: aiohttp.ClientResponse, rec: Rec) -> None:
-    rec.retry_after = "retry-after" in resp.headers
-    body = await resp.read()
-    try:
-        data = json.loads(body)
-    except ValueError:
-        rec.json_body, rec.openai_body = False, False
-        return
-    rec.json_body, rec.openai_body = True, is_openai_error(data)
-    if rec.status == 429 and rec.openai_body:
-        rec.refused_by = refuser(str(data["error"].get("message", "")))
+    def end(self, head: Head) -> None:
+        rec = self.rec
+        if rec.status == 200 and self.spec.stream:
+            return
+        if rec.status == 200:
+            rec.ttft_s = time.perf_counter() - self.t_sched
+        try:
+            data = json.loads(self.buf)
+        except ValueError:
+            data = None
+        if rec.status == 200:
+            rec.error_event = isinstance(data, dict) and "error" in data
+            rec.done = isinstance(data, dict) and bool(data.get("choices"))
+            return
+        rec.retry_after = "retry-after" in head.headers
+        rec.json_body = data is not None
+        rec.openai_body = is_openai_error(data)
+        if rec.status == 429 and rec.openai_body:
+            rec.refused_by = refuser(str(data["error"].get("message", "")))
 
 
-async def _exchange(client: aiohttp.ClientSession, spec: ReqSpec, rec: Rec, t_sched: float) -> None:
-    async with client.post(spec.path, data=spec.payload, headers=HEADERS) as resp:
-        rec.status = resp.status
-        rec.headers_s = time.perf_counter() - t_sched
-        if resp.status != 200:
-            await _read_error(resp, rec)
-        elif spec.stream:
-            await _read_stream(resp, rec, t_sched)
-        else:
-            await _read_whole(resp, rec, t_sched)
+async def _exchange(wire: Wire, spec: ReqSpec, rec: Rec, t_sched: float) -> None:
+    answer = Answer(spec, rec, t_sched)
+    answer.end(await wire.post(spec.path, spec.payload, answer.head, answer.body))
 
 
-async def send(client: aiohttp.ClientSession, spec: ReqSpec, rec: Rec, t_sched: float,
-               timeout_s: float) -> Rec:
+async def send(wire: Wire, spec: ReqSpec, rec: Rec, t_sched: float, timeout_s: float) -> Rec:
     """One request, filled into `rec`; the whole exchange is bounded by `timeout_s`."""
     try:
-        await asyncio.wait_for(_exchange(client, spec, rec, t_sched), timeout_s)
+        await asyncio.wait_for(_exchange(wire, spec, rec, t_sched), timeout_s)
     except asyncio.TimeoutError:
         rec.timed_out = True
     except Exception as exc:  # noqa: BLE001 - any transport failure is a result, not a crash
@@ -138,7 +142,7 @@ class Launched:
     max_lag_s: float = 0.0  # how far behind its schedule the generator fell at worst
 
 
-async def open_loop(client: aiohttp.ClientSession, specs: Sequence[ReqSpec], offsets: Sequence[float],
+async def open_loop(wire: Wire, specs: Sequence[ReqSpec], offsets: Sequence[float],
                     timeout_s: float, bar: tqdm) -> Launched:
     """Start every request at its offset without waiting for any answer (open loop).
 
@@ -156,7 +160,7 @@ async def open_loop(client: aiohttp.ClientSession, specs: Sequence[ReqSpec], off
         max_lag = max(max_lag, lag)
         rec = Rec(spec.kind, off, send_lag_s=lag)
         recs.append(rec)
-        tasks.append(asyncio.create_task(send(client, spec, rec, t0 + off, timeout_s)))
+        tasks.append(asyncio.create_task(send(wire, spec, rec, t0 + off, timeout_s)))
         bar.update(1)
         if time.perf_counter() - last_post > 1.0:
             last_post = time.perf_counter()
@@ -231,10 +235,10 @@ async def drain(run: Launched, timeout_s: float | None) -> None:
         await asyncio.wait(pending)
 
 
-async def sequential(client: aiohttp.ClientSession, specs: Sequence[ReqSpec], timeout_s: float) -> list[Rec]:
+async def sequential(wire: Wire, specs: Sequence[ReqSpec], timeout_s: float) -> list[Rec]:
     """Requests one after another (unloaded latencies)."""
     out: list[Rec] = []
     for spec in specs:
         t = time.perf_counter()
-        out.append(await send(client, spec, Rec(spec.kind, 0.0), t, timeout_s))
+        out.append(await send(wire, spec, Rec(spec.kind, 0.0), t, timeout_s))
     return out

@@ -41,6 +41,7 @@ def summarize(recs: Sequence[Rec], window_s: float) -> dict[str, Any]:
     """Counts by category, latencies of accepted requests, and what the rejections looked like."""
     by = counts(recs)
     gaps = [g for r in recs if r.status == 200 for g in r.gaps]
+    arrival_gaps = [g for r in recs if r.status == 200 for g in r.arrival_gaps]
     ttft = accepted_ttfts(recs)
     rejected = [r for r in recs if r.status == 429]
     non200 = [r for r in recs if r.status is not None and r.status != 200]
@@ -55,6 +56,7 @@ def summarize(recs: Sequence[Rec], window_s: float) -> dict[str, Any]:
         "ttft_max_s": max(ttft, default=None),
         "tbt_p50_s": percentile(gaps, 50), "tbt_p99_s": percentile(gaps, 99),
         "tbt_max_s": max(gaps, default=None), "num_gaps": len(gaps),
+        "tbt_arrival_p50_s": percentile(arrival_gaps, 50), "tbt_arrival_p99_s": percentile(arrival_gaps, 99),
         "headers_200_p99_s": percentile([r.headers_s for r in recs
                                          if r.status == 200 and r.headers_s is not None], 99),
         "reject_p50_s": percentile(lat429, 50), "reject_p99_s": percentile(lat429, 99),

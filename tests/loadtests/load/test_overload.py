@@ -4,14 +4,13 @@ against a server started as `serve run` starts it. Numbers are asserted, never t
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import numpy as np
 import pytest
 
 from loadtests.harness import procs
-from loadtests.load.overload import cli, gauges, phases, records, report, search, sse_client, workload
+from loadtests.load.overload import cli, gauges, phases, records, report, search, sse_client, wire, workload
 from loadtests.load.overload import rss as mem
 from loadtests.load.overload import summary as stats
 
@@ -48,27 +47,56 @@ def test_split_events_keeps_the_unfinished_tail() -> None:
 
 
 @pytest.mark.unit
-def test_read_stream_times_every_gap_and_when_the_worst_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_answer_times_every_gap_as_read_and_on_arrival_and_when_the_worst_ended() -> None:
     """Reads at t = 10.0 (first token), 10.1, 10.4, 10.5 (+[DONE]) of a request scheduled at 9.9,
-    2 s into its phase: gaps 0.1, 0.3, 0.1; the worst ended 2 + 0.5 s into the phase."""
+    2 s into its phase, whose bytes reached the kernel at 9.99, 10.09, 10.2, 10.3: gaps as read
+    0.1, 0.3, 0.1, on arrival 0.1, 0.11, 0.1; the worst ended 2 + 0.5 s into the phase."""
     content = b'data: {"choices":[{"text":"a"}]}\n\n'
-    reads = [(10.0, content), (10.1, content), (10.4, content), (10.5, content + b"data: [DONE]\n\n")]
-    clock = iter(t for t, _ in reads)
-    monkeypatch.setattr(sse_client.time, "perf_counter", lambda: next(clock))
-
-    class Content:
-        async def iter_any(self):  # type: ignore[no-untyped-def]
-            for _, piece in reads:
-                yield piece
-
-    class Resp:
-        content = Content()
-
+    reads = [(10.0, 9.99, content), (10.1, 10.09, content), (10.4, 10.2, content[:9]),
+             (10.4, 10.2, content[9:]), (10.5, 10.3, content + b"data: [DONE]\n\n")]
     r = rec(sched_s=2.0)
-    asyncio.run(sse_client._read_stream(Resp(), r, 9.9))  # type: ignore[arg-type]
+    answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=True), r, 9.9)
+    head = wire.Head(200, {"content-type": "text/event-stream"})
+    answer.head(head, 9.95)
+    for now, at, piece in reads:
+        answer.body(piece, now, at)
+    answer.end(head)
+    assert r.status == 200 and r.headers_s == pytest.approx(0.05)
     assert r.ttft_s == pytest.approx(0.1) and r.gaps == pytest.approx([0.1, 0.3, 0.1])
+    assert r.arrival_gaps == pytest.approx([0.1, 0.11, 0.1])
     assert r.worst_gap_at_s == pytest.approx(2.5) and r.chunks == 4 and r.done and not r.error_event
     assert records.compact(r)["worst_gap_at_s"] == pytest.approx(2.5)
+    s = stats.summarize([r], 1.0)
+    assert (s["tbt_arrival_p50_s"], s["num_gaps"]) == (pytest.approx(0.1), 3)
+
+
+@pytest.mark.unit
+def test_an_answer_reads_a_refusal_and_a_whole_answer_at_their_end() -> None:
+    """A 429 in OpenAI's shape with Retry-After, split over two reads: the bound named, the
+    header seen; a non-streamed 200 with choices is done; a 503 with an HTML body is not JSON."""
+    body = json.dumps({"error": {"message": "the replica's queue is full (x)", "type": "t",
+                                 "param": None, "code": 429}}).encode()
+    r = rec()
+    answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=True), r, 0.0)
+    head = wire.Head(429, {"retry-after": "1"})
+    answer.head(head, 0.01)
+    answer.body(body[:10], 0.02, 0.02)
+    answer.body(body[10:], 0.03, 0.03)
+    answer.end(head)
+    assert (r.status, r.retry_after, r.json_body, r.openai_body) == (429, True, True, True)
+    assert r.refused_by == "replica: queue bound" and records.classify(r) == "429"
+    whole = rec()
+    answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=False), whole, 0.0)
+    answer.head(wire.Head(200, {}), 0.01)
+    answer.body(b'{"choices": [{"text": "x"}]}', 0.02, 0.02)
+    answer.end(wire.Head(200, {}))
+    assert whole.done and records.classify(whole) == "ok" and whole.ttft_s is not None
+    html = rec()
+    answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=True), html, 0.0)
+    answer.head(wire.Head(503, {}), 0.01)
+    answer.body(b"<html>busy</html>", 0.02, 0.02)
+    answer.end(wire.Head(503, {}))
+    assert (html.json_body, html.openai_body, records.classify(html)) == (False, False, "5xx")
 
 
 # ---- classification ----------------------------------------------------------------------------
@@ -374,9 +402,11 @@ def test_quick_fills_only_unset_options() -> None:
 @pytest.mark.unit
 def test_the_steady_phase_becomes_the_baseline_and_the_step_is_kept() -> None:
     found = {"sustainable_req_s": 2.0, "found": True, "baseline_tbt_p99_s": 0.07, "baseline_ttft_p99_s": 0.13}
-    st = {"rate": 2.0, "seconds": 60.0, "pass": True, "tbt_p99_s": 0.11, "ttft_p99_s": 0.2}
+    st = {"rate": 2.0, "seconds": 60.0, "pass": True, "tbt_p99_s": 0.11, "ttft_p99_s": 0.2,
+          "tbt_arrival_p99_s": 0.09}
     out = phases.with_steady_baseline(found, st)
     assert (out["baseline_tbt_p99_s"], out["baseline_ttft_p99_s"]) == (0.11, 0.2)
+    assert out["baseline_tbt_arrival_p99_s"] == 0.09
     assert (out["search_tbt_p99_s"], out["search_ttft_p99_s"]) == (0.07, 0.13)
     assert out["steady"] is st and out["sustainable_req_s"] == 2.0
     summary = stats.summarize([rec(status=200, done=True, ttft_s=0.5, end_s=2.0, gaps=[0.15] * 10)], 1.0)
@@ -386,6 +416,15 @@ def test_the_steady_phase_becomes_the_baseline_and_the_step_is_kept() -> None:
     rows = {r["target"]: r["status"] for r in report.overload_targets(summary, found["baseline_tbt_p99_s"], None,
                                                                   {}, CFG)}
     assert rows["accepted p99 TBT <= 1.5 x sustainable (70 ms)"] == "MISS"  # against the step's 70
+    # On arrival (kernel receive times), judged against the steady phase's on arrival.
+    summary = stats.summarize([rec(status=200, done=True, ttft_s=0.5, end_s=2.0, gaps=[0.15] * 10,
+                                   arrival_gaps=[0.14] * 9 + [0.05])], 1.0)
+    rows = {r["target"]: r for r in report.overload_targets(summary, 0.11, None, {}, CFG, None,
+                                                             out["baseline_tbt_arrival_p99_s"])}
+    arrival = rows["accepted p99 TBT on arrival <= 1.5 x sustainable's (90 ms)"]
+    assert (arrival["measured"], arrival["status"]) == ("140 ms", "MISS")  # 140 > 1.5 x 90
+    assert not any("on arrival" in t for t in {r["target"] for r in report.overload_targets(summary, 0.11, None,
+                                                                                             {}, CFG)})
 
 
 # ---- the load generator's own side ----------------------------------------------------------
@@ -550,20 +589,23 @@ def test_the_workload_sets_the_lengths_the_command_line_leaves_open() -> None:
 
 @pytest.mark.unit
 def test_the_run_row_sets_each_phase_beside_the_sustainable_rate() -> None:
-    recs = ([rec(status=200, done=True, ttft_s=0.4, end_s=2.0, gaps=[0.3], send_lag_s=0.01)] * 8
+    recs = ([rec(status=200, done=True, ttft_s=0.4, end_s=2.0, gaps=[0.3], arrival_gaps=[0.25],
+                 send_lag_s=0.01)] * 8
             + [rec(status=429, headers_s=0.05, send_lag_s=0.2), rec(status=503, headers_s=0.1, send_lag_s=0.01),
                rec(status=200, done=False, ttft_s=0.5, end_s=3.0, send_lag_s=0.01)])
     s = stats.summarize(recs, 2.0)
     assert (s["send_lag_p50_s"], s["send_lag_p99_s"], s["send_lag_max_s"]) == (0.01, 0.2, 0.2)
-    row = report.run_row("overload x10", s, {"baseline_tbt_p99_s": 0.1, "baseline_ttft_p99_s": 0.2})
+    row = report.run_row("overload x10", s, {"baseline_tbt_p99_s": 0.1, "baseline_ttft_p99_s": 0.2,
+                                             "baseline_tbt_arrival_p99_s": 0.08})
     assert row == {"run": "overload x10", "offered_req_s": 5.5, "sent": 11, "n429": 1,
                    "reject_p50_s": 0.05, "reject_p99_s": 0.05, "ttft_p99_s": 0.5, "sustainable_ttft_p99_s": 0.2,
-                   "tbt_p99_s": 0.3, "sustainable_tbt_p99_s": 0.1, "n5xx": 1, "cut": 1,
+                   "tbt_p99_s": 0.3, "sustainable_tbt_p99_s": 0.1, "tbt_arrival_p99_s": 0.25,
+                   "sustainable_tbt_arrival_p99_s": 0.08, "n5xx": 1, "cut": 1,
                    "send_lag_p50_s": 0.01, "send_lag_p99_s": 0.2}
     table = report.format_runs([row, report.run_row("steady", s, None)]).splitlines()
     assert table[0].startswith("run") and "lag p99" in table[0]
     assert table[1].split() == ["overload", "x10", "5.50", "11", "1", "50", "50", "500", "200", "300", "100",
-                                "1", "1", "10", "200"]
+                                "250", "80", "1", "1", "10", "200"]
     assert table[2].split()[6:8] == ["500", "-"]  # no sustainable rate to compare with
 
 
