@@ -34,23 +34,10 @@ import psutil
 from loadtests.harness.report import OMIT, bench_parser, report
 from loadtests.harness.serve_local import Server, served
 from loadtests.harness.serve_run import REPO
-from loadtests.load.overload.rss import group_of
+from loadtests.load.overload.cpu import ROLES, role_of
 
-# "controller": the load controller and Serve's; "ray": every other process of the server
-ROLES = ("proxy", "ingress", "engine", "controller", "ray")
 PATH_ROLES = ("proxy", "ingress")  # the HTTP path the target sums
 GAP_S = 0.05  # between two requests (the idle CPU over it is taken off)
-
-
-def role_of(cmdline: str) -> str:
-    if "haproxy" in cmdline.lower():  # HAProxy mode: the C proxy and the actor that manages it
-        return "proxy"
-    if "LoadController" in cmdline or "ServeController" in cmdline:
-        return "controller"
-    if "replicas.serving.engine_process" in cmdline:  # replica.engine_process: the engine's own process
-        return "engine"
-    group = group_of(cmdline)
-    return {"ProxyActor": "proxy", "OpenAIIngress": "ingress", "LLMServer": "engine"}.get(group or "", "ray")
 
 
 def processes(server: Server) -> dict[str, list[str]]:

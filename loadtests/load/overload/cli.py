@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -68,7 +69,7 @@ async def run_all(args: argparse.Namespace, base: str, sampler: RssSampler, resu
                 Wire.to(base, args.max_connections) as wire):
         async with client.get("/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
-        ctx = await calibrate(client, wire, base, model, args)
+        ctx = dataclasses.replace(await calibrate(client, wire, base, model, args), server_pids=sampler.server_pids)
         result["model"] = model
         result["warm_up"] = warm = await warm_up(ctx)
         tqdm.write(f"model {model}: prompts of {ctx.words} words (~{warm['prompt_tokens_est']} tokens), "
@@ -124,7 +125,9 @@ async def run_overload(ctx: Ctx, args: argparse.Namespace, rate: float, found: d
              f"{ov['drained_after_s']:g} s after the last send; /health after: {result['health_after']}\n"
              f"  door probe (a second client, its own process, one request every "
              f"{args.door_probe_interval_s:g} s): {probe['status_codes']}; 429 latency p50 "
-             f"{ms(probe['reject_p50_s'])} p99 {ms(probe['reject_p99_s'])} max {ms(probe['reject_max_s'])}")
+             f"{ms(probe['reject_p50_s'])} p99 {ms(probe['reject_p99_s'])} max {ms(probe['reject_max_s'])}\n"
+             f"  CPU over the overload, core seconds of {args.duration_s:g} s: "
+             + ", ".join(f"{role} {s:.1f}" for role, s in ov["cpu_core_s"].items()))
     result["report"] = "\n\n".join([format_phase(f"overload x{args.factor:g}", ov["summary"]) + "\n"
                                     + notes, format_runs(result["runs"]), format_targets(result["targets"])])
 

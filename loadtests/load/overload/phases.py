@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ from tqdm import tqdm
 
 from app.stream_limit import watch_loop
 from loadtests.harness.arrivals import poisson_window
+from loadtests.load.overload.cpu import cpu_times, used_by_role
 from loadtests.load.overload.gauges import engine_state
 from loadtests.load.overload.records import CATEGORIES, ReqSpec, classify, compact
 from loadtests.load.overload.report import STEP_HEADER, format_step, ms
-from loadtests.load.overload.rss import GROUPS, RssSampler, rss_report, rss_slopes
+from loadtests.load.overload.rss import GROUPS, Pids, RssSampler, rss_report, rss_slopes
 from loadtests.load.overload.search import next_rate, recovery_seconds, step_verdict, sustainable_rate
 from loadtests.load.overload.sse_client import HEADERS, STALL_S, door_probe, drain, open_loop, sequential
 from loadtests.load.overload.summary import counts, probe_summary, summarize
@@ -42,6 +44,11 @@ class Ctx:
     args: argparse.Namespace
     words: int  # prompt words for about --prompt-tokens tokens
     tokens_per_word: float
+    server_pids: Pids | None = None  # the server's processes now (None: not known)
+
+    def cpu_times(self) -> dict[int, tuple[str, float]]:
+        """CPU used so far by each of the server's processes and this one (`cpu.cpu_times`)."""
+        return cpu_times([*(self.server_pids() if self.server_pids else ()), os.getpid()])
 
     def specs(self, seed: int, n: int) -> list[ReqSpec]:
         """`n` requests of the run's `--workload`, drawn from `seed`."""
@@ -248,12 +255,12 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
             if late_s > STALL_S:
                 stalls.append((round(time.monotonic() - t_start, 2), round(late_s, 3)))
 
-        t_start, started_at = time.monotonic(), time.strftime("%H:%M:%S")
+        t_start, started_at, cpu0 = time.monotonic(), time.strftime("%H:%M:%S"), ctx.cpu_times()
         watcher = asyncio.create_task(watch_loop(woke, time.perf_counter, tick_s=0.05))
         with quiet_gc() as client_gc:
             with tqdm(total=len(specs), desc=f"overload {rate:g} req/s", unit="req", leave=False) as bar:
                 run = await open_loop(ctx.wire, specs, offsets, a.timeout_s, bar)
-            t_end = time.monotonic()
+            t_end, cpu1 = time.monotonic(), ctx.cpu_times()
             watcher.cancel()
             interval = probe_interval_s(a.probe_interval_s, rate / a.factor)
             rec_task = asyncio.create_task(recovery(ctx, warm["ttft_p50_s"], interval))
@@ -269,6 +276,7 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
             "summary": summarize(run.recs, a.duration_s), "recovery": rec,
             "client_max_lag_s": round(run.max_lag_s, 3), "client_loop_lag": spread(lag),
             "client_loop_stalls": stalls, "client_gc": client_gc,
+            "cpu_core_s": used_by_role(cpu0, cpu1),
             "door_probe": probe_summary(probes), "door_probe_samples": probes,
             "drained_after_s": round(drained_after_s, 1),
             "requests": [compact(r) for r in run.recs]}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loadtests.harness import procs
-from loadtests.load.overload import cli, gauges, phases, records, report, search, sse_client, wire, workload
+from loadtests.load.overload import cli, cpu, gauges, phases, records, report, search, sse_client, wire, workload
 from loadtests.load.overload import rss as mem
 from loadtests.load.overload import summary as stats
 
@@ -633,6 +633,10 @@ def test_a_short_overload_run_against_serve_run(tmp_path) -> None:  # noqa: ANN0
     ov = data["overload"]["summary"]
     assert ov["sent"] == sum(ov["counts"].values()) == data["runs"][1]["sent"] > 0
     assert data["runs"][1]["n5xx"] == ov["counts"]["5xx"] and data["runs"][1]["cut"] == ov["counts"]["cut"]
+    if ov["num_gaps"]:  # gaps timed on arrival too, never longer in sum than as read
+        assert ov["tbt_arrival_p50_s"] is not None and ov["tbt_arrival_p99_s"] is not None
+    used = data["overload"]["cpu_core_s"]  # the overload's CPU by role: the engine worked, so did we
+    assert used["engine"] > 0 and used["client"] > 0 and set(used) <= {*cpu.ROLES, cpu.ENGINE_LOOP, cpu.CLIENT}
     assert data["warm_up"]["max_tokens"] == 96
     pids = {pid for group in data["rss"]["pids"].values() for pid in group}
     assert pids and not [pid for pid in pids if not procs.ended(pid)]
