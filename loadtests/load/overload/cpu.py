@@ -31,26 +31,42 @@ def role_of(cmdline: str, split_engine: bool = False) -> str:
     return {"ProxyActor": "proxy", "OpenAIIngress": "ingress", "LLMServer": "engine"}.get(group or "", "ray")
 
 
-def cpu_times(pids: Iterable[int]) -> dict[int, tuple[str, float]]:
-    """pid -> (role, CPU seconds used so far: user + system, every thread) for the live `pids`
-    (the engine's process split from its replica), and this process as CLIENT."""
-    out: dict[int, tuple[str, float]] = {}
+Reading = dict[int, tuple[str, float, str]]  # pid -> (role, CPU seconds so far, title)
+
+
+def cpu_times(pids: Iterable[int]) -> Reading:
+    """pid -> (role, CPU seconds used so far: user + system, every thread, its title) for the
+    live `pids` (the engine's process split from its replica), and this process as CLIENT."""
+    out: Reading = {}
     for pid in pids:
         try:
             proc = psutil.Process(pid)
             times = proc.cpu_times()
-            role = CLIENT if pid == os.getpid() else role_of(" ".join(proc.cmdline()), split_engine=True)
-            out[pid] = (role, times.user + times.system)
+            title = " ".join(proc.cmdline())
+            role = CLIENT if pid == os.getpid() else role_of(title, split_engine=True)
+            out[pid] = (role, times.user + times.system, title)
         except psutil.Error:  # gone since the listing
             continue
     return out
 
 
-def used_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """Core seconds each role used between two `cpu_times` (a process started in between counts
-    from 0; one that ended in between is not seen)."""
+def _used(before: Reading, after: Reading) -> list[tuple[str, str, float]]:
+    """(role, title, core seconds) of every process between two readings (a process started in
+    between counts from 0; one that ended in between is not seen)."""
+    return [(role, title, max(0.0, t1 - before.get(pid, (role, 0.0, title))[1]))
+            for pid, (role, t1, title) in after.items()]
+
+
+def used_by_role(before: Reading, after: Reading) -> dict[str, float]:
+    """Core seconds each role used between two `cpu_times`, most first."""
     out: dict[str, float] = {}
-    for pid, (role, t1) in after.items():
-        t0 = before.get(pid, (role, 0.0))[1]
-        out[role] = round(out.get(role, 0.0) + max(0.0, t1 - t0), 2)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    for role, _, used in _used(before, after):
+        out[role] = out.get(role, 0.0) + used
+    return {role: round(used, 2) for role, used in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def busiest(before: Reading, after: Reading, n: int = 10, width: int = 80) -> list[tuple[str, str, float]]:
+    """The `n` processes that used the most CPU between two readings: (role, title cut to
+    `width`, core seconds)."""
+    top = sorted(_used(before, after), key=lambda r: -r[2])[:n]
+    return [(role, title[:width], round(used, 2)) for role, title, used in top]

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from app.stream_limit import watch_loop
 from loadtests.harness.arrivals import poisson_window
-from loadtests.load.overload.cpu import cpu_times, used_by_role
+from loadtests.load.overload.cpu import Reading, busiest, cpu_times, used_by_role
 from loadtests.load.overload.gauges import engine_state
 from loadtests.load.overload.records import CATEGORIES, ReqSpec, classify, compact
 from loadtests.load.overload.report import STEP_HEADER, format_step, ms
@@ -46,7 +46,7 @@ class Ctx:
     tokens_per_word: float
     server_pids: Pids | None = None  # the server's processes now (None: not known)
 
-    def cpu_times(self) -> dict[int, tuple[str, float]]:
+    def cpu_times(self) -> Reading:
         """CPU used so far by each of the server's processes and this one (`cpu.cpu_times`)."""
         return cpu_times([*(self.server_pids() if self.server_pids else ()), os.getpid()])
 
@@ -276,7 +276,7 @@ async def overload(ctx: Ctx, rate: float, warm: dict[str, Any]) -> dict[str, Any
             "summary": summarize(run.recs, a.duration_s), "recovery": rec,
             "client_max_lag_s": round(run.max_lag_s, 3), "client_loop_lag": spread(lag),
             "client_loop_stalls": stalls, "client_gc": client_gc,
-            "cpu_core_s": used_by_role(cpu0, cpu1),
+            "cpu_core_s": used_by_role(cpu0, cpu1), "cpu_busiest": busiest(cpu0, cpu1),
             "door_probe": probe_summary(probes), "door_probe_samples": probes,
             "drained_after_s": round(drained_after_s, 1),
             "requests": [compact(r) for r in run.recs]}

@@ -35,9 +35,12 @@ def test_the_engine_process_apart_from_its_replica_where_asked() -> None:
 def test_a_windows_core_seconds_by_role() -> None:
     """Two readings: a process seen in both adds its difference, one started in between all of
     its time, one gone is not counted; this process is the client and its CPU grows."""
-    before = {1: ("engine", 10.0), 2: ("proxy", 3.0), 3: ("ray", 1.0)}
-    after = {1: ("engine", 12.5), 2: ("proxy", 3.25), 4: ("engine loop", 4.0)}
-    assert cpu.used_by_role(before, after) == {"engine loop": 4.0, "engine": 2.5, "proxy": 0.25}
+    before = {1: ("engine", 10.0, "ray::ServeReplica"), 2: ("proxy", 3.0, "haproxy"), 3: ("ray", 1.0, "raylet")}
+    after = {1: ("engine", 12.5, "ray::ServeReplica"), 2: ("proxy", 3.25, "haproxy"),
+             4: ("engine loop", 4.0, "python -c child_main"), 5: ("engine", 0.5, "ray::ServeReplica")}
+    assert cpu.used_by_role(before, after) == {"engine loop": 4.0, "engine": 3.0, "proxy": 0.25}
+    assert cpu.busiest(before, after, n=2, width=9) == [("engine loop", "python -c", 4.0),
+                                                       ("engine", "ray::Serv", 2.5)]
     me = os.getpid()
     t0 = t1 = cpu.cpu_times([me])
     while t1[me][1] <= t0[me][1]:  # busy until the clock's tick shows it
