@@ -29,6 +29,7 @@ class Rec:
     send_lag_s: float = 0.0  # how late the generator sent it: every latency below includes this
     status: int | None = None
     headers_s: float | None = None
+    headers_arrival_s: float | None = None  # the same, when the head's bytes reached the kernel
     ttft_s: float | None = None
     end_s: float | None = None
     gaps: list[float] = field(default_factory=list)  # between content events, as the client read them

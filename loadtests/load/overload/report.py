@@ -36,6 +36,10 @@ def overload_targets(ov: dict[str, Any], baseline_tbt_p99_s: float | None,
             target(f"429 p99 latency < {ms(cfg['reject_p99_s'])}",
                    f"{ms(ov['reject_p99_s'])} ({n429} x 429)",
                    None if not n429 else ov["reject_p99_s"] < cfg["reject_p99_s"])]
+    arrival = ov.get("reject_arrival_p99_s")
+    if arrival is not None:
+        rows.append(target(f"429 p99 latency on arrival < {ms(cfg['reject_p99_s'])}", f"{ms(arrival)} ({n429} x 429)",
+                           arrival < cfg["reject_p99_s"]))
     if probe is not None:
         rows.append(target(f"429 p99 latency < {ms(cfg['reject_p99_s'])} (door probe)",
                            f"{ms(probe['reject_p99_s'])} ({probe['n429']} x 429)",
@@ -96,7 +100,8 @@ def format_phase(name: str, s: dict[str, Any]) -> str:
         f" max {ms(s['ttft_max_s'])}; TBT p50 {ms(s['tbt_p50_s'])} p99 {ms(s['tbt_p99_s'])}"
         f" max {ms(s['tbt_max_s'])}; on arrival p50 {ms(s.get('tbt_arrival_p50_s'))}"
         f" p99 {ms(s.get('tbt_arrival_p99_s'))}",
-        f"  429 latency p50 {ms(s['reject_p50_s'])} p99 {ms(s['reject_p99_s'])}; "
+        f"  429 latency p50 {ms(s['reject_p50_s'])} p99 {ms(s['reject_p99_s'])}; on arrival p50 "
+        f"{ms(s.get('reject_arrival_p50_s'))} p99 {ms(s.get('reject_arrival_p99_s'))}; "
         f"status codes {s['status_codes']}"
         + (f"; transport errors {s['transport_errors']}" if s["transport_errors"] else ""),
         *(f"    429 from {who}: {g['n']}, p50 {ms(g['p50_s'])} p99 {ms(g['p99_s'])} max {ms(g['max_s'])}"

@@ -66,8 +66,9 @@ class Answer:
         self.last_at = 0.0
         self.worst = -1.0
 
-    def head(self, head: Head, now: float) -> None:
-        self.rec.status, self.rec.headers_s = head.status, now - self.t_sched
+    def head(self, head: Head, now: float, at: float) -> None:
+        rec = self.rec
+        rec.status, rec.headers_s, rec.headers_arrival_s = head.status, now - self.t_sched, at - self.t_sched
 
     def body(self, piece: bytes, now: float, at: float) -> None:
         rec = self.rec

@@ -46,6 +46,7 @@ def summarize(recs: Sequence[Rec], window_s: float) -> dict[str, Any]:
     rejected = [r for r in recs if r.status == 429]
     non200 = [r for r in recs if r.status is not None and r.status != 200]
     lat429 = [r.headers_s for r in rejected if r.headers_s is not None]
+    arrival429 = [r.headers_arrival_s for r in rejected if r.headers_arrival_s is not None]
     lag = spread([r.send_lag_s for r in recs])
     return {
         "sent": len(recs), "window_s": window_s,
@@ -61,6 +62,7 @@ def summarize(recs: Sequence[Rec], window_s: float) -> dict[str, Any]:
                                          if r.status == 200 and r.headers_s is not None], 99),
         "reject_p50_s": percentile(lat429, 50), "reject_p99_s": percentile(lat429, 99),
         "reject_max_s": max(lat429, default=None),
+        "reject_arrival_p50_s": percentile(arrival429, 50), "reject_arrival_p99_s": percentile(arrival429, 99),
         "reject_by": refusals_by_source(rejected),
         "reject_retry_after": sum(bool(r.retry_after) for r in rejected),
         "reject_openai_body": sum(bool(r.openai_body) for r in rejected),

@@ -29,7 +29,7 @@ READ_SIZE = 65536
 
 # (body bytes, when the loop read them, when the kernel received them): perf_counter seconds
 OnBody = Callable[[bytes, float, float], None]
-OnHead = Callable[["Head", float], None]  # (the head, when the loop read it)
+OnHead = Callable[["Head", float, float], None]  # (the head, when the loop read it, when it arrived)
 
 
 def arrival(ancdata: list[tuple[int, int, bytes]], now: float, wall_now: float) -> float:
@@ -234,7 +234,7 @@ class Wire:
                         had_head = reader.head is not None
                         pieces = reader.feed(data)
                         if not had_head and reader.head is not None:
-                            on_head(reader.head, now)
+                            on_head(reader.head, now, at)
                         for piece in pieces:
                             on_body(piece, now, at)
                 except Exception as exc:  # noqa: BLE001 - a malformed answer ends this exchange

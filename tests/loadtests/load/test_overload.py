@@ -57,11 +57,11 @@ def test_an_answer_times_every_gap_as_read_and_on_arrival_and_when_the_worst_end
     r = rec(sched_s=2.0)
     answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=True), r, 9.9)
     head = wire.Head(200, {"content-type": "text/event-stream"})
-    answer.head(head, 9.95)
+    answer.head(head, 9.95, 9.94)
     for now, at, piece in reads:
         answer.body(piece, now, at)
     answer.end(head)
-    assert r.status == 200 and r.headers_s == pytest.approx(0.05)
+    assert r.status == 200 and (r.headers_s, r.headers_arrival_s) == (pytest.approx(0.05), pytest.approx(0.04))
     assert r.ttft_s == pytest.approx(0.1) and r.gaps == pytest.approx([0.1, 0.3, 0.1])
     assert r.arrival_gaps == pytest.approx([0.1, 0.11, 0.1])
     assert r.worst_gap_at_s == pytest.approx(2.5) and r.chunks == 4 and r.done and not r.error_event
@@ -79,21 +79,25 @@ def test_an_answer_reads_a_refusal_and_a_whole_answer_at_their_end() -> None:
     r = rec()
     answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=True), r, 0.0)
     head = wire.Head(429, {"retry-after": "1"})
-    answer.head(head, 0.01)
+    answer.head(head, 0.3, 0.01)  # read late: the 429 arrived at 10 ms
     answer.body(body[:10], 0.02, 0.02)
     answer.body(body[10:], 0.03, 0.03)
     answer.end(head)
     assert (r.status, r.retry_after, r.json_body, r.openai_body) == (429, True, True, True)
     assert r.refused_by == "replica: queue bound" and records.classify(r) == "429"
+    s = stats.summarize([r], 1.0)
+    assert (s["reject_p99_s"], s["reject_arrival_p99_s"]) == (pytest.approx(0.3), pytest.approx(0.01))
+    rows = {t["target"]: t["status"] for t in report.overload_targets(s, None, None, {}, CFG)}
+    assert rows["429 p99 latency < 500 ms"] == "PASS" and rows["429 p99 latency on arrival < 500 ms"] == "PASS"
     whole = rec()
     answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=False), whole, 0.0)
-    answer.head(wire.Head(200, {}), 0.01)
+    answer.head(wire.Head(200, {}), 0.01, 0.01)
     answer.body(b'{"choices": [{"text": "x"}]}', 0.02, 0.02)
     answer.end(wire.Head(200, {}))
     assert whole.done and records.classify(whole) == "ok" and whole.ttft_s is not None
     html = rec()
     answer = sse_client.Answer(records.ReqSpec("/v1/completions", b"{}", stream=True), html, 0.0)
-    answer.head(wire.Head(503, {}), 0.01)
+    answer.head(wire.Head(503, {}), 0.01, 0.01)
     answer.body(b"<html>busy</html>", 0.02, 0.02)
     answer.end(wire.Head(503, {}))
     assert (html.json_body, html.openai_body, records.classify(html)) == (False, False, "5xx")

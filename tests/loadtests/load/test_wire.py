@@ -112,7 +112,7 @@ def test_the_pool_reuses_a_connection_and_retries_one_the_server_closed() -> Non
         async with server, wire.Wire("127.0.0.1", port, limit=4) as pool:
             for _ in range(3):
                 heads: list[int] = []
-                head = await pool.post("/v1/completions", b"{}", lambda h, now: heads.append(h.status),
+                head = await pool.post("/v1/completions", b"{}", lambda h, now, at: heads.append(h.status),
                                        lambda p, now, at: pieces.append((p, now, at)))
                 assert heads == [head.status]
                 statuses.append(head.status)
@@ -137,7 +137,7 @@ def test_a_cancelled_exchange_closes_its_connection() -> None:
         server, _, port = await _serve([slow], close_after=set())
         async with server, wire.Wire("127.0.0.1", port, limit=1) as pool:
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(pool.post("/", b"", lambda h, n: None, lambda p, n, a: None), 0.005)
+                await asyncio.wait_for(pool.post("/", b"", lambda h, n, a: None, lambda p, n, a: None), 0.005)
             return len(pool._idle)
 
     assert asyncio.run(main()) == 0
