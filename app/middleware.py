@@ -225,7 +225,8 @@ class StatusCountMiddleware:
     def _count(self, path: str, status: int) -> None:
         if self._counter is None:
             try:
-                from replicas.serving.metrics import PREFIX, RayBackend
+                from replicas.serving.metric_backends import RayBackend
+                from replicas.serving.metrics import PREFIX
                 self._counter = RayBackend().counter(
                     PREFIX + "http_responses_total", "HTTP responses by route and status code.",
                     ("route", "status_code"))

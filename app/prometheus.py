@@ -7,6 +7,11 @@ node's export, keeps the `ray_stallfree_` series of its own application (and the
 lines), and the proxy door's (`ray_stallfree_proxy_`: a node's HTTP proxy serves every
 application, so they carry none), and answers with the Prometheus text. Ray's own export stays
 as it is.
+
+The engine's histograms are counted in the replica and exported through Ray as gauges of their
+cumulative counts (`replicas.serving.metric_backends.GaugeHistogram`: Ray's agent would otherwise
+rebuild every observation); here the three gauges `X_bucket`, `X_sum`, `X_count` are served as
+the one histogram `X` they are (`TYPE histogram`, its buckets in `le` order).
 """
 
 from __future__ import annotations
@@ -46,10 +51,42 @@ def app_series(texts: Iterable[str], application: str, prefix: str = PREFIX) -> 
                 continue
             families.setdefault(_family(m.group(1), headers), []).append(line)
     out = []
-    for family, samples in families.items():
+    for family, samples in _as_histograms(families, headers).items():
         out += headers.get(family, [])
         out += samples
     return "\n".join(out) + "\n" if out else ""
+
+
+_LE = re.compile(r',?le="([^"]*)"')
+_PARTS = ("_bucket", "_sum", "_count")
+
+
+def _as_histograms(families: dict[str, list[str]], headers: dict[str, list[str]]) -> dict[str, list[str]]:
+    """`families` with each gauge triple `X_bucket` / `X_sum` / `X_count` made the histogram
+    family `X`, in `X_bucket`'s place (its HELP line and a histogram TYPE written into `headers`)."""
+    def is_gauge(name: str) -> bool:
+        return f"# TYPE {name} gauge" in headers.get(name, [])
+
+    bases = {f.removesuffix("_bucket") for f in families if f.endswith("_bucket")}
+    bases = {b for b in bases if all(b + part in families and is_gauge(b + part) for part in _PARTS)}
+    merged = {b + part for b in bases for part in _PARTS}
+    out: dict[str, list[str]] = {}
+    for family, samples in families.items():
+        if family not in merged:
+            out[family] = samples
+        elif family.endswith("_bucket"):
+            base = family.removesuffix("_bucket")
+            doc = next((h.split(" ", 3)[3] for h in headers[family] if h.startswith("# HELP ") and h.count(" ") >= 3), "")
+            headers[base] = [f"# HELP {base} {doc}", f"# TYPE {base} histogram"]
+            out[base] = sorted(samples, key=_bucket_order) + families[base + "_sum"] + families[base + "_count"]
+    return out
+
+
+def _bucket_order(line: str) -> tuple[str, float]:
+    """A bucket sample's series (its labels less `le`), then its bound."""
+    m = _LE.search(line)
+    le = float("inf") if m is None or m.group(1) == "+Inf" else float(m.group(1))
+    return _LE.sub("", line.split(" ", 1)[0]), le
 
 
 def _family(sample_name: str, headers: dict[str, list[str]]) -> str:

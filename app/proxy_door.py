@@ -256,7 +256,8 @@ class Door:
 def _refusal_counter() -> Callable[[str], None] | None:
     """`stallfree_proxy_refusals_total{reason}` when Ray is here (the proxy), else None."""
     try:
-        from replicas.serving.metrics import PREFIX, RayBackend
+        from replicas.serving.metric_backends import RayBackend
+        from replicas.serving.metrics import PREFIX
         counter = RayBackend().counter(PREFIX + "proxy_refusals_total", "Generation requests the proxy "
                                        "answered 429 itself, by why (app/proxy_door.py).", ("reason",))
     except Exception:  # noqa: BLE001 - no Ray (unit tests)

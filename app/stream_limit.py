@@ -185,7 +185,8 @@ def limit_observer(limit: StreamLimit, role: str, logger: logging.Logger) -> Cal
     every LOG_EVERY_S while it holds requests back or refuses."""
     gauges: dict[str, Any] = {}
     try:
-        from replicas.serving.metrics import PREFIX, RayBackend
+        from replicas.serving.metric_backends import RayBackend
+        from replicas.serving.metrics import PREFIX
         backend = RayBackend()
         gauges = {name: backend.gauge(PREFIX + name, doc, ()) for name, doc in (
             (f"{role}_requests_in_flight", f"Generation requests in flight at this {role}."),

@@ -125,7 +125,8 @@ class TbtSloPolicy:
         """Gauges of the scaling view (Ray metrics; silently off where Ray has none)."""
         if getattr(self, "_gauges", None) is None:
             try:
-                from replicas.serving.metrics import PREFIX, RayBackend
+                from replicas.serving.metric_backends import RayBackend
+                from replicas.serving.metrics import PREFIX
                 g = RayBackend().gauge
                 self._gauges = {k: g(PREFIX + k, doc, ()) for k, doc in (
                     ("current_replicas", "Engine replicas running now."),

@@ -32,7 +32,8 @@ from loadtests.harness.report import OMIT, bench_parser, write_json
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.config import DEFAULT_STREAM_INTERVAL_MS
 from replicas.outputs import StreamText
-from replicas.serving.metrics import EngineMetrics, PrometheusBackend
+from replicas.serving.metric_backends import PrometheusBackend
+from replicas.serving.metrics import EngineMetrics
 
 
 class _Timed:

@@ -22,7 +22,8 @@ import torch
 from loadtests.harness.report import OMIT, bench_parser, write_json
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.execution.device_queue import StandInDevice
-from replicas.serving.metrics import EngineMetrics, PrometheusBackend
+from replicas.serving.metric_backends import PrometheusBackend
+from replicas.serving.metrics import EngineMetrics
 
 
 def decoding_engine(model: str, decodes: int, overlap: str, device_s: float, threads: int) -> Engine:

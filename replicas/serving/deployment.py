@@ -28,7 +28,8 @@ from replicas.scheduling import admission
 from replicas.serving.async_engine import AsyncEngine, EngineDeadError
 from replicas.config import ReplicaConfig
 from replicas.engine import Engine
-from replicas.serving.metrics import Backend, EngineMetrics, RayBackend
+from replicas.serving.metric_backends import Backend, RayBackend
+from replicas.serving.metrics import EngineMetrics
 from replicas.loading.models import load_model
 from replicas.serving.pass_trace import PassTrace
 from replicas.serving.engine_process import ChildSpec, ProcessEngine

@@ -344,6 +344,9 @@ class _Forwarded:
     def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
         self._ops.append(("many", self._id, list(values), tags))
 
+    def flush(self) -> None:
+        self._ops.append(("flush", self._id))
+
 
 def replay(ops: list[tuple], backend: Any, metrics: dict[int, Any]) -> None:
     """Record `ops` (from `_Forwarding`) into `backend`; `metrics`: those made so far, by id."""
@@ -353,8 +356,10 @@ def replay(ops: list[tuple], backend: Any, metrics: dict[int, Any]) -> None:
             metrics[metric_id] = getattr(backend, kind)(*args)
         elif op[0] == "one":
             metrics[op[1]].record(op[2], op[3])
-        else:
+        elif op[0] == "many":
             metrics[op[1]].record_many(op[2], op[3])
+        else:
+            metrics[op[1]].flush()
 
 
 # ---- the child's side ----------------------------------------------------------------------

@@ -1,20 +1,17 @@
 """Engine metrics with names a vLLM user recognises, under our `stallfree_` prefix.
 
 `EngineMetrics` is an engine observer: after every iteration it records what the pass did.
-The metric objects come from a backend: `ray.serve.metrics` inside a replica (exported with
-Ray's `ray_` prefix on the node's metrics export port), or a prometheus_client registry (tests,
-the controller's endpoint, anything outside Serve).
+The metric objects come from a backend (`metric_backends`): Ray's metrics inside a replica
+(exported with Ray's `ray_` prefix on the node's metrics export port), or a prometheus_client
+registry (tests, the controller's endpoint, anything outside Serve).
 """
 
 from __future__ import annotations
 
-import functools
-from bisect import bisect_left
-from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from replicas.scheduling.histogram import edge_subset
+from replicas.serving.metric_backends import Backend
 
 if TYPE_CHECKING:  # light at run time: the Serve controller (autoscale.policy) imports this
     from replicas.engine import Engine, IterationStats
@@ -31,145 +28,6 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 TBT_BUCKETS = edge_subset(1e-3, 80.0, every=24)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0, 2.0)
-
-
-class Metric(Protocol):
-    def record(self, value: float, tags: dict[str, str]) -> None: ...
-
-    def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
-        """Every value of a pass in one call (a histogram's per-token observations)."""
-
-
-class Backend(Protocol):
-    def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric: ...
-    def gauge(self, name: str, doc: str, tags: Sequence[str]) -> Metric: ...
-    def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric: ...
-
-
-class _Wrap:
-    """`fn(value, tags)`; `bind(tags)`, when given, resolves the tags once for many values."""
-
-    def __init__(self, fn: Any, bind: Any = None) -> None:
-        self._fn, self._bind = fn, bind
-
-    def record(self, value: float, tags: dict[str, str]) -> None:
-        self._fn(value, tags)
-
-    def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
-        if self._bind is None:
-            for v in values:
-                self._fn(v, tags)
-            return
-        observe = self._bind(tags)
-        for v in values:
-            observe(v)
-
-
-class RayBackend:
-    """`ray.serve.metrics`: Serve adds deployment/replica/application tags."""
-
-    def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
-        from ray.serve.metrics import Counter
-        m = Counter(name, doc, tag_keys=tuple(tags))
-        return _Wrap(lambda v, t: m.inc(v, tags=t))
-
-    def gauge(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
-        from ray.serve.metrics import Gauge
-        m = Gauge(name, doc, tag_keys=tuple(tags))
-        return _Wrap(lambda v, t: m.set(v, tags=t))
-
-    def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
-        from ray.serve.metrics import Histogram
-        m = Histogram(name, doc, boundaries=list(buckets), tag_keys=tuple(tags))
-        return _Wrap(lambda v, t: m.observe(v, tags=t), functools.partial(_ray_observer, m))
-
-
-def _ray_observer(m: Any, tags: dict[str, str]) -> Any:
-    """`m.observe(value, tags)` for many values, the tags resolved once: what `observe` does per
-    call (Serve's context tags, the defaults merged, the keys checked) done here once, then the
-    record itself per value. A pass's TBT gaps are a value per running stream (hundreds a pass
-    under load, on the engine's loop). Falls back to `observe` where Ray's internals differ."""
-    try:
-        from ray.serve.metrics import _add_serve_context_tag_values
-        resolved = dict(tags)
-        _add_serve_context_tag_values(m._tag_keys, resolved)
-        final = m._get_final_tags(resolved)
-        m._validate_tags(final)
-        record = None if m._discard_metric else m._metric.record
-    except (ImportError, AttributeError):
-        return lambda v: m.observe(v, tags=tags)
-    if record is None:
-        return lambda v: None
-    return lambda v: record(v, tags=final)
-
-
-class PrometheusBackend:
-    """A prometheus_client registry (it only sees its own process)."""
-
-    def __init__(self, registry: Any = None) -> None:
-        import prometheus_client
-        self.prom = prometheus_client
-        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
-
-    def _make(self, cls: Any, name: str, doc: str, tags: Sequence[str], method: str, **kw: Any) -> Any:
-        m = cls(name, doc, labelnames=list(tags), registry=self.registry, **kw)
-        children: dict[tuple, Any] = {}
-
-        def child(t: dict[str, str]) -> Any:  # one labelled child per tag set, looked up once
-            key = tuple(sorted(t.items()))
-            c = children.get(key)
-            if c is None:
-                c = children[key] = m.labels(**t) if tags else m
-            return c
-
-        def bind(t: dict[str, str]) -> Any:
-            return getattr(child(t), method)
-
-        return _Wrap(lambda v, t: bind(t)(v), bind) if method != "observe" else _BulkHistogram(child)
-
-    def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
-        # prometheus_client appends _total to counters itself.
-        return self._make(self.prom.Counter, name.removesuffix("_total"), doc, tags, "inc")
-
-    def gauge(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
-        return self._make(self.prom.Gauge, name, doc, tags, "set")
-
-    def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
-        return self._make(self.prom.Histogram, name, doc, tags, "observe", buckets=list(buckets))
-
-
-class _BulkHistogram(_Wrap):
-    """A prometheus_client histogram whose `record_many` adds a pass's values at once: each
-    bucket's count and the sum once, as `observe` of each value leaves them (a pass's TBT gaps:
-    one per running request, most of them equal)."""
-
-    def __init__(self, child: Any) -> None:
-        super().__init__(lambda v, t: child(t).observe(v), lambda t: child(t).observe)
-        self._child = child
-
-    def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
-        c = self._child(tags)
-        bounds, buckets = getattr(c, "_upper_bounds", None), getattr(c, "_buckets", None)
-        if bounds is None or buckets is None or len(bounds) != len(buckets):  # another client's layout
-            super().record_many(values, tags)
-            return
-        c._raise_if_not_observable()
-        c._sum.inc(sum(values))
-        for i, n in bucket_counts(bounds, values).items():
-            buckets[i].inc(n)
-
-
-def bucket_counts(bounds: Sequence[float], values: Sequence[float]) -> dict[int, int]:
-    """How many of `values` fall in each bucket of the sorted upper `bounds` (index -> count):
-    a value goes to the first bound >= it, as prometheus_client's `observe` puts it (a value
-    above the last bound, or NaN, in none)."""
-    counts: dict[int, int] = {}
-    last = bounds[-1]
-    for value, n in Counter(values).items():  # a pass's gaps repeat: one search per distinct value
-        if value <= last:
-            i = bisect_left(bounds, value)
-            counts[i] = counts.get(i, 0) + n
-    return counts
 
 
 class EngineMetrics:
@@ -206,6 +64,8 @@ class EngineMetrics:
                           "fixed prefill budget applies.", t)
         self.pred_error = h(p + "pass_time_prediction_error", "Relative error of the predicted pass time "
                             "(|predicted - actual| / actual).", ERROR_BUCKETS, t)
+        self.histograms = (self.ttft, self.itl, self.e2e, self.queue, self.iter_time, self.iter_tokens,
+                           self.pred_error)
         c = backend.counter
         self.finished = c(p + "request_success_total", "Finished requests by finish reason.", (*t, "finished_reason"))
         self.preemptions = c(p + "num_preemptions_total", "Requests preempted (KV ran out; recomputed later).", t)
@@ -298,9 +158,12 @@ class EngineMetrics:
 
     def on_idle(self, engine: Engine) -> None:
         """The loop has nothing to run: gauges read the (empty) load instead of the last pass's,
-        and the runner's are set again (Ray stops exporting a gauge not set for a while)."""
+        the runner's are set again (Ray stops exporting a gauge not set for a while), and the
+        histograms export what they hold."""
         self.record_load(engine.last_load)
         self.record_runner(engine.runner)
+        for histogram in self.histograms:
+            histogram.flush()
 
     def record_runner(self, runner: Any) -> None:
         """Which forward path runs, and the graphs compiled at warm-up and while serving."""

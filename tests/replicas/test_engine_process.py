@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import prometheus_client
 import pytest
@@ -23,7 +23,8 @@ from replicas import Engine, EngineConfig, SamplingParams
 from replicas.protocol import InvalidRequestError
 from replicas.serving.async_engine import AsyncEngine, EngineDeadError
 from replicas.serving.engine_process import ChildSpec, ProcessEngine, _Forwarding, replay
-from replicas.serving.metrics import EngineMetrics, PrometheusBackend
+from replicas.serving.metric_backends import PrometheusBackend
+from replicas.serving.metrics import EngineMetrics
 
 pytestmark = pytest.mark.engine
 
@@ -146,6 +147,35 @@ def test_replay_records_what_the_child_recorded() -> None:
     assert samples(relayed) == samples(direct) and ("h_seconds_bucket", (("le", "1.0"), ("model_name", "x")), 2.0) \
         in samples(relayed)
     assert EngineMetrics(forwarding, "m") and forwarding.ops  # EngineMetrics makes its metrics through it
+
+
+def test_a_flush_in_the_child_exports_the_replicas_counted_histogram() -> None:
+    """A histogram counted in the replica (`GaugeHistogram`, as Ray's backend makes it) sets its
+    gauges when the child's engine flushes it (going idle), not only when `flush_s` has passed."""
+    from replicas.serving.metric_backends import GaugeHistogram
+
+    values: dict[str, dict[tuple, float]] = {}
+
+    class Gauge:
+        def __init__(self, name: str, doc: str, tags: tuple[str, ...]) -> None:
+            self.name = name
+
+        def set(self, value: float, tags: dict[str, str]) -> None:
+            values.setdefault(self.name, {})[tuple(sorted(tags.items()))] = value
+
+    class CountingBackend:
+        def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> GaugeHistogram:
+            return GaugeHistogram(Gauge, name, doc, buckets, tags, flush_s=1e9)
+
+    forwarding, made = _Forwarding(), {}
+    hist = forwarding.histogram("h_seconds", "doc", [0.1, 1.0], ["model_name"])
+    hist.record_many([0.05, 0.5, 2.0], {"model_name": "x"})
+    replay(forwarding.take(), CountingBackend(), made)
+    assert values == {}  # counted, not yet exported
+    hist.flush()
+    replay(forwarding.take(), CountingBackend(), made)
+    assert values["h_seconds_count"] == {(("model_name", "x"),): 3}
+    assert values["h_seconds_bucket"][(("le", "1.0"), ("model_name", "x"))] == 2
 
 
 @module_loop

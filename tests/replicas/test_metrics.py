@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.serving.metrics import EngineMetrics, PrometheusBackend
+from replicas.serving.metric_backends import PrometheusBackend
+from replicas.serving.metrics import EngineMetrics
 
 pytestmark = pytest.mark.engine
 
@@ -121,12 +123,63 @@ def test_the_runner_path_and_compiles_are_set_again_while_idle():
     assert reg.get_sample_value("stallfree_compiles", {"model_name": "m", "phase": "warm_up"}) == 0
 
 
-def test_the_ray_histogram_bound_once_records_what_observe_records():
-    """The Ray backend's many-values path (`_ray_observer`: the tags resolved once per pass)
-    hands Ray's record the same values and tags as `observe` does, value by value."""
-    from ray.serve.metrics import Histogram
+class FakeGauge:
+    """A gauge that keeps every value it was set to, by its tags (the le label included)."""
 
-    from replicas.serving.metrics import RayBackend
+    made: dict[str, FakeGauge] = {}
+
+    def __init__(self, name: str, doc: str, tags: tuple[str, ...]) -> None:
+        self.name, self.tag_keys, self.values = name, tags, {}
+        FakeGauge.made[name] = self
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        assert set(tags) == set(self.tag_keys)
+        self.values[tuple(sorted(tags.items()))] = value
+
+
+def test_a_gauge_histogram_exports_a_prometheus_histograms_samples_at_its_flushes():
+    """Counted in process, exported as gauges: `_bucket` (cumulative, +Inf included), `_sum`,
+    `_count`, each tag set apart; set when `flush_s` has passed since the last export, or on
+    `flush()`, and only for the series that changed; the same numbers prometheus_client's own
+    histogram gives for the same values."""
+    from replicas.serving.metric_backends import GaugeHistogram
+
+    now = [0.0]
+    FakeGauge.made.clear()
+    h = GaugeHistogram(FakeGauge, "gaps_seconds", "doc", [0.01, 0.1, 1.0], ["model"], clock=lambda: now[0],
+                       flush_s=1.0)
+    bucket, total, count = (FakeGauge.made["gaps_seconds" + k] for k in ("_bucket", "_sum", "_count"))
+    assert bucket.tag_keys == ("model", "le") and total.tag_keys == count.tag_keys == ("model",)
+    h.record_many([0.003, 0.05, 0.05, 2.0], {"model": "a"})
+    assert bucket.values == {}  # not yet: within flush_s of the start
+    now[0] = 1.5
+    h.record(0.01, {"model": "a"})  # on a bound: counted in it, as Prometheus counts
+    le = lambda m, x: (("le", x), ("model", m))  # noqa: E731
+    a = dict(bucket.values)
+    assert a == {le("a", "0.01"): 2, le("a", "0.1"): 4, le("a", "1.0"): 4, le("a", "+Inf"): 5}
+    assert total.values[(("model", "a"),)] == pytest.approx(2.113) and count.values[(("model", "a"),)] == 5
+    # prometheus_client's own histogram of the same values agrees bucket by bucket
+    reg = CollectorRegistry()
+    ph = prometheus_client.Histogram("gaps_seconds", "doc", ["model"], buckets=[0.01, 0.1, 1.0], registry=reg)
+    for v in (0.003, 0.05, 0.05, 2.0, 0.01):
+        ph.labels(model="a").observe(v)
+    assert {x: reg.get_sample_value("gaps_seconds_bucket", {"model": "a", "le": x})
+            for x in ("0.01", "0.1", "1.0", "+Inf")} == {x: a[le("a", x)] for x in ("0.01", "0.1", "1.0", "+Inf")}
+    h.record_many([0.5], {"model": "b"})  # another series: set at the next flush, a's left as they are
+    bucket.values.clear()
+    h.flush()
+    assert bucket.values == {le("b", "0.01"): 0, le("b", "0.1"): 0, le("b", "1.0"): 1, le("b", "+Inf"): 1}
+    h.record_many([], {"model": "c"})
+    h.flush()
+    assert count.values == {(("model", "a"),): 5, (("model", "b"),): 1}  # nothing recorded for c
+
+
+def test_the_ray_backends_histogram_sets_ray_gauges_of_its_counts():
+    """Inside a replica a histogram is a `GaugeHistogram` over Ray Serve gauges: Ray's agent then
+    sees a few series per export, not one record per observation."""
+    from ray.serve.metrics import Gauge
+
+    from replicas.serving.metric_backends import GaugeHistogram, RayBackend
 
     class Recorder:
         def __init__(self) -> None:
@@ -136,14 +189,14 @@ def test_the_ray_histogram_bound_once_records_what_observe_records():
             self.calls.append((value, dict(tags)))
 
     metric = RayBackend().histogram("stallfree_test_gaps_seconds", "test", [0.01, 0.1, 1.0], ["model"])
-    ray_metric = metric._bind.args[0]  # the Ray histogram the backend made
-    assert isinstance(ray_metric, Histogram)
-    ray_metric._metric = Recorder()
-    values = [0.003, 0.05, 0.05, 2.0]
-    for v in values:
-        ray_metric.observe(v, tags={"model": "m"})
-    by_observe = list(ray_metric._metric.calls)
-    ray_metric._metric.calls.clear()
-    metric.record_many(values, {"model": "m"})
-    assert ray_metric._metric.calls == by_observe and len(by_observe) == 4
-    assert by_observe[0][1]["model"] == "m"
+    assert isinstance(metric, GaugeHistogram)
+    ray_bucket = metric._bucket._gauge
+    assert isinstance(ray_bucket, Gauge)
+    ray_bucket._metric = Recorder()
+    metric.record_many([0.003, 0.05, 0.05, 2.0], {"model": "m"})
+    metric.flush()
+    got = {c[1]["le"]: c[0] for c in ray_bucket._metric.calls}
+    assert got == {"0.01": 1, "0.1": 3, "1.0": 3, "+Inf": 4}
+    assert all(c[1]["model"] == "m" for c in ray_bucket._metric.calls)
+
+

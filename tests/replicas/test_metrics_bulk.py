@@ -10,7 +10,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from replicas.serving.metrics import LATENCY_BUCKETS, PREFIX, TBT_BUCKETS, EngineMetrics, PrometheusBackend, bucket_counts
+from replicas.serving.metric_backends import PrometheusBackend, bucket_counts
+from replicas.serving.metrics import LATENCY_BUCKETS, PREFIX, TBT_BUCKETS, EngineMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from replicas.scheduling.histogram import EDGES, GAMMA, LogHistogram
-from replicas.serving.metrics import PREFIX, TBT_BUCKETS, EngineMetrics, PrometheusBackend
+from replicas.serving.metric_backends import PrometheusBackend
+from replicas.serving.metrics import PREFIX, TBT_BUCKETS, EngineMetrics
 
 pytestmark = pytest.mark.unit
 
