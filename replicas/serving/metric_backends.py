@@ -79,11 +79,11 @@ def bucket_counts(bounds: Sequence[float], values: Sequence[float]) -> dict[int,
 
 
 class _Series:
-    __slots__ = ("counts", "total", "sum", "dirty")
+    __slots__ = ("counts", "total", "sum")
 
     def __init__(self, buckets: int) -> None:
         self.counts = [0] * buckets  # per bucket, not cumulative
-        self.total, self.sum, self.dirty = 0, 0.0, False
+        self.total, self.sum = 0, 0.0
 
 
 class GaugeHistogram:
@@ -91,7 +91,9 @@ class GaugeHistogram:
     counts, what a Prometheus histogram's samples are: `<name>_bucket{le=...}` (the +Inf bucket
     included), `<name>_sum`, `<name>_count`; `histogram_quantile` and `rate` read them as they
     read a histogram's. The gauges are set at most every `flush_s` while values come in, and by
-    `flush()` (the engine calls it when it goes idle)."""
+    `flush()` (the engine calls it when it goes idle, and every few seconds while idle). Every
+    series is set at each flush, changed or not: Ray stops exporting a gauge that is not set
+    for a couple of export intervals, and a histogram must not vanish while it is quiet."""
 
     def __init__(self, gauge: Callable[[str, str, tuple[str, ...]], Any], name: str, doc: str,
                  buckets: Sequence[float], tags: Sequence[str], clock: Callable[[], float] = time.monotonic,
@@ -120,16 +122,12 @@ class GaugeHistogram:
             series.counts[i] += n
         series.total += len(values)
         series.sum += sum(values)
-        series.dirty = True
         if self._clock() - self._flushed_at >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
         self._flushed_at = self._clock()
         for tags, series in self._series.values():
-            if not series.dirty:
-                continue
-            series.dirty = False
             cumulative = 0
             for le, n in zip(self._le, series.counts):
                 cumulative += n

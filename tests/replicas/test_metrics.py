@@ -123,6 +123,32 @@ def test_the_runner_path_and_compiles_are_set_again_while_idle():
     assert reg.get_sample_value("stallfree_compiles", {"model_name": "m", "phase": "warm_up"}) == 0
 
 
+def test_histograms_are_flushed_when_the_loop_idles_and_every_few_seconds_of_passes():
+    """A histogram counted in process (Ray's backend) is exported at each flush: every histogram
+    is flushed on every idle tick, and by the first pass at least HISTOGRAM_REFRESH_S (on the
+    engine's clock) after the last flush, so none vanishes from Ray's export while quiet."""
+    from replicas.serving.metrics import HISTOGRAM_REFRESH_S
+
+    eng = Engine.from_pretrained("embedded:tiny", EngineConfig())
+    metrics = EngineMetrics(PrometheusBackend(CollectorRegistry()), "m")
+    eng.observers.append(metrics)
+    flushed: list[int] = []
+    for i, histogram in enumerate(metrics.histograms):
+        histogram.flush = lambda i=i: flushed.append(i)  # type: ignore[method-assign]
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    first = eng.iterations[0].start
+    assert sorted(flushed) == list(range(len(metrics.histograms)))  # the first pass: none flushed before
+    flushed.clear()
+    eng.generate([[5, 6, 8]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert eng.iterations[-1].start - first < HISTOGRAM_REFRESH_S and flushed == []  # too soon
+    metrics._histograms_flushed_at -= HISTOGRAM_REFRESH_S  # as if 5 s of passes went by
+    eng.generate([[5, 6, 9]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert sorted(flushed) == list(range(len(metrics.histograms)))
+    flushed.clear()
+    metrics.on_idle(eng)
+    assert sorted(flushed) == list(range(len(metrics.histograms)))
+
+
 class FakeGauge:
     """A gauge that keeps every value it was set to, by its tags (the le label included)."""
 
@@ -140,8 +166,8 @@ class FakeGauge:
 def test_a_gauge_histogram_exports_a_prometheus_histograms_samples_at_its_flushes():
     """Counted in process, exported as gauges: `_bucket` (cumulative, +Inf included), `_sum`,
     `_count`, each tag set apart; set when `flush_s` has passed since the last export, or on
-    `flush()`, and only for the series that changed; the same numbers prometheus_client's own
-    histogram gives for the same values."""
+    `flush()`, every series each time (Ray drops a gauge not set for a while); the same numbers
+    prometheus_client's own histogram gives for the same values."""
     from replicas.serving.metric_backends import GaugeHistogram
 
     now = [0.0]
@@ -165,10 +191,10 @@ def test_a_gauge_histogram_exports_a_prometheus_histograms_samples_at_its_flushe
         ph.labels(model="a").observe(v)
     assert {x: reg.get_sample_value("gaps_seconds_bucket", {"model": "a", "le": x})
             for x in ("0.01", "0.1", "1.0", "+Inf")} == {x: a[le("a", x)] for x in ("0.01", "0.1", "1.0", "+Inf")}
-    h.record_many([0.5], {"model": "b"})  # another series: set at the next flush, a's left as they are
+    h.record_many([0.5], {"model": "b"})  # another series: set at the next flush, a's set again
     bucket.values.clear()
     h.flush()
-    assert bucket.values == {le("b", "0.01"): 0, le("b", "0.1"): 0, le("b", "1.0"): 1, le("b", "+Inf"): 1}
+    assert bucket.values == {**a, le("b", "0.01"): 0, le("b", "0.1"): 0, le("b", "1.0"): 1, le("b", "+Inf"): 1}
     h.record_many([], {"model": "c"})
     h.flush()
     assert count.values == {(("model", "a"),): 5, (("model", "b"),): 1}  # nothing recorded for c
