@@ -165,13 +165,14 @@ class Wire:
     async def post(self, path: str, payload: bytes, on_head: OnHead, on_body: OnBody,
                    content_type: str = "application/json") -> Head:
         """Send one POST and read its answer, handing its head to `on_head` and each body piece
-        to `on_body` as they are read; returns the head once the body has ended. A connection that was idle is retried once on
-        a fresh one when it turns out closed before any answer."""
+        to `on_body` as they are read; returns the head once the body has ended. A request on an
+        idle connection that turns out closed before any answer is sent again once, on a fresh
+        connection (as a browser or aiohttp does: the server may close an idle keep-alive)."""
         request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                    f"Content-Type: {content_type}\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
         async with self._slots:
-            while True:
-                reused = bool(self._idle)
+            for attempt in range(2):
+                reused = attempt == 0 and bool(self._idle)
                 sock = self._idle.pop() if reused else await self._connect()
                 reader = Reader()
                 try:
@@ -191,6 +192,7 @@ class Wire:
                 else:
                     sock.close()
                 return reader.head
+        raise AssertionError("unreachable: the second attempt is on a fresh connection")
 
     async def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -129,6 +129,24 @@ def test_the_pool_reuses_a_connection_and_retries_one_the_server_closed() -> Non
     assert reads >= 6 and 0 < stamped <= reads
 
 
+def test_a_request_on_a_dead_idle_connection_is_sent_again_once_on_a_fresh_one() -> None:
+    """Two connections left idle, both closed by the server: the next post finds the first dead
+    and goes out on a new connection, not on the second dead one."""
+    plain = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+
+    async def main() -> tuple[list[int], int]:
+        server, conns, port = await _serve([plain] * 3, close_after={0, 1})
+        async with server, wire.Wire("127.0.0.1", port, limit=4) as pool:
+            post = lambda: pool.post("/", b"", lambda h, n, a: None, lambda p, n, a: None)  # noqa: E731
+            heads = await asyncio.gather(post(), post())  # two connections at once
+            await asyncio.sleep(0.05)  # the server has closed both
+            heads.append(await post())
+            return [h.status for h in heads], len(conns)
+
+    statuses, connections = asyncio.run(main())
+    assert statuses == [200, 200, 200] and connections == 3
+
+
 def test_a_cancelled_exchange_closes_its_connection() -> None:
     """A post cancelled mid-answer (the run's timeout) leaves no connection in the pool."""
     slow = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nabcd"
