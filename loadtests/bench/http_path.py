@@ -34,7 +34,7 @@ import psutil
 from loadtests.harness.report import OMIT, bench_parser, report
 from loadtests.harness.serve_local import Server, served
 from loadtests.harness.serve_run import REPO
-from loadtests.load.overload.cpu import ROLES, role_of
+from loadtests.load.overload.cpu import ROLES, cpu_times, role_of
 
 PATH_ROLES = ("proxy", "ingress")  # the HTTP path the issue's target sums
 GAP_S = 0.05  # between two requests (the idle CPU over it is taken off)
@@ -55,13 +55,8 @@ def processes(server: Server) -> dict[str, list[str]]:
 def cpu_by_role(server: Server) -> dict[str, float]:
     """CPU seconds (user + system, all threads) each role's processes have used so far."""
     out = dict.fromkeys(ROLES, 0.0)
-    for pid in server.pids():
-        try:
-            proc = psutil.Process(pid)
-            times = proc.cpu_times()
-            out[role_of(" ".join(proc.cmdline()))] += times.user + times.system
-        except psutil.Error:  # gone since the listing
-            continue
+    for role, used, _ in cpu_times(server.pids(), split_engine=False).values():
+        out[role] += used
     return out
 
 

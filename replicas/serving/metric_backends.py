@@ -99,7 +99,7 @@ class GaugeHistogram:
                  buckets: Sequence[float], tags: Sequence[str], clock: Callable[[], float] = time.monotonic,
                  flush_s: float = FLUSH_S) -> None:
         self.bounds = list(buckets)
-        self._le = [le_label(b) for b in self.bounds] + ["+Inf"]
+        self._le = [le_label(b) for b in self.bounds]  # the +Inf bucket is the count
         self._bucket = gauge(name + "_bucket", doc, (*tags, "le"))
         self._sum = gauge(name + "_sum", doc, tuple(tags))
         self._count = gauge(name + "_count", doc, tuple(tags))

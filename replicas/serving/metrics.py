@@ -27,8 +27,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 # that edge counts, so /metrics and the controller's window bin a gap the same way.
 TBT_BUCKETS = edge_subset(1e-3, 80.0, every=24)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-HISTOGRAM_REFRESH_S = 5.0  # while passes run, every histogram is flushed at least this often
 ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0, 2.0)
+HISTOGRAM_REFRESH_S = 5.0  # while passes run, every histogram is flushed at least this often
 
 
 class EngineMetrics:
@@ -97,7 +97,8 @@ class EngineMetrics:
     def on_iteration(self, stats: IterationStats, batch: SchedulerOutput, engine: Engine) -> None:
         tags = self.tags
         if stats.start - self._histograms_flushed_at >= HISTOGRAM_REFRESH_S:
-            self.flush_histograms(stats.start)  # those no pass records into stay exported too
+            self._histograms_flushed_at = stats.start
+            self.flush_histograms()  # those no pass records into stay exported too
         if engine.runner.compiles != self._compiles_seen:
             self.record_runner(engine.runner)
         self.iter_time.record(stats.duration, tags)
@@ -166,11 +167,10 @@ class EngineMetrics:
         histograms export what they hold."""
         self.record_load(engine.last_load)
         self.record_runner(engine.runner)
-        self.flush_histograms(self._histograms_flushed_at)
+        self.flush_histograms()
 
-    def flush_histograms(self, now: float) -> None:
+    def flush_histograms(self) -> None:
         """Every histogram exports what it holds (`Metric.flush`)."""
-        self._histograms_flushed_at = now
         for histogram in self.histograms:
             histogram.flush()
 

@@ -34,16 +34,17 @@ def role_of(cmdline: str, split_engine: bool = False) -> str:
 Reading = dict[int, tuple[str, float, str]]  # pid -> (role, CPU seconds so far, title)
 
 
-def cpu_times(pids: Iterable[int]) -> Reading:
+def cpu_times(pids: Iterable[int], split_engine: bool = True) -> Reading:
     """pid -> (role, CPU seconds used so far: user + system, every thread, its title) for the
-    live `pids` (the engine's process split from its replica), and this process as CLIENT."""
+    live `pids` (the engine's process apart from its replica unless `split_engine` is false),
+    and this process as CLIENT."""
     out: Reading = {}
     for pid in pids:
         try:
             proc = psutil.Process(pid)
             times = proc.cpu_times()
             title = " ".join(proc.cmdline())
-            role = CLIENT if pid == os.getpid() else role_of(title, split_engine=True)
+            role = CLIENT if pid == os.getpid() else role_of(title, split_engine)
             out[pid] = (role, times.user + times.system, title)
         except psutil.Error:  # gone since the listing
             continue
