@@ -17,6 +17,7 @@ from ray.serve.config import BackpressureConfig
 from app.args import AppArgs
 from app.ingress import OpenAIIngress
 from app.http_path import proxy_kind
+from app.ingress_router import INGRESS_ROUTER_DEPLOYMENT, IngressRouter
 from app.replica_ingress import ReplicaIngress
 from autoscale.reporter import LoadReporter
 from autoscale.serve_options import deployment_options, graceful_shutdown_timeout
@@ -89,9 +90,22 @@ def replica_ingress_options(args: AppArgs) -> dict[str, Any]:
         ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests,
         max_queued_requests=args.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1))
-    if proxy_kind() == "haproxy":  # HAProxy balances the ingress itself and refuses a router there
-        options.pop("request_router_config", None)
+    if proxy_kind() == "haproxy" and not replica_choice(args):  # one replica: HAProxy needs no choice
+        options.pop("request_router_config", None)  # (and Serve refuses a router there without one)
     return options
+
+
+def replica_choice(args: AppArgs) -> bool:
+    """Whether requests have more than one engine replica to choose from (the router's work)."""
+    return args.scaling.autoscaling or args.num_replicas > 1
+
+
+def ingress_router_options() -> dict[str, Any]:
+    """Serve options of the ingress request router (HAProxy mode, `app.ingress_router`): no CPU
+    reserved (it schedules beside the proxy, as Ray Serve LLM's does) and no cap that would hold
+    back the requests it routes."""
+    return {"name": INGRESS_ROUTER_DEPLOYMENT, "num_replicas": 1, "max_ongoing_requests": 1000,
+            "ray_actor_options": {"num_cpus": 0}, "logging_config": REPLICA_LOGGING}
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
@@ -103,7 +117,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                                  namespace=app_args.controller_namespace)
     if app_args.ingress_in_replica:
         merged = serve.deployment(ReplicaIngress).options(**replica_ingress_options(app_args))
-        return merged.bind(app_args.replica_config(), app_args, reporter_factory=reporter)
+        app = merged.bind(app_args.replica_config(), app_args, reporter_factory=reporter)
+        if proxy_kind() == "haproxy" and replica_choice(app_args):  # HAProxy asks the app's router
+            app._with_ingress_request_router(serve.deployment(IngressRouter).options(**ingress_router_options()).bind(app))
+        return app
     llm = serve.deployment(LLMServer).options(**llm_deployment_options(app_args))
     ingress = OpenAIIngress.options(
         name=INGRESS_DEPLOYMENT, num_replicas=app_args.resolved_ingress_replicas,

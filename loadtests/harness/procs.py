@@ -3,13 +3,16 @@
 A server's processes are not one process group: Ray's raylet starts each worker (every replica,
 the HTTP proxy) in a session of its own. What a load test started is found instead by its roots
 (the commands it ran) and by a mark in their command lines (the private Ray temp dir that every
-Ray process of that instance is given), with every descendant of either.
+Ray process of that instance is given), with every descendant of either, and the HAProxy of
+Ray's HAProxy mode, which runs under a path named by the instance's node id, not by the mark,
+and outlives its manager when that is killed (it is no one's descendant then).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -17,6 +20,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 Proc = tuple[int, str, int, int]  # (parent pid, command line, RSS bytes, start time in clock ticks)
+NODE_ID = re.compile(r"--node[-_]id=([0-9a-f]{16,})")  # in the raylet's and the GCS's command lines
+HAPROXY_DIR = "/haproxy-serve/{}/"  # Ray's HAProxy config and socket dir: /tmp/haproxy-serve/<node id>/
 
 
 def table() -> dict[int, Proc]:
@@ -40,6 +45,9 @@ def tree(procs: dict[int, Proc], roots: Iterable[int], mark: str | None = None) 
     keep = {pid for pid in roots if pid in procs}
     if mark:
         keep |= {pid for pid, (_, cmd, _, _) in procs.items() if mark in cmd}
+    dirs = {HAPROXY_DIR.format(node) for pid in keep for node in NODE_ID.findall(procs[pid][1])}
+    keep |= {pid for pid, (_, cmd, _, _) in procs.items()
+             if cmd.split(" ", 1)[0].endswith("haproxy") and any(d in cmd for d in dirs)}
     frontier = set(keep)
     while frontier:
         frontier = {pid for pid, (ppid, _, _, _) in procs.items() if ppid in frontier} - keep

@@ -35,7 +35,7 @@ import httpx
 import yaml
 
 from app.proxy_door import proxy_env
-from loadtests.harness.serve_run import Stack, commands, config_args, serve_config
+from loadtests.harness.serve_run import HAPROXY_PORT_ENVS, Stack, commands, config_args, serve_config
 
 READY = "SERVE_LOCAL_READY"
 
@@ -174,7 +174,8 @@ def served(app_args: dict[str, Any], log_path: str | Path, *, start: str = "loca
                 stack.repo / "serve_config.yaml"),
                                              sort_keys=False))
             ports = {name: free_port() for name in ("gcs", "client", "agent", "metrics", "dashboard")}
-            steps = commands(start, config, stack.temp_dir, ports, stack.env(env))
+            haproxy = {name: str(free_port()) for name in HAPROXY_PORT_ENVS}
+            steps = commands(start, config, stack.temp_dir, ports, stack.env({**haproxy, **(env or {})}))
             for argv, step_env in steps[:-1]:
                 stack.run(argv, step_env, to_end=True)
             last = stack.run(*steps[-1])

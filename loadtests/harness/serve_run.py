@@ -39,6 +39,10 @@ BIN = Path(sys.executable).parent  # the venv's `serve` and `ray`
 NICENESS_ENV = "RAY_worker_niceness"
 AUTH_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 STOP_GRACE_S = 60.0  # serve run / the launcher shut Serve and Ray down in this time at most
+# Ports Ray's HAProxy (serve_config.yaml's HTTP path) also listens on, on every interface (8404 and
+# 9101 by default): a server of its own gets its own, so it never meets another instance's, or
+# one a killed instance left behind.
+HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
 def serve_config(app_args: dict[str, Any], port: int, path: Path = SERVE_CONFIG) -> dict[str, Any]:

