@@ -41,6 +41,9 @@ HEALTH_CHECK_TIMEOUT_S = 30
 # one loop relays every token, so its lag (what the in-flight limit, app/stream_limit.py, reads)
 # is the lag of all the ingress's work, and no item crosses threads.
 INGRESS_RUNTIME_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+# The ingress request router's handler and its handle's router on the server's own event loop
+# too: a route call then crosses no thread (three loops and a thread pool by Serve's defaults).
+ONE_LOOP_RUNTIME_ENV = {"env_vars": {**INGRESS_RUNTIME_ENV["env_vars"], "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}
 
 
 def llm_deployment_options(args: AppArgs) -> dict[str, Any]:
@@ -105,7 +108,8 @@ def ingress_router_options() -> dict[str, Any]:
     reserved (it schedules beside the proxy, as Ray Serve LLM's does) and no cap that would hold
     back the requests it routes."""
     return {"name": INGRESS_ROUTER_DEPLOYMENT, "num_replicas": 1, "max_ongoing_requests": 1000,
-            "ray_actor_options": {"num_cpus": 0}, "logging_config": REPLICA_LOGGING}
+            "ray_actor_options": {"num_cpus": 0, "runtime_env": ONE_LOOP_RUNTIME_ENV},
+            "logging_config": REPLICA_LOGGING}
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:

@@ -44,6 +44,7 @@ READY = "SERVE_LOCAL_READY"
 # kernel's ephemeral range (32768 and up on Linux), where the outgoing connections of the server's
 # own processes would take a port between our check and its bind.
 PORTS = range(20000, 32768)
+DIRECT_WAIT_S = 120.0  # HAProxy serving the replicas itself after /health first answers, at most
 
 
 def free_port() -> int:
@@ -157,7 +158,8 @@ def served(app_args: dict[str, Any], log_path: str | Path, *, start: str = "loca
            timeout_s: float = 600.0, repo: Path | None = None) -> Iterator[Server]:
     """A server of its own for a `with` block, started as `start` says (`serve_run.START_MODES`:
     this module's launcher by default, or `serve run` / `ray start` as a user starts them, with
-    serve_config.yaml under `app_args`): yields it once /health answers 200, prints the end of
+    serve_config.yaml under `app_args`): yields it once /health answers 200 (in HAProxy mode, once
+    HAProxy forwards to the replicas' own servers: `wait_direct`), prints the end of
     its log when it fails to come up, and ends every process it started, even on error.
     `ray_cpus` and `metrics_port` apply to the launcher; `env` adds to every command's environment;
     `repo`: another checkout to serve (its code and serve_config.yaml), as a baseline."""
@@ -181,7 +183,7 @@ def served(app_args: dict[str, Any], log_path: str | Path, *, start: str = "loca
             last = stack.run(*steps[-1])
         url = f"http://127.0.0.1:{port}"
         try:
-            health = wait_healthy(url, last, timeout_s=timeout_s)
+            health = wait_direct(url, wait_healthy(url, last, timeout_s=timeout_s), last)
         except Exception:
             stack.log.flush()
             print(Path(log_path).read_text()[-4000:])
@@ -206,6 +208,24 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None = None, timeout_s:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{base_url}/health not healthy after {timeout_s:.0f} s")
+
+
+def wait_direct(base_url: str, health: dict[str, Any], proc: subprocess.Popen | None = None,
+                timeout_s: float = DIRECT_WAIT_S) -> dict[str, Any]:
+    """In Ray's HAProxy mode, poll /health until HAProxy forwards to the replicas' own servers
+    (`http_path.door` "ingress"): until it has seen them healthy twice, 5 s apart, it sends
+    requests through Ray's fallback Python proxy, whose costs and door are not the path's. The
+    last /health body; `health` as it is on any other path."""
+    deadline = time.monotonic() + timeout_s
+    while (health.get("http_path") or {}).get("proxy") == "haproxy" and health["http_path"].get("door") != "ingress":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"HAProxy still sends {base_url} through its fallback proxy after {timeout_s:.0f} s")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        time.sleep(1.0)
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            health = httpx.get(f"{base_url}/health", timeout=5).json()
+    return health
 
 
 def main(argv: list[str] | None = None) -> None:

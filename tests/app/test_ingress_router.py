@@ -116,6 +116,8 @@ def test_haproxy_mode_keeps_the_router_where_there_is_a_choice(monkeypatch: pyte
     assert deployment.func_or_class is IngressRouter
     assert deployment.name == ingress_router.INGRESS_ROUTER_DEPLOYMENT and deployment.num_replicas == 1
     assert deployment.ray_actor_options["num_cpus"] == 0
+    env = deployment.ray_actor_options["runtime_env"]["env_vars"]  # one event loop: no thread hops per call
+    assert env == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
     [replicas] = deployment.init_args  # a handle to the engine replicas, bound
     assert replicas._bound_deployment.func_or_class is builder.ReplicaIngress
     assert options["request_router_config"].request_router_class.endswith("TokenLoadRouter")

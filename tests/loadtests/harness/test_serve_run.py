@@ -116,7 +116,8 @@ def test_a_cluster_server_answers_and_leaves_nothing_behind(tmp_path, wait_until
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3, answer.text
         assert _ingress_router_health(server.stack.temp_dir) == {"status": "ok", "routed": 4}
         started, temp_dir = server.stack.started(), server.stack.temp_dir
-        titles = {procs.table().get(pid, (0, "", 0, 0))[1] for pid in started}
+        table = procs.table()
+        titles = [table.get(pid, (0, "", 0, 0))[1] for pid in started]
         assert sum("ServeReplica:llm:LLMServer" in t for t in titles) == 2
         assert any("ServeReplica:llm:IngressRouter" in t for t in titles)
         assert any("raylet" in t for t in titles)
