@@ -1,7 +1,7 @@
-"""HAProxy mode keeps the app's router: HAProxy asks the ingress request router
-(`app.ingress_router`) which engine replica serves a request, the router answers with the
-choice of the engine deployment's own router (costing the request from its body when HAProxy
-forwards one), and the builder attaches it only where there is a choice."""
+"""HAProxy mode can keep the app's router (`ingress_router: true`): HAProxy asks the ingress
+request router (`app.ingress_router`) which engine replica serves a request, the router answers
+with the choice of the engine deployment's own router (costing the request from its body when
+HAProxy forwards one), and the builder attaches it only where asked and there is a choice."""
 
 from __future__ import annotations
 
@@ -100,17 +100,19 @@ def _haproxy(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     monkeypatch.setattr(builder, "proxy_kind", lambda: "haproxy" if on else "serve")
 
 
-@pytest.mark.parametrize(("args", "choice"), [({}, False), ({"num_replicas": 2}, True),
-                                              ({"scaling": {"min_replicas": 1, "max_replicas": 3}}, True)])
-def test_haproxy_mode_keeps_the_router_where_there_is_a_choice(monkeypatch: pytest.MonkeyPatch,
-                                                               args: dict, choice: bool) -> None:
+@pytest.mark.parametrize(("args", "choice"), [({"ingress_router": True}, False),
+                                              ({"ingress_router": True, "num_replicas": 2}, True),
+                                              ({"ingress_router": True, "scaling": {"min_replicas": 1, "max_replicas": 3}}, True),
+                                              ({"num_replicas": 2}, False)])  # opt-in: least connections
+def test_haproxy_mode_asks_the_router_where_asked_and_there_is_a_choice(monkeypatch: pytest.MonkeyPatch,
+                                                                        args: dict, choice: bool) -> None:
     _haproxy(monkeypatch, True)
     app_args = AppArgs(ingress_in_replica=True, engine={"tbt_slo_ms": 200}, **args)
     options = builder.replica_ingress_options(app_args)
     assert ("request_router_config" in options) is choice
     router = build = builder.build_app(app_args)._ingress_request_router
     if not choice:
-        assert router is None  # one replica: HAProxy forwards to it, no router call per request
+        assert router is None  # HAProxy forwards by least connections (or to its one replica)
         return
     deployment = build._bound_deployment
     assert deployment.func_or_class is IngressRouter
@@ -125,6 +127,6 @@ def test_haproxy_mode_keeps_the_router_where_there_is_a_choice(monkeypatch: pyte
 
 def test_serve_s_proxy_routes_itself_and_needs_no_ingress_router(monkeypatch: pytest.MonkeyPatch) -> None:
     _haproxy(monkeypatch, False)
-    app = builder.build_app(AppArgs(ingress_in_replica=True, num_replicas=3))
+    app = builder.build_app(AppArgs(ingress_in_replica=True, num_replicas=3, ingress_router=True))
     assert app._ingress_request_router is None
     assert "request_router_config" in builder.replica_ingress_options(AppArgs(ingress_in_replica=True))

@@ -99,10 +99,10 @@ def test_terminate_leaves_a_process_that_took_a_freed_pid_alone() -> None:
 @pytest.mark.process
 def test_a_cluster_server_answers_and_leaves_nothing_behind(tmp_path, wait_until) -> None:  # noqa: ANN001
     """The README's cluster start of serve_config.yaml as it ships: Ray's HAProxy in front, with
-    two engine replicas HAProxy asks the app's router to choose between (`app.ingress_router`);
-    every process it started, HAProxy's included, ends with it."""
+    two engine replicas HAProxy asks the app's router to choose between (`ingress_router`,
+    `app.ingress_router`); every process it started, HAProxy's included, ends with it."""
     args = {"model": "embedded:tiny", "num_cpus": 0.5, "ingress_num_cpus": 0.1, "num_replicas": 2,
-            "engine": {"kv_cache_memory_bytes": 16 * 2**20}}
+            "ingress_router": True, "engine": {"kv_cache_memory_bytes": 16 * 2**20}}
     with served(args, tmp_path / "server.log", start="cluster", timeout_s=300) as server:
         assert server.start == "cluster" and server.health["status"] == "ok"
         assert server.health["proxy_door"] is not None  # serve_config.yaml's controller_options
