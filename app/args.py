@@ -111,6 +111,10 @@ class AppArgs(BaseModel):
             raise ValueError("scaling.by tbt_slo needs engine.tbt_slo_ms")
         if self.engine.device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError("engine.device is cuda but num_gpus is 0: give each replica a GPU")
+        if self.ingress_router and not self.ingress_in_replica:
+            raise ValueError("ingress_router is HAProxy's way to the engine replicas serving HTTP themselves "
+                             "(ingress_in_replica: true); the ingress deployment routes with the app's router "
+                             "already")
         if self.ingress_in_replica and self.router == "prefix":
             raise ValueError("router prefix needs the prompt, which Serve's proxy does not read before it "
                              "routes to an engine replica serving HTTP itself (ingress_in_replica): use "

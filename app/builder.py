@@ -8,6 +8,7 @@ field-by-field errors, before any replica starts.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from ray import serve
@@ -22,6 +23,8 @@ from app.replica_ingress import ReplicaIngress
 from autoscale.reporter import LoadReporter
 from autoscale.serve_options import deployment_options, graceful_shutdown_timeout
 from replicas.serving.deployment import LLMServer
+
+logger = logging.getLogger(__name__)
 
 LLM_DEPLOYMENT = "LLMServer"
 # The shutdown grace of a replica is sized before the model loads: without an SLO or a length
@@ -125,6 +128,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         app = merged.bind(app_args.replica_config(), app_args, reporter_factory=reporter)
         if proxy_kind() == "haproxy" and asks_router(app_args):  # HAProxy asks the app's router
             app._with_ingress_request_router(serve.deployment(IngressRouter).options(**ingress_router_options()).bind(app))
+        elif app_args.ingress_router and proxy_kind() != "haproxy":
+            logger.warning("ingress_router is for Ray's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY=1); "
+                           "Serve's proxy routes with the app's router already")
         return app
     llm = serve.deployment(LLMServer).options(**llm_deployment_options(app_args))
     ingress = OpenAIIngress.options(

@@ -125,8 +125,15 @@ def test_haproxy_mode_asks_the_router_where_asked_and_there_is_a_choice(monkeypa
     assert options["request_router_config"].request_router_class.endswith("TokenLoadRouter")
 
 
-def test_serve_s_proxy_routes_itself_and_needs_no_ingress_router(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_s_proxy_routes_itself_and_needs_no_ingress_router(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
     _haproxy(monkeypatch, False)
     app = builder.build_app(AppArgs(ingress_in_replica=True, num_replicas=3, ingress_router=True))
     assert app._ingress_request_router is None
+    assert "ingress_router is for Ray's HAProxy mode" in caplog.text  # said, not silently ignored
     assert "request_router_config" in builder.replica_ingress_options(AppArgs(ingress_in_replica=True))
+
+
+def test_the_ingress_router_needs_engine_replicas_serving_http() -> None:
+    with pytest.raises(ValueError, match="ingress_router is HAProxy's way"):
+        AppArgs(ingress_router=True)
