@@ -85,7 +85,7 @@ class AppArgs(BaseModel):
     ingress_router: bool = Field(False, description="with ingress_in_replica behind Ray's HAProxy and "
         "more than one replica: HAProxy asks the app's router which replica serves each request "
         "(app/ingress_router.py); false: HAProxy balances the replicas by least connections. Opt-in: "
-        "under a 10x overload on 2 cores HAProxy timed out on its calls and answered 503")
+        "under a 10x overload on 2 cores requests waited seconds for their route, before any door")
     ingress_replicas: int | None = Field(None, ge=1, description="HTTP ingress replicas; null: 1 "
                                          "with one engine replica, else 2")
     ingress_num_cpus: float = Field(0.5, ge=0, description="reserved per ingress replica: HTTP, "
