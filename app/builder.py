@@ -126,9 +126,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     if app_args.ingress_in_replica:
         merged = serve.deployment(ReplicaIngress).options(**replica_ingress_options(app_args))
         app = merged.bind(app_args.replica_config(), app_args, reporter_factory=reporter)
-        if proxy_kind() == "haproxy" and asks_router(app_args):  # HAProxy asks the app's router
+        haproxy = proxy_kind() == "haproxy"
+        if haproxy and asks_router(app_args):  # HAProxy asks the app's router
             app._with_ingress_request_router(serve.deployment(IngressRouter).options(**ingress_router_options()).bind(app))
-        elif app_args.ingress_router and proxy_kind() != "haproxy":
+        elif app_args.ingress_router and not haproxy:
             logger.warning("ingress_router is for Ray's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY=1); "
                            "Serve's proxy routes with the app's router already")
         return app

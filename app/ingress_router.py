@@ -20,10 +20,12 @@ has not read (the replicas' mean tokens per running request).
 The builder attaches it where asked (`ingress_router: true`) and a choice exists (more than one
 replica, or autoscaling); otherwise HAProxy balances by least connections. Opt-in: under a 10x
 overload on 2 cores with two replicas, requests waited for their route in HAProxy before any
-door saw them (429 p99 16.8 s, TTFT p99 17 s, against 0.6 and 1.3 s with least connections); and
-before this router raised its own priority, HAProxy timed out on its calls and answered 503. It runs its handler and its handle's router on its
-HTTP server's own event loop (`app.builder.ONE_LOOP_RUNTIME_ENV`): by Serve's defaults a call
-crossed three event loops and a thread pool, 1.1 ms of CPU; on one loop 0.47 ms.
+door saw them (429 p99 16.8 s, TTFT p99 17 s, against 0.6 and 1.3 s with least connections);
+and before this router raised its own priority, HAProxy timed out on its calls and answered 503.
+
+It runs its handler and its handle's router on its HTTP server's own event loop
+(`app.builder.ONE_LOOP_RUNTIME_ENV`): by Serve's defaults a call crossed three event loops and a
+thread pool, 1.1 ms of CPU; on one loop 0.47 ms.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handler's `Request` annotation at runtime.

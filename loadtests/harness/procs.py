@@ -55,6 +55,12 @@ def tree(procs: dict[int, Proc], roots: Iterable[int], mark: str | None = None) 
     return keep
 
 
+def started(roots: Iterable[int], mark: str | None = None) -> dict[int, int]:
+    """`tree` of the processes now, each with its start time (what `terminate` takes)."""
+    procs = table()
+    return {pid: procs[pid][3] for pid in tree(procs, roots, mark)}
+
+
 def terminate(started: dict[int, int], grace_s: float = 10.0) -> None:
     """SIGTERM each process of `started` (pid -> start time); SIGKILL the ones still there after
     `grace_s`, and wait (up to `grace_s` again) until they are gone. A pid whose start time differs is another process that took a freed number: left alone."""

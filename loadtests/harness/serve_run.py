@@ -132,8 +132,7 @@ class Stack:
 
     def started(self) -> dict[int, int]:
         """`pids`, each with its start time (`procs.terminate` ends only those processes)."""
-        table = procs.table()
-        return {pid: table[pid][3] for pid in procs.tree(table, [p.pid for p in self.procs], str(self.temp_dir))}
+        return procs.started([p.pid for p in self.procs], str(self.temp_dir))
 
     def close(self) -> None:
         """Stop the last command first (SIGINT: `serve run` shuts Serve down, the launcher Ray),

@@ -69,11 +69,11 @@ def serve_run(app_args: dict[str, Any], log_path: Path, timeout_s: float = 600.0
             wait_healthy(url, proc, timeout_s, log_path)
             yield url
         finally:
-            before = marked(str(temp_dir), proc.pid)  # listed before the stop too: an orphan is no one's descendant
+            before = procs.started([proc.pid], str(temp_dir))  # listed before the stop too: an orphan is no one's descendant
             proc.send_signal(signal.SIGINT)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(STOP_S)
-            procs.terminate({**before, **marked(str(temp_dir), proc.pid)}, grace_s=5.0)
+            procs.terminate({**before, **procs.started([proc.pid], str(temp_dir))}, grace_s=5.0)
             proc.wait(10)
             shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -89,9 +89,3 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: P
         time.sleep(0.5)
     raise TimeoutError(f"{url}/health not 200 after {timeout_s:.0f} s:\n{log_path.read_text()[-4000:]}")
 
-
-def marked(mark: str, root: int) -> dict[int, int]:
-    """The server's processes (pid -> start time): `root`, every process whose command line holds
-    `mark`, their descendants, and their HAProxy (`procs.tree`)."""
-    table = procs.table()
-    return {pid: table[pid][3] for pid in procs.tree(table, [root], mark)}
