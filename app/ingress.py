@@ -46,6 +46,7 @@ from autoscale.demand import DemandCounter, DemandCounts
 from replicas.loading.model_files import load_tokenizer
 from replicas.protocol import ReplicaUnhealthyError, RequestRejected
 from replicas.serving.priority import serve_at_full_priority
+from replicas.serving.startup_gc import freeze_startup_objects, gc_state
 from replicas.serving.serve_logs import use_serve_log
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class OpenAIIngress:
             args.controller_name, args.controller_namespace, getattr(llm, "app_name", None),
             getattr(llm, "deployment_name", "LLMServer"),
             demand=(f"ingress:{_replica_name()}", self._demand_counts)))
+        freeze_startup_objects(logger, "the ingress")
 
     def _demand_counts(self, now: float) -> DemandCounts | None:
         limit = api.state.stream_limit
@@ -164,7 +166,8 @@ class OpenAIIngress:
     async def health(self, request: Request) -> JSONResponse:
         """200 when a replica's engine loop is alive, 503 otherwise. Its body also says whether
         the request came through the proxy door and the ingress's niceness: what a server started
-        without them lacks under overload (README, 'On a Ray cluster')."""
+        without them lacks under overload (README, 'On a Ray cluster'); and its garbage collector's
+        state (replicas/serving/startup_gc.py)."""
         try:
             runner = await asyncio.wait_for(self.llm.check_health.remote(), HEALTH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure means not healthy
@@ -177,7 +180,8 @@ class OpenAIIngress:
                            "without %s=%s (serve_config.yaml's controller_options set it for a Serve "
                            "instance it starts; a running one keeps its own): overload is refused "
                            "late, by the ingress (README, 'On a Ray cluster')", CALLBACK_ENV, IMPORT_PATH)
-        return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness, "runner": runner,
+        return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness, "gc": gc_state(),
+                             "runner": runner,
                              "http_path": {"proxy": proxy_kind(), "door": door and door.get("runs_in", "proxy")}})
 
     @api.get("/metrics")

@@ -39,6 +39,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from replicas.serving.priority import serve_at_full_priority
+from replicas.serving.startup_gc import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class IngressRouter:
         # (a plain `serve run`), and HAProxy's Lua timed out on answers sent late (503s).
         serve_at_full_priority(logger, "the ingress request router")
         self._choice = ReplicaChoice(replicas)
+        freeze_startup_objects(logger, "the ingress request router")
 
     @route_api.post(ROUTE_PATH)
     async def route(self, request: Request) -> dict[str, Any]:

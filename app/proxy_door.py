@@ -66,6 +66,7 @@ from app.http_path import HA_PROXY_ENV, runs_in
 from autoscale.demand import DemandCounter, DemandCounts
 from replicas.config import STRICT
 from replicas.serving.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
+from replicas.serving.startup_gc import freeze_startup_objects
 from app.middleware import GENERATION_PATHS, INGRESS_MS_HEADER, StreamLimitMiddleware, is_client_retry, refuse
 from app.stream_limit import (DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS, MAX_RETRY_AFTER_S, StreamLimit,
                               limit_observer)
@@ -178,6 +179,7 @@ def middlewares() -> list[Middleware]:
     where = runs_in()
     if where == "proxy":  # an ingress replica sets its own priority
         serve_at_full_priority(logger, "the HTTP proxy")
+        freeze_startup_objects(logger, "the HTTP proxy")
     settings = ProxyDoorConfig().settings(None)
     limit = StreamLimit(settings.max_requests, target_s=settings.lag_target_s,
                         min_limit=settings.min_requests, clock=time.perf_counter)

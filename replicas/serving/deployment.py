@@ -37,6 +37,7 @@ from replicas.protocol import (Acknowledged, QueueFullError, QueueTimeoutError,
                                ReplicaLoad, ReplicaUnhealthyError, RequestOutput, RequestRejected,
                                SamplingParams, prompt_batch, sample_id)
 from replicas.serving.priority import serve_at_full_priority
+from replicas.serving.startup_gc import freeze_startup_objects
 from replicas.serving.serve_logs import use_serve_log
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class LLMServer:
         timeout = config.engine.queue_timeout_s
         self._max_transit_credit_s = timeout / 2 if timeout is not None else MAX_TRANSIT_CREDIT_S
         logger.info("replica ready: %s", self.model_info())
+        freeze_startup_objects(logger, "the engine replica")
 
     # ---- generation ------------------------------------------------------------------
 

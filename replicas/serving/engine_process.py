@@ -43,6 +43,7 @@ from replicas.outputs import Delta, StreamText, output_of
 from replicas.protocol import RequestOutput, SamplingParams, sample_id
 from replicas.scheduling.batch import QueueCounts
 from replicas.serving.async_engine import AsyncEngine, EngineDeadError, _Stream, hand_out, read_stream
+from replicas.serving.startup_gc import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -494,6 +495,7 @@ def child_main(fd: int) -> None:
             "max_batch_total_tokens": engine.max_batch_total_tokens, "vocab_size": engine.vocab_size,
             "block_size": engine.block_size, "tokenizer": engine.tokenizer, "pass_time": engine.pass_time is not None}
     state, ops, _ = core.state()  # the warm-up's passes are not the replica's
+    freeze_startup_objects(logger, "the engine process", own_process=True)
     core.send(("ready", (info, state, ops)))
     core.started = True
     try:

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from replicas.serving.startup_gc import GEN0_THRESHOLD
+
 pytestmark = pytest.mark.serve
 
 MAX_TOKENS = 12
@@ -38,6 +40,8 @@ def test_health_and_models(client: httpx.Client, serve_app) -> None:  # noqa: AN
     # This session's Serve runs no proxy door (the live door test starts one of its own).
     assert health["status"] == "ok" and health["proxy_door"] is None
     assert isinstance(health["niceness"], int)
+    # the ingress froze its start-up objects and collects young objects seldom (startup_gc)
+    assert health["gc"]["frozen"] > 10_000 and health["gc"]["threshold"][0] == GEN0_THRESHOLD
     # which forward path the replica runs, and nothing compiled (the CPU path compiles nothing)
     assert health["runner"] == {"path": "sdpa", "compiles_since_start": 0, "compiles_after_warmup": 0,
                                 "fallback_error": None, "tensor_parallel_size": 1}

@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -242,6 +244,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (`timeout`, a kill) ends the run as Ctrl-C does: the server it started is stopped
+    # and what was measured is written, rather than the process dying with its server orphaned.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"config": vars(args), "start": args.start if not args.url else None,
                               "workload": args.workload, "runs": [],
