@@ -48,7 +48,7 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, Pids | None, dict[st
     log = args.json.parent / "overload_server.log"
     tqdm.write(f"starting the server ({args.start}; log: {log}) with {app_args}")
     with served(app_args, log, start=args.start) as srv:
-        health = {k: srv.health.get(k) for k in ("proxy_door", "niceness")}
+        health = {k: srv.health.get(k) for k in ("proxy_door", "niceness", "http_path", "gc")}
         tqdm.write(f"server up on {srv.url}: /health {health}")
         yield srv.url, srv.pids, {"url": srv.url, "start": args.start, "health": health, "app_args": app_args}
         tqdm.write("stopping the server")
