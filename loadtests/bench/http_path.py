@@ -199,12 +199,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                         + f" | {path:.3f} | {apart} |")
     if "baseline" in results and "current" in results:
         for key in ("stream_ms_per_request", "refused_ms_per_request"):
-            before = sum(results["baseline"][key][r] for r in PATH_ROLES)
-            current = results["current"][key]
-            after = sum(current[r] for r in PATH_ROLES)
+            base, current = results["baseline"][key], results["current"][key]
+            before, after = (sum(cells[r] for r in PATH_ROLES) for cells in (base, current))
             line = f"{key}: proxy + ingress after / before = {after / before:.3f}"
-            if current[ENGINE_LOOP] > 0:
-                line += f"; with the replica's own process {(after + current['engine']) / before:.3f}"
+            if current[ENGINE_LOOP] > 0:  # against the same sum where the baseline's loop ran apart too
+                whole_before = before + (base["engine"] if base[ENGINE_LOOP] > 0 else 0.0)
+                line += f"; with the replica's own process {(after + current['engine']) / whole_before:.3f}"
             rows.append("\n" + line)
     return "\n".join(rows)
 

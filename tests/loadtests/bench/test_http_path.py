@@ -35,3 +35,6 @@ def test_the_table_adds_the_replicas_own_process_only_where_the_loop_ran_apart()
     assert current.endswith("| 0.200 | 5.000 |")
     assert ("stream_ms_per_request: proxy + ingress after / before = 0.011; with the replica's own process "
             "0.278") in rows
+    results["baseline"] = {k: cells(0.2, 0.0, 4.0, 120.0) for k in KEYS}  # the loop apart on both sides
+    assert ("stream_ms_per_request: proxy + ingress after / before = 1.000; with the replica's own process "
+            "1.190") in http_path.table(results).splitlines()
