@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 from replicas.execution.sampler import find_stop_string
@@ -25,6 +28,12 @@ _SKIP_AFTER_FAILED_TRY = 8
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
+    The ids it keeps (`ids`: the prompt's tail, then every output token) are an `array`, which
+    the garbage collector visits in one step (it holds no objects), where it follows a list's
+    every item: a stream lives for seconds, and lists of hundreds of ids per stream made up a
+    third of what each young collection followed in a busy replica
+    (`replicas/serving/startup_gc.py`).
+
     Decodes a short window (prefix_offset..end) and emits only what extends the previous
     window's text; if the new text ends in U+FFFD the token split a multi-byte character,
     so nothing is emitted until the next token completes it. With a fast tokenizer that does not
@@ -36,9 +45,9 @@ class IncrementalDetokenizer:
                  stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self._backend_decode = _backend_decode(tokenizer)
-        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.ids = token_array(prompt_ids[-_CONTEXT_TOKENS:])
         self._num_context = len(self.ids)  # `ids` is these, then every output token added
-        self._stream = _decode_stream(self.ids) if self._backend_decode is not None else None
+        self._stream = _decode_stream(self.ids.tolist()) if self._backend_decode is not None else None
         self._backend = getattr(tokenizer, "_tokenizer", None)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -48,7 +57,8 @@ class IncrementalDetokenizer:
         self._releasing = False  # inside a held run that `_release_held` hands out token by token
         self._skip_tries = 0  # deltas stepped token by token before `_step_all` is tried again
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
+        ids = ids.tolist() if isinstance(ids, array) else ids
         if self._backend_decode is not None:
             return self._backend_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True,
@@ -89,7 +99,7 @@ class IncrementalDetokenizer:
                     return hit[1]
         return None
 
-    def catch_up(self, output_ids: list[int]) -> None:
+    def catch_up(self, output_ids: Sequence[int]) -> None:
         """Add the output tokens not added yet (a request without stop strings is detokenized
         only when a delta of it goes out: the same tokens in the same order, so the same text).
         `add_token`'s steps without stop strings, inlined: one call for a delta's tokens."""
@@ -130,7 +140,7 @@ class IncrementalDetokenizer:
                     return
         self.prefix_offset, self.read_offset, self.pending = prefix, read, pending
 
-    def _step_all(self, new: list[int]) -> bool:
+    def _step_all(self, new: Sequence[int]) -> bool:
         """The delta's tokens through a copy of the Rust stream in one step (half the time of a
         step each), kept when that gives what the steps one by one give: text that ends whole
         and holds no U+FFFD (so no step held a run long enough to be released). Else nothing
@@ -138,7 +148,7 @@ class IncrementalDetokenizer:
         stream = self._stream
         try:
             trial = stream.__copy__()
-            chunk = trial.step(self._backend, new)
+            chunk = trial.step(self._backend, new if isinstance(new, list) else list(new))
         except (AttributeError, TypeError):  # tokenizers without copies or list steps
             return False
         if chunk is None or "\ufffd" in chunk:
@@ -151,7 +161,7 @@ class IncrementalDetokenizer:
         self.pending += chunk
         return True
 
-    def delta(self, output_ids: list[int], finished: bool, flush: bool = False) -> str:
+    def delta(self, output_ids: Sequence[int], finished: bool, flush: bool = False) -> str:
         """A delta's text: the output tokens not added yet (`catch_up`), everything when
         `flush` (`flush`), then what `take_delta` hands out. One call per delta; a delta of one
         token without stop strings (one every pass) takes the Rust stream's step inline."""
@@ -208,6 +218,12 @@ class IncrementalDetokenizer:
             return ""
         self.pending = pending[end:]
         return pending[:end]
+
+
+def token_array(ids: Sequence[int] = ()) -> array:
+    """Token ids as a growable array of 64-bit ints: one reference for the garbage collector to
+    follow (its type), however many ids it holds; a list has one per id."""
+    return array("q", ids)
 
 
 def _backend_decode(tokenizer: PreTrainedTokenizerBase):  # noqa: ANN202 - a bound Rust method

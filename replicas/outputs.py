@@ -13,11 +13,12 @@ decides when a request stops (stop strings) is always decoded here.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from replicas.detokenizer import IncrementalDetokenizer
+from replicas.detokenizer import IncrementalDetokenizer, token_array
 from replicas.execution.guided import Grammars
 from replicas.protocol import RequestOutput, TokenLogprob
 from replicas.request import Request, RequestStatus
@@ -182,7 +183,7 @@ class StreamText:
         """`prompts`: the prompt of each request whose text is decoded here (`of` picks them)."""
         self._tokenizer = tokenizer
         self._prompts = prompts
-        self._detoks: dict[str, tuple[IncrementalDetokenizer, list[int]]] = {}
+        self._detoks: dict[str, tuple[IncrementalDetokenizer, array]] = {}
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase, reqs: list[Request]) -> StreamText:
@@ -198,9 +199,9 @@ class StreamText:
         rid = out.request_id
         state = self._detoks.get(rid)
         if state is None:  # its first delta: its detokenizer starts from the prompt's tail
-            state = self._detoks[rid] = (IncrementalDetokenizer(self._tokenizer, self._prompts.pop(rid)), [])
+            state = self._detoks[rid] = (IncrementalDetokenizer(self._tokenizer, self._prompts.pop(rid)), token_array())
         detok, ids = state
-        ids += out.delta_token_ids
+        ids.extend(out.delta_token_ids)
         out.delta_text = detok.delta(ids, out.finished, flush=out.finished)
         if out.finished:
             del self._detoks[rid]

@@ -243,6 +243,9 @@ def extra_app(ray_serve: RayServe) -> Callable[[str, dict[str, Any]], contextlib
         try:
             yield ray_serve.url(f"/{name}")
         finally:
-            serve.delete(name)
+            # Not waited for: an idle replica's graceful shutdown takes Serve's wait loop (2 s) and
+            # more, and no test looks at an app after it; one that needs the CPUs it held waits
+            # for them when it deploys.
+            serve.delete(name, _blocking=False)
 
     return deploy

@@ -149,14 +149,18 @@ class LLMServer:
         arrived = arrival if arrival is not None else time.perf_counter()
         batch = prompt_batch(prompt_token_ids)  # the one place a request's prompts are told apart
         num_prompt_tokens = sum(len(p) for p in batch)
+        samples = len(batch) * params.n
         intake = object()  # its entry in `_queued` (the id is the engine's to check)
         try:
             stream = await self._accept(batch, params, priority, request_id, arrival, num_prompt_tokens, intake)
         except RequestRejected as rejected:
             yield rejected
             return
+        # The engine has the prompts now: this frame lives as long as the stream, and a prompt's
+        # list of ids would be walked by every garbage collection meanwhile (startup_gc.py).
+        del prompt_token_ids, batch
         finished = started = False
-        unfinished = len(batch) * params.n  # choices still generating (their deltas share the stream)
+        unfinished = samples  # choices still generating (their deltas share the stream)
         try:
             yield Acknowledged(request_id=request_id, replica_id=self.replica_id, at=time.time())
             async for out in stream:
@@ -181,7 +185,7 @@ class LLMServer:
         finally:
             self._queued.pop(intake, None)
             if not finished:  # cancelled (client gone) or failed: free its KV blocks now
-                for i in range(len(batch) * params.n):
+                for i in range(samples):
                     self.engine.abort(sample_id(request_id, i))
 
     async def _accept(self, prompts: list[list[int]], params: SamplingParams, priority: int, request_id: str,

@@ -146,6 +146,21 @@ async def test_closing_the_stream_aborts_and_frees_blocks(server: LLMServer, awa
 
 
 @module_loop
+async def test_a_stream_lets_its_prompt_go_once_the_engine_has_it(server: LLMServer) -> None:
+    """A stream's frame lives as long as the stream, and what it holds is walked by every garbage
+    collection meanwhile (replicas/serving/startup_gc.py): once the engine has accepted the
+    prompt, `generate` holds no reference to its ids, and the stream still ends whole."""
+    stream = server.generate([5] * 30, SamplingParams(max_tokens=12, ignore_eos=True), 0, "let-go")
+    assert "prompt_token_ids" in stream.ag_frame.f_locals  # before it starts, its frame holds the prompt
+    items = [await anext(stream), await anext(stream)]  # the acknowledgement, the first delta
+    assert isinstance(items[0], Acknowledged) and isinstance(items[1], RequestOutput)
+    held = stream.ag_frame.f_locals
+    assert "prompt_token_ids" not in held and "batch" not in held
+    items += [item async for item in stream]
+    assert sum(len(d.delta_token_ids) for d in items[1:]) == 12 and items[-1].num_prompt_tokens == 30
+
+
+@module_loop
 async def test_one_failing_request_leaves_the_others_running(server: LLMServer,
                                                              await_until: Callable) -> None:
     first = asyncio.ensure_future(drain(server, [5] * 8, {"max_tokens": 300, "ignore_eos": True}, "dup"))

@@ -3,11 +3,13 @@ are never split, stop strings cut the text; the Rust stream and the Python fallb
 
 from __future__ import annotations
 
+import gc
 import random
+from array import array
 
 import pytest
 
-from replicas.detokenizer import IncrementalDetokenizer
+from replicas.detokenizer import IncrementalDetokenizer, token_array
 from replicas.loading.model_files import load_tokenizer
 
 pytestmark = pytest.mark.engine
@@ -114,6 +116,25 @@ def test_catching_up_gives_the_text_of_token_by_token(tok) -> None:  # noqa: ANN
             text_one.append(one.take_delta(False))
             text_caught.append(caught.take_delta(False))
         assert text_caught == text_one and len(caught.ids) == len(one.ids)
+
+
+def test_the_ids_kept_cost_the_collector_one_step(tok) -> None:  # noqa: ANN001
+    """What a stream keeps for its lifetime is walked by every garbage collection meanwhile
+    (replicas/serving/startup_gc.py): the ids a detokenizer keeps are an array, whose only
+    reference the collector follows is its type (a list: one per id), from a prompt given as a
+    list or an array, and stay one as tokens come (one by one, caught up, stepped together),
+    with the same text as the full decode."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    for prompt in ([5, 6, 7, 8, 9, 10], token_array([5, 6, 7, 8, 9, 10])):
+        d = IncrementalDetokenizer(tok, prompt)
+        assert isinstance(d.ids, array) and gc.get_referents(d.ids) == [array] and d.ids.tolist() == [6, 7, 8, 9, 10]
+        out = token_array()
+        text = []
+        for n in (1, 2, 9, len(ids)):  # a token alone, then deltas of several
+            out.extend(ids[len(out):n])
+            text.append(d.delta(out, finished=n == len(ids), flush=n == len(ids)))
+        assert "".join(text) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert isinstance(d.ids, array) and gc.get_referents(d.ids) == [array] and len(d.ids) == 5 + len(ids)
 
 
 @pytest.mark.parametrize("stop", [(), ("日本",)])

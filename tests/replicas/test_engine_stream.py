@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import types
 
 import pytest
@@ -81,19 +82,26 @@ def test_text_decoded_by_the_caller_is_the_engines_text(llama) -> None:
     assert all(isinstance(o, Delta) for rid in ("req-0", "req-1") for o in got[rid])
     assert all(isinstance(o.delta_text, str) for o in got["req-2"])
     assert all(isinstance(o, RequestOutput) and o.delta_text is None for o in got["req-3"])
+    held_any = False
     for merge in (1, 7):  # each delta on its own; seven at a time (a slow caller, an interval)
         text = StreamText.of(llama[1], reqs)
         for rid, outs in got.items():
             outs = [o if isinstance(o, Delta) else dataclasses.replace(o) for o in outs]
             merged = [functools.reduce(type(outs[0]).followed_by, outs[i:i + merge])
                       for i in range(0, len(outs), merge)]
-            filled = [text.fill(o) for o in merged]
+            filled = []
+            for o in merged:
+                filled.append(text.fill(o))
+                held = [ids for _, ids in text._detoks.values()]  # a stream's output ids so far:
+                assert all(len(gc.get_referents(ids)) == 1 for ids in held)  # one step for a collection, not one an id
+                held_any = held_any or bool(held)
             if merge == 1:
                 assert filled == reference[rid]
             assert "".join(o.delta_text for o in filled) == "".join(o.delta_text for o in reference[rid])
             assert [t for o in filled for t in o.delta_token_ids] == [
                 t for o in reference[rid] for t in o.delta_token_ids]
         assert not text._detoks and not text._prompts  # each finished stream let its decoder go
+    assert held_any
 
 
 def test_the_engine_sends_at_the_pass_nearest_the_interval(llama, monkeypatch) -> None:
