@@ -86,6 +86,11 @@ class AppArgs(BaseModel):
         "more than one replica: HAProxy asks the app's router which replica serves each request "
         "(app/ingress_router.py); false: HAProxy balances the replicas by least connections. Opt-in: "
         "under a 10x overload on 2 cores requests waited seconds for their route, before any door")
+    haproxy_weight_interval_ms: int | None = Field(250, ge=10, description="with ingress_in_replica "
+        "behind Ray's HAProxy, more than one replica and no ingress_router: each engine replica sets "
+        "HAProxy's server weights from the replicas' token load this often, so that its least "
+        "connections prefers the least token load (autoscale/haproxy_weights.py; router token_load "
+        "or ttft, both by token load there); null: plain least connections")
     ingress_replicas: int | None = Field(None, ge=1, description="HTTP ingress replicas; null: 1 "
                                          "with one engine replica, else 2")
     ingress_num_cpus: float = Field(0.5, ge=0, description="reserved per ingress replica: HTTP, "
@@ -123,6 +128,18 @@ class AppArgs(BaseModel):
             raise ValueError(f"engine.tensor_parallel_size {self.engine.tensor_parallel_size} takes whole GPUs, one "
                              f"per rank: num_gpus must be 1 (or 0 on CPU), got {self.num_gpus}")
         return self
+
+    def asks_router(self) -> bool:
+        """Whether HAProxy asks the app's router which engine replica serves (`ingress_router`):
+        only where there is more than one to choose from."""
+        return self.ingress_router and (self.scaling.autoscaling or self.num_replicas > 1)
+
+    def haproxy_weights(self) -> bool:
+        """Whether the engine replicas steer HAProxy's least connections by token load
+        (`haproxy_weight_interval_ms`), where HAProxy chooses among several replicas itself."""
+        return (self.ingress_in_replica and self.haproxy_weight_interval_ms is not None
+                and not self.ingress_router and self.router != "power_of_two"
+                and (self.scaling.autoscaling or self.num_replicas > 1))
 
     def replica_bundles(self) -> list[dict[str, float]]:
         """What one engine replica takes of a node: its placement group's bundles, or its actor's."""

@@ -96,15 +96,9 @@ def replica_ingress_options(args: AppArgs) -> dict[str, Any]:
         ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests,
         max_queued_requests=args.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1))
-    if proxy_kind() == "haproxy" and not asks_router(args):  # HAProxy chooses (or has no choice),
+    if proxy_kind() == "haproxy" and not args.asks_router():  # HAProxy chooses (or has no choice),
         options.pop("request_router_config", None)  # and Serve refuses a router it would not ask
     return options
-
-
-def asks_router(args: AppArgs) -> bool:
-    """Whether HAProxy asks the app's router which engine replica serves (`ingress_router`):
-    only where there is more than one to choose from."""
-    return args.ingress_router and (args.scaling.autoscaling or args.num_replicas > 1)
 
 
 def ingress_router_options() -> dict[str, Any]:
@@ -127,7 +121,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         merged = serve.deployment(ReplicaIngress).options(**replica_ingress_options(app_args))
         app = merged.bind(app_args.replica_config(), app_args, reporter_factory=reporter)
         haproxy = proxy_kind() == "haproxy"
-        if haproxy and asks_router(app_args):  # HAProxy asks the app's router
+        if haproxy and app_args.asks_router():  # HAProxy asks the app's router
             app._with_ingress_request_router(serve.deployment(IngressRouter).options(**ingress_router_options()).bind(app))
         elif app_args.ingress_router and not haproxy:
             logger.warning("ingress_router is for Ray's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY=1); "

@@ -182,7 +182,12 @@ class OpenAIIngress:
                            "late, by the ingress (README, 'On a Ray cluster')", CALLBACK_ENV, IMPORT_PATH)
         return JSONResponse({"status": "ok", "proxy_door": door, "niceness": self._niceness, "gc": gc_state(),
                              "runner": runner,
-                             "http_path": {"proxy": proxy_kind(), "door": door and door.get("runs_in", "proxy")}})
+                             "http_path": {"proxy": proxy_kind(), "door": door and door.get("runs_in", "proxy"),
+                                           **self._http_path_state()}})
+
+    def _http_path_state(self) -> dict[str, Any]:
+        """More of /health's `http_path`, from a subclass that serves HTTP another way."""
+        return {}
 
     @api.get("/metrics")
     async def metrics(self) -> Response:

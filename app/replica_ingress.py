@@ -12,21 +12,29 @@ streaming and vLLM's API server (engine and HTTP in one process) do.
 
 What is the same: the OpenAI routes and shapes, the proxy's door, the ingress's in-flight limit
 and token gate (now per engine replica), demand counting, the replica's own admission, disconnects
-freeing KV, /health and /metrics. What differs: the proxy chooses the replica with the app's
-router (`TokenLoadRouter`) but without the request's prompt (Serve's proxy routes HTTP requests
-before reading their body), so by the replicas' reported token load alone: no prefix or
-prompt-size ranking; and a request whose replica dies is not retried on another one (there is
+freeing KV, /health and /metrics. What differs: the proxy chooses the replica without the
+request's prompt (it routes before reading the body), so by the replicas' reported token load
+alone, no prefix or prompt-size ranking: Serve's proxy with the app's router
+(`TokenLoadRouter`), Ray's HAProxy by least connections on weights these replicas set from the
+same loads (`autoscale.haproxy_weights`); and a request whose replica dies is not retried on another one (there is
 no ingress in between to resend it): it fails with a server error, which clients retry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from app.admission import controller_fetch
+from app.http_path import proxy_kind
 from app.ingress import OpenAIIngress
+from autoscale.haproxy_weights import WeightPusher, admin_socket, node_admin_socket_path
+from autoscale.keys import current_replica_key
 from replicas.serving.deployment import LLMServer
+
+logger = logging.getLogger(__name__)
 
 # The class Serve's `@serve.ingress(api)` built (routes on the shared FastAPI app): subclassed below.
 _IngressClass = OpenAIIngress.func_or_class
@@ -97,6 +105,20 @@ class ReplicaIngress(_IngressClass):
         except Exception:  # noqa: BLE001 - outside Serve (tests)
             app_name, deployment = None, "LLMServer"
         await super().__init__(LocalHandle(self.server, app_name, deployment), args)
+        # Behind HAProxy, its least connections steered by the replicas' token load.
+        self.weights: WeightPusher | None = None
+        self._weights_task: asyncio.Task[None] | None = None
+        if args.haproxy_weights() and proxy_kind() == "haproxy":
+            path = node_admin_socket_path()
+            self.weights = WeightPusher(
+                controller_fetch(args.controller_name, args.controller_namespace, app_name, deployment),
+                admin_socket(path), interval_s=args.haproxy_weight_interval_ms / 1000, me=current_replica_key())
+            self._weights_task = asyncio.get_running_loop().create_task(self.weights.run())
+            logger.info("HAProxy weights from the replicas' token load every %d ms, through %s",
+                        args.haproxy_weight_interval_ms, path)
+
+    def _http_path_state(self) -> dict[str, Any]:
+        return {"weights": self.weights.state() if self.weights is not None else None}
 
     # Serve's hooks on the deployment class (the engine's health and autoscaling metrics), and
     # the engine replica's load report, as `LLMServer` answers them.
@@ -110,6 +132,9 @@ class ReplicaIngress(_IngressClass):
         return self.server.record_autoscaling_stats()
 
     async def __del__(self) -> None:  # Serve awaits it on graceful shutdown (the ASGI app's too)
+        task = getattr(self, "_weights_task", None)
+        if task is not None:
+            task.cancel()
         server = getattr(self, "server", None)
         if server is not None:
             server.shutdown()

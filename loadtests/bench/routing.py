@@ -2,6 +2,9 @@
 
     python -m loadtests.bench.routing            # 90 s per router (about 6-7 minutes)
     python -m loadtests.bench.routing --quick    # 30 s per router (about 3-4 minutes)
+    # serve_config.yaml's path: Ray's HAProxy in front of engine replicas serving HTTP; there
+    # token_load is least connections on token-load weights, power_of_two plain least connections
+    python -m loadtests.bench.routing --quick --start make
 
 For each router it starts a private Ray + Serve (`serve_local` in a subprocess, with a Ray
 metrics export port) with `--replicas` replicas of the embedded model, warms it up, drives it
@@ -30,6 +33,7 @@ import httpx
 
 from autoscale.serve_options import ROUTERS as SERVE_ROUTERS
 from loadtests.harness import metrics_text, serve_local
+from loadtests.harness.serve_run import START_MODES
 from loadtests.load.loadtest import load_samples, run_locust, summarize
 from loadtests.harness.mix import MixSpec
 from loadtests.harness.report import bench_parser
@@ -84,28 +88,35 @@ def wait_counts(metrics_port: int, before: dict[str, float], want: int, timeout_
 
 
 def app_args(args: argparse.Namespace, router: str) -> dict[str, Any]:
-    return {"model": args.model, "router": router, "num_replicas": args.replicas, "num_cpus": 1,
+    """The app's settings for one router: the bench's own, then `--set`'s (serve_config.yaml's
+    go under both with `--start` other than local)."""
+    base = {"model": args.model, "router": router, "num_replicas": args.replicas, "num_cpus": 1,
             "engine": {"num_threads": 1, "max_batch_prefill_tokens": args.chunk,
                        "max_batch_total_tokens": args.kv_tokens, "tbt_slo_ms": args.tbt_slo_ms},
             "replica": {"stream_interval_ms": 0}}
+    return serve_local.merge_args(base, serve_local.parse_sets(args.sets))
 
 
 def run_router(args: argparse.Namespace, router: str, mix: MixSpec) -> dict[str, Any]:
     metrics_port = serve_local.free_port()
-    with serve_local.served(app_args(args, router), args.runs_dir / f"server_{router}.log",
-                            ray_cpus=args.ray_cpus, metrics_port=metrics_port) as server:
+    local = args.start == "local"  # Ray's metrics export on a port of ours: requests per replica
+    with serve_local.served(app_args(args, router), args.runs_dir / f"server_{router}.log", start=args.start,
+                            ray_cpus=args.ray_cpus, metrics_port=metrics_port if local else None) as server:
         base = server.url
         for _ in range(args.replicas):  # the router spreads these; first-call costs stay out
             warm_up(base, mix, args.model)
         time.sleep(2.0)  # let the warm-up's counters reach the export
-        before = scrape(metrics_port)
+        before = scrape(metrics_port) if local else {}
         print(f"{router}: {args.rps:g} req/s for {args.duration_s:g} s ...", flush=True)
         samples = run_locust(base, args.runs_dir, duration_s=args.duration_s, drain_s=args.drain_s,
                              mix=mix, ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms,
                              model=args.model, prefix=router, quiet=True)
         _, reqs = load_samples(samples)
         row = {"router": router, **summarize(reqs, args.ttft_slo_ms / 1e3, args.tbt_slo_ms / 1e3)}
-        row["per_replica"] = wait_counts(metrics_port, before, row["finished"])
+        row["per_replica"] = wait_counts(metrics_port, before, row["finished"]) if local else None
+        if server.health.get("http_path"):  # and after the load: HAProxy's weights pushed meanwhile
+            row["http_path"] = server.health["http_path"]
+            row["http_path_after"] = httpx.get(f"{base}/health", timeout=10).json().get("http_path")
     return row
 
 
@@ -120,7 +131,7 @@ HEADER = (f"{'router':<13}{'sent':>5}{'done':>5}{'err':>4}{'TTFT50':>7}{'TTFT99'
 
 
 def format_row(r: dict[str, Any]) -> str:
-    per = "/".join(str(n) for n in r.get("per_replica", {}).values()) or "-"
+    per = "/".join(str(n) for n in (r.get("per_replica") or {}).values()) or "-"
     return (f"{r['router']:<13}{r['requests']:>5}{r['finished']:>5}{r['errors']:>4}"
             f"{_ms(r['ttft_p50_s'])}{_ms(r['ttft_p99_s'])}{_ms(r['tbt_p50_s'])}{_ms(r['tbt_p99_s'])}"
             f"{r['output_tok_s']:>7.1f}{r['req_s']:>6.2f}  {per}")
@@ -163,6 +174,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=256, help="max_batch_prefill_tokens")
     p.add_argument("--kv-tokens", type=int, default=16384, help="max_batch_total_tokens per replica")
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the private Ray instance")
+    p.add_argument("--start", choices=START_MODES, default="local",
+                   help="how the server starts (loadtests.harness.serve_run); local: our launcher, the "
+                   "two-deployment app; make / serve-run / cluster: serve_config.yaml's path, Ray's HAProxy "
+                   "(no requests per replica there: Ray's metrics port is the instance's own)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="an app setting over the bench's (dotted keys for nested ones); repeatable")
     p.add_argument("--ttft-slo-ms", type=float, default=TTFT_SLO_MS)
     p.add_argument("--tbt-slo-ms", type=float, default=TBT_SLO_MS)
     args = p.parse_args(argv)
@@ -180,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     mix = dataclasses.replace(BENCH_MIX, rps=args.rps, long_share=args.long_share, seed=args.seed)
     config = {"model": args.model, "replicas": args.replicas, "routers": args.routers,
+              "start": args.start, "sets": args.sets,
               "rps": args.rps, "duration_s": args.duration_s, "drain_s": args.drain_s,
               "chunk_mbp": args.chunk, "kv_tokens": args.kv_tokens,
               "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms,

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
+import httpx
 from tqdm import tqdm
 
 from loadtests.harness import procs
@@ -48,10 +49,25 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, Pids | None, dict[st
     log = args.json.parent / "overload_server.log"
     tqdm.write(f"starting the server ({args.start}; log: {log}) with {app_args}")
     with served(app_args, log, start=args.start) as srv:
-        health = {k: srv.health.get(k) for k in ("proxy_door", "niceness", "http_path", "gc")}
+        health = {k: srv.health.get(k) for k in HEALTH_KEYS}
         tqdm.write(f"server up on {srv.url}: /health {health}")
-        yield srv.url, srv.pids, {"url": srv.url, "start": args.start, "health": health, "app_args": app_args}
+        about = {"url": srv.url, "start": args.start, "health": health, "app_args": app_args}
+        yield srv.url, srv.pids, about
+        # And after the run: the collections it ran (`gc`), HAProxy's weights (`http_path`).
+        about["health_after"] = health_now(srv.url)
         tqdm.write("stopping the server")
+
+
+HEALTH_KEYS = ("proxy_door", "niceness", "http_path", "gc")
+
+
+def health_now(url: str) -> dict[str, Any]:
+    """/health's `HEALTH_KEYS` now (one replica's, where several serve), or the error."""
+    try:
+        body = httpx.get(f"{url}/health", timeout=10).json()
+    except Exception as exc:  # noqa: BLE001 - recorded, never fatal to the run's JSON
+        return {"error": repr(exc)}
+    return {k: body.get(k) for k in HEALTH_KEYS}
 
 
 def bounds(args: argparse.Namespace) -> dict[str, float]:

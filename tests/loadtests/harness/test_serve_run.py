@@ -109,7 +109,8 @@ def test_a_cluster_server_answers_and_leaves_nothing_behind(tmp_path, wait_until
         # HAProxy serves, with the door in the engine replica's own server, once HAProxy has seen
         # that server healthy (Ray's fallback Python proxy serves until then)
         wait_until(lambda: httpx.get(f"{server.url}/health", timeout=30).json()["http_path"] == {
-            "proxy": "haproxy", "door": "ingress"}, timeout_s=120, what="HAProxy serving the replicas' own servers")
+            "proxy": "haproxy", "door": "ingress", "weights": None},  # HAProxy asks the router: no weights
+            timeout_s=120, what="HAProxy serving the replicas' own servers")
         for _ in range(4):  # ignore_eos: random weights may sample EOS within 3 tokens
             answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
                                 json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})

@@ -12,6 +12,7 @@ import pytest
 from loadtests.harness import procs
 from loadtests.load.overload import cli, cpu, gauges, phases, records, report, search, sse_client, wire, workload
 from loadtests.load.overload import rss as mem
+from replicas.serving import startup_gc
 from loadtests.load.overload import summary as stats
 
 
@@ -618,11 +619,12 @@ def test_the_run_row_sets_each_phase_beside_the_sustainable_rate() -> None:
 
 @pytest.mark.process
 def test_a_short_overload_run_against_serve_run(tmp_path) -> None:  # noqa: ANN001
-    """`--start serve-run`: a server started by plain `serve run` from serve_config.yaml, a few
-    seconds of the short-output workload at 3x a given rate; the JSON names the mode, what
-    /health said, and one run row per phase; every process the run started has ended."""
+    """`--start serve-run`: a server started by plain `serve run` from serve_config.yaml, with two
+    engine replicas, a few seconds of the short-output workload at 3x a given rate; the JSON names
+    the mode, what /health said before and after (HAProxy's weights set from the replicas' token
+    load, without a failure), and one run row per phase; every process the run started has ended."""
     out = tmp_path / "overload.json"
-    code = cli.main(["--start", "serve-run", "--model", "embedded:tiny", "--set", "num_cpus=0.5",
+    code = cli.main(["--start", "serve-run", "--model", "embedded:tiny", "--set", "num_cpus=0.5", "--set", "num_replicas=2",
                      "--set", "ingress_num_cpus=0.1", "--set", "engine.kv_cache_memory_bytes=16777216",
                      "--workload", "short-output", "--rate", "2", "--factor", "3", "--step-s", "2",
                      "--duration-s", "3", "--baseline-s", "0", "--recovery-s", "1", "--rss-after-s", "0",
@@ -632,6 +634,9 @@ def test_a_short_overload_run_against_serve_run(tmp_path) -> None:  # noqa: ANN0
     assert data["start"] == data["server"]["start"] == "serve-run" and data["workload"] == "short-output"
     assert data["server"]["health"]["proxy_door"]["enabled"] is True  # serve_config.yaml brings the door
     assert isinstance(data["server"]["health"]["niceness"], int)
+    weights = data["server"]["health_after"]["http_path"]["weights"]  # one replica's: the pusher's or the other's
+    assert weights["interval_ms"] == 250 and weights["last_error"] is None and weights["pushing"] in (True, False)
+    assert data["server"]["health_after"]["gc"]["threshold"][0] == startup_gc.GEN0_THRESHOLD
     assert data["server"]["app_args"]["model"] == "embedded:tiny"
     assert [r["run"] for r in data["runs"]] == ["sustainable", "overload x3"]
     ov = data["overload"]["summary"]

@@ -1,0 +1,218 @@
+"""Token-load routing when Ray's HAProxy chooses the engine replica: its server weights, set from
+the replicas' token load a few times a second.
+
+Behind HAProxy (serve_config.yaml's path: `ingress_in_replica`, `RAY_SERVE_ENABLE_HA_PROXY`),
+HAProxy picks the engine replica of each request itself, by least connections; it reads no body
+and asks no one (`ingress_router` makes it ask the app's router per request: opt-in, because under
+overload requests waited for their route). Here the engine replicas steer that choice instead:
+each pushes weights over its node's HAProxy admin socket (`set weight`), so that least
+connections becomes least token load, the router's own measure (`routing.predicted_load`).
+
+HAProxy's least connections serves the server with the smallest (requests in flight + 1) /
+weight. With weight_i proportional to (n_i + 1) / (L_i + c), where n_i is the requests a replica
+holds (running and waiting), L_i its token load and c the fleet's mean tokens per request, that
+key is (L_i + c) / K at the moment of the push: the replica with the least token load wins. Each
+request HAProxy sends it before the next push raises its key by about that replica's own mean
+tokens per request, as the router's in-flight ledger would. A replica HAProxy knows and the
+controller does not yet (just started) counts as idle. Weights are whole numbers from 1 to 256;
+HAProxy reloads reset them, and the next push sets them again.
+
+One replica per node pushes: the one whose server has the smallest name among the servers at
+its own address (HAProxy reaches a node's replicas at one address), so a node's HAProxy gets one
+writer and the controller one read per node and interval, not one per replica. The others read
+HAProxy's servers (a local socket) and stand by; when the pusher goes, the next one takes over.
+
+`weights`, `server_replicas` and `commands` are pure (tested without Ray or HAProxy);
+`WeightPusher` is the loop, on an injected snapshot source and socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from replicas.protocol import ReplicaLoad
+
+logger = logging.getLogger(__name__)
+
+MAX_WEIGHT = 256  # HAProxy's largest server weight
+REPLICA_SERVER_PREFIX = "SERVE_REPLICA"  # Ray names a replica's server after its actor name
+DEFAULT_INTERVAL_S = 0.25
+
+
+def server_replicas(servers: Iterable[str], keys: Iterable[str]) -> dict[str, str]:
+    """HAProxy server name -> replica key (`app#deployment#id`), for the servers that are these
+    replicas. Ray names a replica's server after its actor name, `SERVE_REPLICA::app#deployment#id`
+    with the characters HAProxy refuses replaced, so the replica's unique id ends the name."""
+    by_id = {key.rpartition("#")[2]: key for key in keys}
+    found = {}
+    for name in servers:
+        if name.startswith(REPLICA_SERVER_PREFIX):
+            key = by_id.get(name.rpartition("-")[2])
+            if key is not None:
+                found[name] = key
+    return found
+
+
+def weights(loads: Mapping[str, ReplicaLoad | None]) -> dict[str, int]:
+    """Each server's weight from its replica's load (None: not reported yet, counted idle), so
+    that HAProxy's least connections prefers the least token load (the module's docstring)."""
+    known = [load for load in loads.values() if load is not None]
+    requests = sum(load.num_running + load.num_waiting for load in known)
+    tokens = sum(load.token_load for load in known)
+    per_request = max(1.0, tokens / requests) if requests else 1.0
+
+    def share(load: ReplicaLoad | None) -> float:
+        if load is None:
+            return 1.0 / per_request
+        return (load.num_running + load.num_waiting + 1) / (load.token_load + per_request)
+
+    shares = {name: share(load) for name, load in loads.items()}
+    top = max(shares.values(), default=0.0)
+    return {name: max(1, min(MAX_WEIGHT, round(MAX_WEIGHT * s / top))) for name, s in shares.items()}
+
+
+@dataclass
+class Server:
+    backend: str
+    name: str
+    weight: int
+    address: str = ""
+
+
+def parse_servers_state(text: str) -> list[Server]:
+    """`show servers state`'s lines (version line and `#` header skipped): backend, server, the
+    weight it has now (`srv_uweight`) and its address."""
+    servers = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or line.startswith("#"):
+            continue
+        try:
+            servers.append(Server(fields[1], fields[3], int(fields[7]), fields[4]))
+        except ValueError:
+            continue
+    return servers
+
+
+def pushes_here(servers: list[Server], me: str | None) -> bool:
+    """Whether replica `me` (its key; None: no election, always) is its node's pusher: its server
+    has the smallest name among the replica servers at its address."""
+    if me is None:
+        return True
+    mine = [s for s in servers if server_replicas([s.name], [me])]
+    if not mine:  # HAProxy does not know it yet
+        return False
+    local = [s.name for s in servers if s.address == mine[0].address and s.name.startswith(REPLICA_SERVER_PREFIX)]
+    return mine[0].name == min(local)
+
+
+def commands(servers: list[Server], loads: Mapping[str, ReplicaLoad]) -> tuple[list[str], dict[str, int]]:
+    """The `set weight` commands for every backend that serves these replicas and has more than
+    one replica server (one has nothing to choose), only where a weight changes; and the weights
+    of those servers (name -> weight) as they will be."""
+    by_backend: dict[str, list[Server]] = {}
+    for server in servers:
+        if server.name.startswith(REPLICA_SERVER_PREFIX):
+            by_backend.setdefault(server.backend, []).append(server)
+    out, now = [], {}
+    for backend, members in by_backend.items():
+        mapped = server_replicas((s.name for s in members), loads)
+        if not mapped or len(members) < 2:
+            continue
+        wanted = weights({s.name: loads.get(mapped[s.name]) if s.name in mapped else None for s in members})
+        for server in members:
+            now[server.name] = wanted[server.name]
+            if wanted[server.name] != server.weight:
+                out.append(f"set weight {backend}/{server.name} {wanted[server.name]}")
+    return out, now
+
+
+@dataclass
+class WeightPusher:
+    """Every `interval_s`: HAProxy's servers (`send("show servers state")`); on the node's pusher
+    (`pushes_here` for replica `me`), the replicas' loads (`fetch`) and the weights that changed,
+    in one `send`. A failed step (controller or socket away) is counted and logged now and then,
+    never raised."""
+
+    fetch: Callable[[], Awaitable[Mapping[str, ReplicaLoad]]]
+    send: Callable[[str], Awaitable[str]]
+    interval_s: float = DEFAULT_INTERVAL_S
+    me: str | None = None
+    clock: Callable[[], float] = time.time
+    num_steps: int = 0
+    num_changes: int = 0
+    num_failures: int = 0
+    pushing: bool = False  # this replica is its node's pusher (at the last step)
+    last_error: str | None = None  # the last step's failure; None once a step succeeds
+    last: dict[str, int] = field(default_factory=dict)  # server -> weight after the last step
+    last_at: float | None = None
+
+    async def step(self) -> int:
+        """One push; returns how many weights it changed (0 too where another replica pushes)."""
+        servers = parse_servers_state(await self.send("show servers state"))
+        self.pushing = pushes_here(servers, self.me)
+        if not self.pushing:
+            self.last_error = None
+            return 0
+        cmds, now = commands(servers, await self.fetch())
+        if cmds:
+            await self.send(";".join(cmds))
+        self.num_steps += 1
+        self.last_error = None
+        self.num_changes += len(cmds)
+        self.last, self.last_at = now, self.clock()
+        return len(cmds)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep pushing; HAProxy keeps its last weights
+                self.num_failures += 1
+                self.last_error = repr(exc)
+                if self.num_failures == 1 or self.num_failures % 100 == 0:
+                    logger.warning("HAProxy weights: a push failed (%d times): %r", self.num_failures, exc)
+            await asyncio.sleep(self.interval_s)
+
+    def state(self) -> dict[str, Any]:
+        """What /health shows: the interval, whether this replica pushes for its node, pushes and
+        changes so far, failures (and the last step's, if it failed), and the last push's weights.
+        Failures come with HAProxy's reloads (a replica added or gone) and stop after them."""
+        return {"interval_ms": round(1000 * self.interval_s), "pushing": self.pushing, "pushes": self.num_steps,
+                "changes": self.num_changes, "failures": self.num_failures, "last_error": self.last_error,
+                "weights": self.last}
+
+
+def admin_socket(path: str, timeout_s: float = 1.0) -> Callable[[str], Awaitable[str]]:
+    """`send(command)`: one command line (several joined by `;`) to HAProxy's admin socket at
+    `path`, its whole answer back (HAProxy closes the connection after answering)."""
+
+    async def send(command: str) -> str:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout_s)
+        try:
+            writer.write(command.encode() + b"\n")
+            await writer.drain()
+            return (await asyncio.wait_for(reader.read(), timeout_s)).decode(errors="replace")
+        finally:
+            writer.close()
+
+    return send
+
+
+def node_admin_socket_path() -> str:
+    """This node's HAProxy admin socket as Ray's HAProxy manager lays it out: the configured path
+    (`RAY_SERVE_HAPROXY_SOCKET_PATH`) with the node's id as its last directory."""
+    import os
+
+    import ray
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
+
+    directory, name = os.path.split(RAY_SERVE_HAPROXY_SOCKET_PATH)
+    return os.path.join(directory, ray.get_runtime_context().get_node_id(), name)
