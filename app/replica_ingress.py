@@ -15,8 +15,8 @@ and token gate (now per engine replica), demand counting, the replica's own admi
 freeing KV, /health and /metrics. What differs: the proxy chooses the replica without the
 request's prompt (it routes before reading the body), so by the replicas' reported token load
 alone, no prefix or prompt-size ranking: Serve's proxy with the app's router
-(`TokenLoadRouter`), Ray's HAProxy by least connections on weights these replicas set from the
-same loads (`autoscale.haproxy_weights`); and a request whose replica dies is not retried on another one (there is
+(`TokenLoadRouter`), Ray's HAProxy by least connections, on weights these replicas set from the
+same loads where `haproxy_weight_interval_ms` asks (`autoscale.haproxy_weights`); and a request whose replica dies is not retried on another one (there is
 no ingress in between to resend it): it fails with a server error, which clients retry.
 """
 

@@ -4,9 +4,11 @@ the replicas' token load a few times a second.
 Behind HAProxy (serve_config.yaml's path: `ingress_in_replica`, `RAY_SERVE_ENABLE_HA_PROXY`),
 HAProxy picks the engine replica of each request itself, by least connections; it reads no body
 and asks no one (`ingress_router` makes it ask the app's router per request: opt-in, because under
-overload requests waited for their route). Here the engine replicas steer that choice instead:
-each pushes weights over its node's HAProxy admin socket (`set weight`), so that least
-connections becomes least token load, the router's own measure (`routing.predicted_load`).
+overload requests waited for their route). Here the engine replicas steer that choice instead,
+where `haproxy_weight_interval_ms` asks (opt-in: below saturation it cut TTFT and TBT tails; at
+10x overload two replicas served fewer requests with it, docs/results/routing.md): they push
+weights over their node's HAProxy admin socket (`set weight`), so that least connections
+becomes least token load, the router's own measure (`routing.predicted_load`).
 
 HAProxy's least connections serves the server with the smallest (requests in flight + 1) /
 weight. With weight_i proportional to (n_i + 1) / (L_i + c), where n_i is the requests a replica

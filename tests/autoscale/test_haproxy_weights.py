@@ -174,8 +174,10 @@ async def test_a_failing_push_is_counted_and_the_loop_goes_on() -> None:
 
 def test_which_apps_push_weights() -> None:
     """Engine replicas serving HTTP behind HAProxy, more than one, HAProxy not asking the router,
-    a token-load ranking, the interval set: then they push weights."""
-    base = {"model": "embedded:tiny", "ingress_in_replica": True, "num_replicas": 2}
+    a token-load ranking, the interval set (not by default): then they push weights."""
+    assert not AppArgs.model_validate({"model": "embedded:tiny", "ingress_in_replica": True,
+                                       "num_replicas": 2}).haproxy_weights()  # opt-in
+    base = {"model": "embedded:tiny", "ingress_in_replica": True, "num_replicas": 2, "haproxy_weight_interval_ms": 250}
     assert AppArgs.model_validate(base).haproxy_weights()
     assert AppArgs.model_validate({**base, "router": "ttft"}).haproxy_weights()
     assert not AppArgs.model_validate({**base, "num_replicas": 1}).haproxy_weights()

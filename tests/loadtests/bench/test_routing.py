@@ -89,13 +89,13 @@ def test_app_args_are_valid_for_both_routers():
 
 
 def test_the_haproxy_path_weighs_for_token_load_and_not_for_power_of_two():
-    """`--start make --set ingress_in_replica=true`: the engine replicas behind HAProxy push
-    token-load weights under token_load, and leave HAProxy's least connections plain under
-    power_of_two; a `--set` goes over the bench's own settings."""
+    """`--start make --set ingress_in_replica=true --set haproxy_weight_interval_ms=250`: the
+    engine replicas behind HAProxy push token-load weights under token_load, and leave HAProxy's
+    least connections plain under power_of_two; a `--set` goes over the bench's own settings."""
     from app.args import AppArgs
 
     args = br.parse_args(["--quick", "--start", "make", "--set", "ingress_in_replica=true",
-                          "--set", "engine.max_batch_prefill_tokens=128"])
+                          "--set", "haproxy_weight_interval_ms=250", "--set", "engine.max_batch_prefill_tokens=128"])
     assert "-" in br.format_row({**row("token_load", 1.0, {}), "per_replica": None})  # no counts on that path
     weighed = {router: AppArgs.model_validate(br.app_args(args, router)).haproxy_weights() for router in br.ROUTERS}
     assert weighed == {"token_load": True, "power_of_two": False}

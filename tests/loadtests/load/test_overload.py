@@ -620,11 +620,12 @@ def test_the_run_row_sets_each_phase_beside_the_sustainable_rate() -> None:
 @pytest.mark.process
 def test_a_short_overload_run_against_serve_run(tmp_path) -> None:  # noqa: ANN001
     """`--start serve-run`: a server started by plain `serve run` from serve_config.yaml, with two
-    engine replicas, a few seconds of the short-output workload at 3x a given rate; the JSON names
+    engine replicas and HAProxy's weights on, a few seconds of the short-output workload at 3x a given rate; the JSON names
     the mode, what /health said before and after (HAProxy's weights set from the replicas' token
     load, without a failure), and one run row per phase; every process the run started has ended."""
     out = tmp_path / "overload.json"
     code = cli.main(["--start", "serve-run", "--model", "embedded:tiny", "--set", "num_cpus=0.5", "--set", "num_replicas=2",
+                     "--set", "haproxy_weight_interval_ms=250",
                      "--set", "ingress_num_cpus=0.1", "--set", "engine.kv_cache_memory_bytes=16777216",
                      "--workload", "short-output", "--rate", "2", "--factor", "3", "--step-s", "2",
                      "--duration-s", "3", "--baseline-s", "0", "--recovery-s", "1", "--rss-after-s", "0",
