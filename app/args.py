@@ -131,17 +131,20 @@ class AppArgs(BaseModel):
                              f"per rank: num_gpus must be 1 (or 0 on CPU), got {self.num_gpus}")
         return self
 
+    def several_replicas(self) -> bool:
+        """Whether there can be more than one engine replica to choose from."""
+        return self.scaling.autoscaling or self.num_replicas > 1
+
     def asks_router(self) -> bool:
         """Whether HAProxy asks the app's router which engine replica serves (`ingress_router`):
         only where there is more than one to choose from."""
-        return self.ingress_router and (self.scaling.autoscaling or self.num_replicas > 1)
+        return self.ingress_router and self.several_replicas()
 
     def haproxy_weights(self) -> bool:
         """Whether the engine replicas steer HAProxy's least connections by token load
         (`haproxy_weight_interval_ms`), where HAProxy chooses among several replicas itself."""
         return (self.ingress_in_replica and self.haproxy_weight_interval_ms is not None
-                and not self.ingress_router and self.router != "power_of_two"
-                and (self.scaling.autoscaling or self.num_replicas > 1))
+                and not self.ingress_router and self.router != "power_of_two" and self.several_replicas())
 
     def replica_bundles(self) -> list[dict[str, float]]:
         """What one engine replica takes of a node: its placement group's bundles, or its actor's."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,7 +106,8 @@ def pushes_here(servers: list[Server], me: str | None) -> bool:
     has the smallest name among the replica servers at its address."""
     if me is None:
         return True
-    mine = [s for s in servers if server_replicas([s.name], [me])]
+    found = server_replicas((s.name for s in servers), [me])
+    mine = [s for s in servers if s.name in found]
     if not mine:  # HAProxy does not know it yet
         return False
     local = [s.name for s in servers if s.address == mine[0].address and s.name.startswith(REPLICA_SERVER_PREFIX)]
@@ -145,29 +146,25 @@ class WeightPusher:
     send: Callable[[str], Awaitable[str]]
     interval_s: float = DEFAULT_INTERVAL_S
     me: str | None = None
-    clock: Callable[[], float] = time.time
     num_steps: int = 0
     num_changes: int = 0
     num_failures: int = 0
     pushing: bool = False  # this replica is its node's pusher (at the last step)
     last_error: str | None = None  # the last step's failure; None once a step succeeds
     last: dict[str, int] = field(default_factory=dict)  # server -> weight after the last step
-    last_at: float | None = None
 
     async def step(self) -> int:
         """One push; returns how many weights it changed (0 too where another replica pushes)."""
         servers = parse_servers_state(await self.send("show servers state"))
-        self.pushing = pushes_here(servers, self.me)
+        self.pushing, self.last_error = pushes_here(servers, self.me), None
         if not self.pushing:
-            self.last_error = None
             return 0
         cmds, now = commands(servers, await self.fetch())
         if cmds:
             await self.send(";".join(cmds))
+        self.last = now
         self.num_steps += 1
-        self.last_error = None
         self.num_changes += len(cmds)
-        self.last, self.last_at = now, self.clock()
         return len(cmds)
 
     async def run(self) -> None:
@@ -211,8 +208,6 @@ def admin_socket(path: str, timeout_s: float = 1.0) -> Callable[[str], Awaitable
 def node_admin_socket_path() -> str:
     """This node's HAProxy admin socket as Ray's HAProxy manager lays it out: the configured path
     (`RAY_SERVE_HAPROXY_SOCKET_PATH`) with the node's id as its last directory."""
-    import os
-
     import ray
     from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
 

@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         self._skip_tries = 0  # deltas stepped token by token before `_step_all` is tried again
 
     def _decode(self, ids: Sequence[int]) -> str:
-        ids = ids.tolist() if isinstance(ids, array) else ids
+        ids = _as_list(ids)
         if self._backend_decode is not None:
             return self._backend_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True,
@@ -148,7 +148,7 @@ class IncrementalDetokenizer:
         stream = self._stream
         try:
             trial = stream.__copy__()
-            chunk = trial.step(self._backend, new if isinstance(new, list) else list(new))
+            chunk = trial.step(self._backend, _as_list(new))
         except (AttributeError, TypeError):  # tokenizers without copies or list steps
             return False
         if chunk is None or "\ufffd" in chunk:
@@ -224,6 +224,11 @@ def token_array(ids: Sequence[int] = ()) -> array:
     """Token ids as a growable array of 64-bit ints: one reference for the garbage collector to
     follow (its type), however many ids it holds; a list has one per id."""
     return array("q", ids)
+
+
+def _as_list(ids: Sequence[int]) -> Sequence[int]:
+    """`ids` as the Rust tokenizer takes them: an array's as a list."""
+    return ids.tolist() if isinstance(ids, array) else ids
 
 
 def _backend_decode(tokenizer: PreTrainedTokenizerBase):  # noqa: ANN202 - a bound Rust method

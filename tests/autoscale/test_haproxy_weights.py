@@ -130,7 +130,7 @@ async def test_a_push_reads_the_state_then_sends_the_changes_in_one_line() -> No
     async def fetch():  # noqa: ANN202
         return {A: load(4, tokens=8000), B: load(4, tokens=1000)}
 
-    pusher = WeightPusher(fetch, send, interval_s=0.0, clock=lambda: 7.0, me=B)
+    pusher = WeightPusher(fetch, send, interval_s=0.0, me=B)
     assert await pusher.step() == 2
     assert sent[0] == "show servers state" and len(sent) == 2 and sent[1].count("set weight") == 2
     assert ";" in sent[1] and pusher.last[SB] == MAX_WEIGHT and pusher.last[SA] < MAX_WEIGHT
