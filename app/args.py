@@ -17,6 +17,7 @@ from app.proxy_door import ProxyDoorConfig
 from app.middleware import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from app.stream_limit import DEFAULT_MIN_LIMIT, DEFAULT_TARGET_MS
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE
+from autoscale.haproxy_weights import DEFAULT_INTERVAL_MS as DEFAULT_WEIGHT_INTERVAL_MS
 from autoscale.routing import DEFAULT_PREFIX_IMBALANCE
 from autoscale.scaling import ScalingConfig, queued_tokens_threshold
 from autoscale.serve_options import RouterName
@@ -86,13 +87,13 @@ class AppArgs(BaseModel):
         "more than one replica: HAProxy asks the app's router which replica serves each request "
         "(app/ingress_router.py); false: HAProxy balances the replicas by least connections. Opt-in: "
         "under a 10x overload on 2 cores requests waited seconds for their route, before any door")
-    haproxy_weight_interval_ms: int | None = Field(None, ge=10, description="with ingress_in_replica "
-        "behind Ray's HAProxy, more than one replica and no ingress_router: one engine replica per node "
-        "sets HAProxy's server weights from the replicas' token load this often (250 measured), so that "
-        "its least connections prefers the least token load (autoscale/haproxy_weights.py; router "
-        "token_load or ttft, both by token load there); null: plain least connections. Opt-in: below "
-        "saturation it cut TTFT and TBT tails, but at 10x overload two replicas on 2 cores served "
-        "14-20% fewer requests with it")
+    haproxy_weight_interval_ms: int | None = Field(DEFAULT_WEIGHT_INTERVAL_MS, ge=10, description="with "
+        "ingress_in_replica behind Ray's HAProxy, more than one replica and no ingress_router: one engine "
+        "replica per node sets HAProxy's server weights from the replicas' token load this often, so that "
+        "its least connections prefers the least token load, and equal weights while a replica's door "
+        "refuses (autoscale/haproxy_weights.py; router token_load or ttft, both by token load there); "
+        "null: plain least connections. Below saturation it cut TTFT p99 20-57%; at 10x overload it "
+        "served as many as plain least connections (docs/results/routing.md)")
     ingress_replicas: int | None = Field(None, ge=1, description="HTTP ingress replicas; null: 1 "
                                          "with one engine replica, else 2")
     ingress_num_cpus: float = Field(0.5, ge=0, description="reserved per ingress replica: HTTP, "

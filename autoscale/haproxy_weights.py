@@ -5,10 +5,11 @@ Behind HAProxy (serve_config.yaml's path: `ingress_in_replica`, `RAY_SERVE_ENABL
 HAProxy picks the engine replica of each request itself, by least connections; it reads no body
 and asks no one (`ingress_router` makes it ask the app's router per request: opt-in, because under
 overload requests waited for their route). Here the engine replicas steer that choice instead,
-where `haproxy_weight_interval_ms` asks (opt-in: below saturation it cut TTFT and TBT tails; at
-10x overload two replicas served fewer requests with it, docs/results/routing.md): they push
-weights over their node's HAProxy admin socket (`set weight`), so that least connections
-becomes least token load, the router's own measure (`routing.predicted_load`).
+every `haproxy_weight_interval_ms` (250 by default; null turns it off): they push weights over
+their node's HAProxy admin socket (`set weight`), so that least connections becomes least token
+load, the router's own measure (`routing.predicted_load`). While a replica's door refuses, the
+weights are equal and the doors decide (`weights`). Below saturation this cut TTFT and TBT tails;
+at 10x overload it served as many as plain least connections (docs/results/routing.md).
 
 HAProxy's least connections serves the server with the smallest (requests in flight + 1) /
 weight. With weight_i proportional to (n_i + 1) / (L_i + c), where n_i is the requests a replica
@@ -32,18 +33,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from replicas.protocol import ReplicaLoad
+from replicas.scheduling.admission import admits
 
 logger = logging.getLogger(__name__)
 
 MAX_WEIGHT = 256  # HAProxy's largest server weight
 REPLICA_SERVER_PREFIX = "SERVE_REPLICA"  # Ray names a replica's server after its actor name
-DEFAULT_INTERVAL_S = 0.25
+DEFAULT_INTERVAL_MS = 250  # AppArgs.haproxy_weight_interval_ms's default
+LOG_EVERY_PUSHES = 240  # the node's pusher logs its counts on its first push and every this many
 
 
 def server_replicas(servers: Iterable[str], keys: Iterable[str]) -> dict[str, str]:
@@ -60,13 +64,40 @@ def server_replicas(servers: Iterable[str], keys: Iterable[str]) -> dict[str, st
     return found
 
 
+def refuses(load: ReplicaLoad, prompt_tokens: float) -> bool:
+    """Whether the replica's door would answer a prompt of `prompt_tokens` with 429 now: its
+    queue bound (`queue_bound_tokens`) does not admit it on top of what waits."""
+    bound = load.queue_bound_tokens
+    return bound is not None and not admits(load.waiting_tokens, math.ceil(prompt_tokens), bound)
+
+
+def mean_request_tokens(loads: Iterable[ReplicaLoad | None]) -> float:
+    """The fleet's mean token load a request (at least 1): what a request adds to its replica."""
+    known = [load for load in loads if load is not None]
+    requests = sum(load.num_running + load.num_waiting for load in known)
+    return max(1.0, sum(load.token_load for load in known) / requests) if requests else 1.0
+
+
+def doors_refuse(loads: Iterable[ReplicaLoad | None]) -> bool:
+    """Whether any replica's door would refuse the fleet's mean waiting prompt now (none waits
+    anywhere: no door refuses, an empty queue admits anything)."""
+    known = [load for load in loads if load is not None]
+    waiting = sum(load.num_waiting for load in known)
+    prompt = sum(load.waiting_tokens for load in known) / waiting if waiting else 1.0
+    return any(refuses(load, prompt) for load in known)
+
+
 def weights(loads: Mapping[str, ReplicaLoad | None]) -> dict[str, int]:
     """Each server's weight from its replica's load (None: not reported yet, counted idle), so
-    that HAProxy's least connections prefers the least token load (the module's docstring)."""
-    known = [load for load in loads.values() if load is not None]
-    requests = sum(load.num_running + load.num_waiting for load in known)
-    tokens = sum(load.token_load for load in known)
-    per_request = max(1.0, tokens / requests) if requests else 1.0
+    that HAProxy's least connections prefers the least token load (the module's docstring).
+
+    While any replica's door would refuse the fleet's mean waiting prompt, every weight is equal: the
+    doors decide there, each over its own queue, and plain least connections sends each replica
+    what it answers. Uneven weights would have one door refuse more while another admitted less
+    than it could (at 10x overload, two replicas served 14-20% fewer: docs/results/routing.md)."""
+    if doors_refuse(loads.values()):
+        return {name: MAX_WEIGHT for name in loads}
+    per_request = mean_request_tokens(loads.values())
 
     def share(load: ReplicaLoad | None) -> float:
         if load is None:
@@ -144,11 +175,12 @@ class WeightPusher:
 
     fetch: Callable[[], Awaitable[Mapping[str, ReplicaLoad]]]
     send: Callable[[str], Awaitable[str]]
-    interval_s: float = DEFAULT_INTERVAL_S
+    interval_s: float = DEFAULT_INTERVAL_MS / 1000
     me: str | None = None
     num_steps: int = 0
     num_changes: int = 0
     num_failures: int = 0
+    num_doors_refusing: int = 0  # pushes made while a door refused (equal weights)
     pushing: bool = False  # this replica is its node's pusher (at the last step)
     last_error: str | None = None  # the last step's failure; None once a step succeeds
     last: dict[str, int] = field(default_factory=dict)  # server -> weight after the last step
@@ -159,12 +191,17 @@ class WeightPusher:
         self.pushing, self.last_error = pushes_here(servers, self.me), None
         if not self.pushing:
             return 0
-        cmds, now = commands(servers, await self.fetch())
+        loads = await self.fetch()
+        cmds, now = commands(servers, loads)
+        self.num_doors_refusing += doors_refuse(loads.values())
         if cmds:
             await self.send(";".join(cmds))
         self.last = now
         self.num_steps += 1
         self.num_changes += len(cmds)
+        if self.num_steps % LOG_EVERY_PUSHES == 1:
+            logger.info("HAProxy weights: %d pushes, %d weights changed, %d pushes while a door refused; "
+                        "now %s", self.num_steps, self.num_changes, self.num_doors_refusing, now)
         return len(cmds)
 
     async def run(self) -> None:
@@ -182,10 +219,10 @@ class WeightPusher:
 
     def state(self) -> dict[str, Any]:
         """What /health shows: the interval, whether this replica pushes for its node, pushes and
-        changes so far, failures (and the last step's, if it failed), and the last push's weights.
+        changes so far, the pushes made while a door refused (equal weights then), failures (and the last step's, if it failed), and the last push's weights.
         Failures come with HAProxy's reloads (a replica added or gone) and stop after them."""
         return {"interval_ms": round(1000 * self.interval_s), "pushing": self.pushing, "pushes": self.num_steps,
-                "changes": self.num_changes, "failures": self.num_failures, "last_error": self.last_error,
+                "changes": self.num_changes, "doors_refusing": self.num_doors_refusing, "failures": self.num_failures, "last_error": self.last_error,
                 "weights": self.last}
 
 

@@ -2,9 +2,10 @@
 
     python -m loadtests.bench.routing            # 90 s per router (about 6-7 minutes)
     python -m loadtests.bench.routing --quick    # 30 s per router (about 3-4 minutes)
-    # serve_config.yaml's path: Ray's HAProxy in front of engine replicas serving HTTP; there, with
-    # the weights on, token_load is least connections on token-load weights, power_of_two plain
-    python -m loadtests.bench.routing --quick --start make --set haproxy_weight_interval_ms=250
+    # serve_config.yaml's path: Ray's HAProxy in front of engine replicas serving HTTP; there
+    # token_load is least connections on token-load weights (haproxy_weight_interval_ms, on by
+    # default), power_of_two plain least connections
+    python -m loadtests.bench.routing --quick --start make
 
 For each router it starts a private Ray + Serve (`serve_local` in a subprocess, with a Ray
 metrics export port) with `--replicas` replicas of the embedded model, warms it up, drives it

@@ -31,6 +31,10 @@ async def _state() -> str:
     return STATE
 
 
+async def _value(value):  # noqa: ANN001, ANN202
+    return value
+
+
 def load(running: int, waiting: int = 0, tokens: int = 0) -> ReplicaLoad:
     return ReplicaLoad(num_running=running, num_waiting=waiting, running_tokens=tokens)
 
@@ -81,6 +85,24 @@ def test_a_replica_not_reported_yet_counts_as_idle() -> None:
     assert leastconn({"a": 8, "b": 8, "new": 0}, w) == "new"
     assert weights({"a": load(2, tokens=10**6), "b": load(200, tokens=2000)})["a"] == 1  # never 0: a server still
     assert weights({}) == {}
+
+
+def test_the_weights_give_way_to_the_doors_while_one_refuses() -> None:
+    """Once a replica's queue bound would refuse the fleet's mean waiting prompt, every weight is
+    equal (plain least connections; each door takes what it can). Room left is not enough."""
+    def queued(waiting: int, bound: int | None, tokens: int) -> ReplicaLoad:
+        return ReplicaLoad(num_running=4, num_waiting=2 if waiting else 0, running_tokens=tokens - waiting,
+                           waiting_tokens=waiting, queue_bound_tokens=bound)
+    # Below its bound (two prompts of 500 wait, 1,000 of room left): token load ranks.
+    below = weights({"a": queued(1000, 2000, 6000), "b": queued(0, 2000, 1000)})
+    assert below["b"] == MAX_WEIGHT and below["a"] < MAX_WEIGHT // 2
+    # Two prompts of 800 wait at a: 400 tokens of room, short of a third: equal weights.
+    full = {"a": queued(1600, 2000, 6000), "b": queued(0, 2000, 1000)}
+    assert weights(full) == {"a": MAX_WEIGHT, "b": MAX_WEIGHT}
+    assert weights({**full, "new": None}) == {"a": MAX_WEIGHT, "b": MAX_WEIGHT, "new": MAX_WEIGHT}
+    # A bound of 0 (a stalled queue) refuses once anything waits; not reported (None) never.
+    assert weights({"a": queued(10, 0, 6000), "b": queued(0, 2000, 1000)})["a"] == MAX_WEIGHT
+    assert weights({"a": queued(1600, None, 6000), "b": queued(0, None, 1000)})["a"] < MAX_WEIGHT // 2
 
 
 def test_servers_map_to_their_replicas_by_unique_id() -> None:
@@ -136,7 +158,12 @@ async def test_a_push_reads_the_state_then_sends_the_changes_in_one_line() -> No
     assert ";" in sent[1] and pusher.last[SB] == MAX_WEIGHT and pusher.last[SA] < MAX_WEIGHT
     state = pusher.state()
     assert state["pushes"] == 1 and state["changes"] == 2 and state["failures"] == 0 and state["interval_ms"] == 0
-    assert state["pushing"] is True
+    assert state["pushing"] is True and state["doors_refusing"] == 0
+    full = {A: ReplicaLoad(num_running=4, num_waiting=4, running_tokens=4000, waiting_tokens=4000, queue_bound_tokens=4000),
+            B: load(4, tokens=1000)}
+    refusing = WeightPusher(lambda: _value(full), send, interval_s=0.0, me=B)  # A's door refuses: equal weights
+    assert await refusing.step() == 2 and refusing.last == {SA: MAX_WEIGHT, SB: MAX_WEIGHT}
+    assert refusing.state()["doors_refusing"] == 1
     sent.clear()
     standby = WeightPusher(fetch, send, interval_s=0.0, me=A)  # the node's other replica reads, sends nothing
     assert await standby.step() == 0 and sent == ["show servers state"] and standby.state()["pushing"] is False
@@ -174,11 +201,11 @@ async def test_a_failing_push_is_counted_and_the_loop_goes_on() -> None:
 
 def test_which_apps_push_weights() -> None:
     """Engine replicas serving HTTP behind HAProxy, more than one, HAProxy not asking the router,
-    a token-load ranking, the interval set (not by default): then they push weights."""
-    assert not AppArgs.model_validate({"model": "embedded:tiny", "ingress_in_replica": True,
-                                       "num_replicas": 2}).haproxy_weights()  # opt-in
-    base = {"model": "embedded:tiny", "ingress_in_replica": True, "num_replicas": 2, "haproxy_weight_interval_ms": 250}
-    assert AppArgs.model_validate(base).haproxy_weights()
+    a token-load ranking, the interval set (250 ms by default): then they push weights."""
+    base = {"model": "embedded:tiny", "ingress_in_replica": True, "num_replicas": 2}
+    assert AppArgs.model_validate(base).haproxy_weight_interval_ms == 250 and AppArgs.model_validate(base).haproxy_weights()
+    assert AppArgs.model_validate({"model": "embedded:tiny", "ingress_in_replica": True,
+                                   "scaling": {"max_replicas": 4, "by": "ongoing_requests"}}).haproxy_weights()
     assert AppArgs.model_validate({**base, "router": "ttft"}).haproxy_weights()
     assert not AppArgs.model_validate({**base, "num_replicas": 1}).haproxy_weights()
     assert not AppArgs.model_validate({**base, "ingress_router": True}).haproxy_weights()

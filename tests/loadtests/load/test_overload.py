@@ -625,7 +625,6 @@ def test_a_short_overload_run_against_serve_run(tmp_path) -> None:  # noqa: ANN0
     load, without a failure), and one run row per phase; every process the run started has ended."""
     out = tmp_path / "overload.json"
     code = cli.main(["--start", "serve-run", "--model", "embedded:tiny", "--set", "num_cpus=0.5", "--set", "num_replicas=2",
-                     "--set", "haproxy_weight_interval_ms=250",
                      "--set", "ingress_num_cpus=0.1", "--set", "engine.kv_cache_memory_bytes=16777216",
                      "--workload", "short-output", "--rate", "2", "--factor", "3", "--step-s", "2",
                      "--duration-s", "3", "--baseline-s", "0", "--recovery-s", "1", "--rss-after-s", "0",
