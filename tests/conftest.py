@@ -74,7 +74,18 @@ def tiers(config: pytest.Config) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Refuse to run a collection in which a test has no tier marker, or more than one."""
+    """Refuse to run a collection in which a test has no tier marker, or more than one; then
+    move the modules that use the session's Ray + Serve (`ray_serve`) to the end, in their
+    order. That instance lives until the session ends and, idle with its app, takes ~20% of a
+    core (Serve's controller, the replicas' reports, Ray's agent): started last, it runs beside
+    its own tests only, not beside the model and process tests."""
+    check_tiers(config, items)
+    on_serve = {item.path for item in items if "ray_serve" in getattr(item, "fixturenames", ())}
+    items[:] = sorted(items, key=lambda item: item.path in on_serve)  # stable: order kept within
+
+
+def check_tiers(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test has exactly one tier marker (a usage error names those that do not)."""
     names = tiers(config)
     wrong: dict[tuple[str, str], list[str]] = {}  # (file, tiers found) -> tests
     for item in items:
