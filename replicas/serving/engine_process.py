@@ -12,9 +12,10 @@ what faces its callers:
   health, and the snapshots the replica's load reports read (`EngineMirror`: what the engine
   last published).
 - The child (`child_main`, started as `python -c`) runs an `AsyncEngine` whose streams are
-  the parent's, over one socket: a request's intake and aborts come in; each pass's deltas (as
-  `Delta.fields` tuples: cheap to pickle, built and decoded here), its load, new TBT samples,
-  iterations and metric records go out in one message.
+  the parent's, over one socket: a request's intake and aborts come in; a pass's deltas (as
+  `Delta.fields` tuples: cheap to pickle, built and decoded here), the load, new TBT samples,
+  iterations and metric records since the last message go out in one message, sent by every
+  pass that has a delta due, else only once STATE_EVERY_S has passed since the last.
 
 The child dies with its parent: it reads until the socket closes. Metrics are recorded in the
 child into a list (`_Forwarding`) and replayed by the parent into its own backend (Ray's metrics
@@ -47,7 +48,8 @@ from replicas.serving.startup_gc import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
-BEAT_S = 0.5  # the child tells its state after every pass, and this often while idle (health, gauges)
+STATE_EVERY_S = 0.02  # a pass with no delta due sends its state only if the last went this long ago
+BEAT_S = 0.5  # the child tells its state this often while idle (health, gauges)
 START_TIMEOUT_S = 900.0  # the child's model load and warm-up, at most
 ITERATIONS_KEPT = 4096  # the mirror's recent passes (the load reporter reads at most 1,024 back)
 
@@ -218,8 +220,8 @@ class ProcessEngine:
 
     def is_healthy(self) -> bool:
         """False when the child died or has said nothing for the wedge timeout: it tells its
-        state after every pass and every BEAT_S while idle, so one pass (or a stopped process)
-        that lasts longer is wedged."""
+        state at least every STATE_EVERY_S while passes run and every BEAT_S while idle, so one
+        pass (or a stopped process) that lasts longer is wedged."""
         silent = time.monotonic() - self._heard_at > self.wedge_timeout_s + BEAT_S
         return self.is_alive() and not silent
 
@@ -282,7 +284,7 @@ class ProcessEngine:
         """As `AsyncEngine.tbt_snapshot`: the TBT samples taken ever, and the latest of them."""
         return self._tbt_total, tuple(self._tbt_tail)
 
-    def _apply(self, state: EngineState | None, ops: list[tuple], iterations: list[Any]) -> None:
+    def _apply(self, state: EngineState | None, ops: list[list], iterations: list[Any]) -> None:
         if state is not None:
             self.load_snapshot = state.load
             self._tbt_total = state.tbt[0]
@@ -308,16 +310,22 @@ class ProcessEngine:
 
 
 class _Forwarding:
-    """A metrics backend that records what it is asked into `ops`, for `replay` elsewhere."""
+    """A metrics backend that records what it is asked into `ops`, for `replay` elsewhere.
+
+    Between two `take`s, what the replica's metrics would end up with is kept, not every call: a
+    gauge's last value, a counter's sum, a histogram's values in one list (`_Forwarded`). A
+    message that carries several passes (no delta was due in between) then replays a few records
+    instead of a few per pass."""
 
     def __init__(self) -> None:
-        self.ops: list[tuple] = []
+        self.ops: list[list] = []
+        self.pending: dict[tuple, list] = {}  # (metric id, tags) -> its op in `ops`, until `take`
         self._count = 0
 
     def _new(self, kind: str, *args: Any) -> _Forwarded:
         self._count += 1
-        self.ops.append(("new", self._count, kind, args))
-        return _Forwarded(self._count, self.ops)
+        self.ops.append(["new", self._count, kind, args])
+        return _Forwarded(self._count, kind, self)
 
     def counter(self, name: str, doc: str, tags: Sequence[str]) -> _Forwarded:
         return self._new("counter", name, doc, tuple(tags))
@@ -328,28 +336,45 @@ class _Forwarding:
     def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> _Forwarded:
         return self._new("histogram", name, doc, tuple(buckets), tuple(tags))
 
-    def take(self) -> list[tuple]:
-        ops, self.ops[:] = list(self.ops), []
+    def take(self) -> list[list]:
+        ops, self.ops, self.pending = self.ops, [], {}
         return ops
 
 
 class _Forwarded:
-    __slots__ = ("_id", "_ops")
+    __slots__ = ("_id", "_kind", "_to")
 
-    def __init__(self, metric_id: int, ops: list[tuple]) -> None:
-        self._id, self._ops = metric_id, ops
+    def __init__(self, metric_id: int, kind: str, to: _Forwarding) -> None:
+        self._id, self._kind, self._to = metric_id, kind, to
 
     def record(self, value: float, tags: dict[str, str]) -> None:
-        self._ops.append(("one", self._id, value, tags))
+        key = (self._id, tuple(tags.items()))
+        op = self._to.pending.get(key)
+        if op is None:
+            op = self._to.pending[key] = ["many", self._id, [value], tags] if self._kind == "histogram" \
+                else ["one", self._id, value, tags]
+            self._to.ops.append(op)
+        elif self._kind == "histogram":
+            op[2].append(value)
+        elif self._kind == "counter":
+            op[2] += value
+        else:  # a gauge: its last value
+            op[2] = value
 
     def record_many(self, values: Sequence[float], tags: dict[str, str]) -> None:
-        self._ops.append(("many", self._id, list(values), tags))
+        key = (self._id, tuple(tags.items()))
+        op = self._to.pending.get(key)
+        if op is None:
+            self._to.pending[key] = op = ["many", self._id, list(values), tags]
+            self._to.ops.append(op)
+        else:
+            op[2].extend(values)
 
     def flush(self) -> None:
-        self._ops.append(("flush", self._id))
+        self._to.ops.append(["flush", self._id])
 
 
-def replay(ops: list[tuple], backend: Any, metrics: dict[int, Any]) -> None:
+def replay(ops: list[list], backend: Any, metrics: dict[int, Any]) -> None:
     """Record `ops` (from `_Forwarding`) into `backend`; `metrics`: those made so far, by id."""
     for op in ops:
         if op[0] == "new":
@@ -382,7 +407,7 @@ class _Remote:
 
 
 class _Core(AsyncEngine):
-    """The child's async engine: its streams are the parent's, each pass's deltas one message."""
+    """The child's async engine: its streams are the parent's; a pass with deltas due is one message."""
 
     def __init__(self, engine: Any, conn: Connection, spec: ChildSpec, forwarding: _Forwarding | None) -> None:
         self.conn, self._send_lock, self.forwarding = conn, threading.Lock(), forwarding
@@ -399,7 +424,7 @@ class _Core(AsyncEngine):
         with self._send_lock:
             self.conn.send_bytes(data)
 
-    def state(self) -> tuple[EngineState, list[tuple], list[Any]]:
+    def state(self) -> tuple[EngineState, list[list], list[Any]]:
         """The engine's state, the metric records since the last call and the passes since the
         last call (on the loop's thread: it alone appends to `iterations`)."""
         engine = self.engine
@@ -446,6 +471,8 @@ class _Core(AsyncEngine):
                 stream.open -= 1
                 if not stream.open:
                     self.remotes.pop(stream.key, None)
+        if not sent and time.monotonic() - self._told_at < STATE_EVERY_S:
+            return  # no delta due (merged into a later one): the state goes with the next message
         self.send(("pass", (sent, *self.state())))
 
     def _deliver(self, out: RequestOutput | Delta) -> None:

@@ -149,6 +149,36 @@ def test_replay_records_what_the_child_recorded() -> None:
     assert EngineMetrics(forwarding, "m") and forwarding.ops  # EngineMetrics makes its metrics through it
 
 
+def test_records_between_two_takes_cross_as_what_they_add_up_to() -> None:
+    """Between two takes (a message that carries several passes), a gauge crosses as its last
+    value, a counter as its sum, a histogram's values as one list, per tags; and the registry
+    ends with what it would get call by call."""
+    direct, relayed = (PrometheusBackend(prometheus_client.CollectorRegistry()) for _ in range(2))
+    forwarding = _Forwarding()
+    for b in (direct, forwarding):
+        gauge, counter = b.gauge("g", "doc", ["model_name"]), b.counter("c_total", "doc", ["model_name"])
+        hist = b.histogram("h_seconds", "doc", [0.1, 1.0], ["model_name"])
+        for value in (3, 5, 2):
+            gauge.record(value, {"model_name": "x"})
+            counter.record(value, {"model_name": "x"})
+            hist.record(value / 10, {"model_name": "x"})
+        counter.record(1, {"model_name": "y"})
+        hist.record_many([0.05, 2.0], {"model_name": "x"})
+    ops = forwarding.take()
+    assert [op[0] for op in ops] == ["new"] * 3 + ["one", "one", "many", "one"]
+    assert ops[3][2] == 2 and ops[4][2] == 10 and ops[5][2] == [0.3, 0.5, 0.2, 0.05, 2.0] and ops[6][2] == 1
+    replay(ops, relayed, {})
+
+    def samples(backend: PrometheusBackend) -> list[tuple]:
+        return sorted((s.name, tuple(sorted(s.labels.items())), round(s.value, 9)) for m in backend.registry.collect()
+                      for s in m.samples if not s.name.endswith("_created"))
+
+    assert samples(relayed) == samples(direct)
+    assert forwarding.take() == [] and forwarding.pending == {}  # records after a take start anew
+    gauge.record(9, {"model_name": "x"})
+    assert forwarding.take() == [["one", 1, 9, {"model_name": "x"}]]
+
+
 def test_a_flush_in_the_child_exports_the_replicas_counted_histogram() -> None:
     """A histogram counted in the replica (`GaugeHistogram`, as Ray's backend makes it) sets its
     gauges when the child's engine flushes it (going idle), not only when `flush_s` has passed."""
