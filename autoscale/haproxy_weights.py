@@ -219,11 +219,12 @@ class WeightPusher:
 
     def state(self) -> dict[str, Any]:
         """What /health shows: the interval, whether this replica pushes for its node, pushes and
-        changes so far, the pushes made while a door refused (equal weights then), failures (and the last step's, if it failed), and the last push's weights.
-        Failures come with HAProxy's reloads (a replica added or gone) and stop after them."""
+        changes so far, the pushes made while a door refused (equal weights then), failures (and
+        the last step's, if it failed), and the last push's weights. Failures come with HAProxy's
+        reloads (a replica added or gone) and stop after them."""
         return {"interval_ms": round(1000 * self.interval_s), "pushing": self.pushing, "pushes": self.num_steps,
-                "changes": self.num_changes, "doors_refusing": self.num_doors_refusing, "failures": self.num_failures, "last_error": self.last_error,
-                "weights": self.last}
+                "changes": self.num_changes, "doors_refusing": self.num_doors_refusing,
+                "failures": self.num_failures, "last_error": self.last_error, "weights": self.last}
 
 
 def admin_socket(path: str, timeout_s: float = 1.0) -> Callable[[str], Awaitable[str]]:
