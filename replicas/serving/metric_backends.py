@@ -93,7 +93,8 @@ class GaugeHistogram:
     read a histogram's. The gauges are set at most every `flush_s` while values come in, and by
     `flush()` (the engine calls it when it goes idle, and every few seconds while idle). Every
     series is set at each flush, changed or not: Ray stops exporting a gauge that is not set
-    for a couple of export intervals, and a histogram must not vanish while it is quiet."""
+    for a couple of export intervals, and a histogram must not vanish while it is quiet (Ray's
+    gauges here, `_RayGauge`, skip a value they already hold until Ray's export period passed)."""
 
     def __init__(self, gauge: Callable[[str, str, tuple[str, ...]], Any], name: str, doc: str,
                  buckets: Sequence[float], tags: Sequence[str], clock: Callable[[], float] = time.monotonic,
@@ -137,14 +138,36 @@ class GaugeHistogram:
             self._count.set(series.total, tags)
 
 
-class _RayGauge:
-    """`set(value, tags)` on a Ray Serve gauge (Serve adds its deployment/replica tags)."""
+def export_period_s() -> float:
+    """How often Ray exports a worker's metrics: `metrics_report_interval_ms`, at least 1 s
+    (Ray's own floor); Ray's agent drops a gauge series not refreshed for two of these."""
+    try:
+        import ray
+        return max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+    except Exception:  # no Ray config in this process: Ray's floor
+        return 1.0
 
-    def __init__(self, name: str, doc: str, tags: tuple[str, ...]) -> None:
+
+class _RayGauge:
+    """`set(value, tags)` on a Ray Serve gauge (Serve adds its deployment/replica tags). A value
+    equal to the series' last one is not set again within `refresh_s` (Ray's export period):
+    Ray exports a gauge's last value once a period whatever the sets in between, and a set costs
+    ~10 us of Python and core worker (a histogram's flush is hundreds of them, most unchanged)."""
+
+    def __init__(self, name: str, doc: str, tags: tuple[str, ...], clock: Callable[[], float] = time.monotonic,
+                 refresh_s: float | None = None) -> None:
         from ray.serve.metrics import Gauge
         self._gauge = Gauge(name, doc, tag_keys=tags)
+        self._clock = clock
+        self.refresh_s = export_period_s() if refresh_s is None else refresh_s
+        self._last: dict[tuple[tuple[str, str], ...], tuple[float, float]] = {}  # tags -> (value, set at)
 
     def set(self, value: float, tags: dict[str, str]) -> None:
+        key, now = tuple(tags.items()), self._clock()
+        last = self._last.get(key)
+        if last is not None and last[0] == value and now - last[1] < self.refresh_s:
+            return
+        self._last[key] = (value, now)
         self._gauge.set(value, tags=tags)
 
 
@@ -161,7 +184,9 @@ class RayBackend:
         return _Wrap(g.set)
 
     def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
-        return GaugeHistogram(_RayGauge, name, doc, buckets, tags)
+        # Ray exports a worker's gauges once a period: setting them more than twice a period
+        # only costs CPU (hundreds of sets a flush); at least every FLUSH_S all the same.
+        return GaugeHistogram(_RayGauge, name, doc, buckets, tags, flush_s=max(FLUSH_S, export_period_s() / 2))
 
 
 class PrometheusBackend:

@@ -164,10 +164,16 @@ class EngineMetrics:
     def on_idle(self, engine: Engine) -> None:
         """The loop has nothing to run: gauges read the (empty) load instead of the last pass's,
         the runner's are set again (Ray stops exporting a gauge not set for a while), and the
-        histograms export what they hold."""
+        histograms export what they hold once HISTOGRAM_REFRESH_S passed since they last did:
+        the loop tells it idle on going idle and every few seconds after (the tick that exports
+        the last values), and one request at a time goes idle after each, where exporting every
+        histogram (hundreds of Ray gauge sets) would cost the replica more than its HTTP work."""
         self.record_load(engine.last_load)
         self.record_runner(engine.runner)
-        self.flush_histograms()
+        now = engine.scheduler.clock()
+        if now - self._histograms_flushed_at >= HISTOGRAM_REFRESH_S:
+            self._histograms_flushed_at = now
+            self.flush_histograms()
 
     def flush_histograms(self) -> None:
         """Every histogram exports what it holds (`Metric.flush`)."""

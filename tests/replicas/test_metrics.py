@@ -125,8 +125,9 @@ def test_the_runner_path_and_compiles_are_set_again_while_idle():
 
 def test_histograms_are_flushed_when_the_loop_idles_and_every_few_seconds_of_passes():
     """A histogram counted in process (Ray's backend) is exported at each flush: every histogram
-    is flushed on every idle tick, and by the first pass at least HISTOGRAM_REFRESH_S (on the
-    engine's clock) after the last flush, so none vanishes from Ray's export while quiet."""
+    is flushed by the first pass, or idle tick, at least HISTOGRAM_REFRESH_S (on the engine's
+    clock) after the last flush, so none vanishes from Ray's export while quiet, and a loop that
+    goes idle after every request does not export them all after every request."""
     from replicas.serving.metrics import HISTOGRAM_REFRESH_S
 
     eng = Engine.from_pretrained("embedded:tiny", EngineConfig())
@@ -146,7 +147,13 @@ def test_histograms_are_flushed_when_the_loop_idles_and_every_few_seconds_of_pas
     assert sorted(flushed) == list(range(len(metrics.histograms)))
     flushed.clear()
     metrics.on_idle(eng)
+    assert flushed == []  # idle just after the flush: the next idle tick exports
+    metrics._histograms_flushed_at -= HISTOGRAM_REFRESH_S  # the idle tick 5 s on
+    metrics.on_idle(eng)
     assert sorted(flushed) == list(range(len(metrics.histograms)))
+    flushed.clear()
+    metrics.on_idle(eng)
+    assert flushed == []
 
 
 class FakeGauge:
@@ -226,3 +233,29 @@ def test_the_ray_backends_histogram_sets_ray_gauges_of_its_counts():
     assert all(c[1]["model"] == "m" for c in ray_bucket._metric.calls)
 
 
+
+
+def test_a_ray_gauge_sets_an_unchanged_value_again_only_once_rays_export_period_passed():
+    """A histogram's flush sets hundreds of cumulative counts, most as they were: each costs Ray
+    ~10 us, and Ray exports a gauge's last value once a period anyway. An equal value is skipped
+    until `refresh_s` (Ray's export period, at least 1 s) has passed, so a quiet series is still
+    set before Ray's agent would drop it (two periods); a changed value or another tag set is
+    always set."""
+    from replicas.serving.metric_backends import _RayGauge, export_period_s
+
+    calls: list[tuple[float, dict[str, str]]] = []
+
+    class Recorder:
+        def record(self, value: float, tags: dict[str, str]) -> None:
+            calls.append((value, dict(tags)))
+
+    now = [0.0]
+    g = _RayGauge("stallfree_test_dedupe", "test", ("model",), clock=lambda: now[0], refresh_s=10.0)
+    g._gauge._metric = Recorder()
+    for t, value, model in [(0.0, 1, "a"), (1.0, 1, "a"), (2.0, 2, "a"), (3.0, 2, "b"), (9.0, 2, "a"),
+                            (12.5, 2, "a"), (13.0, 2, "a"), (13.5, 2, "b")]:
+        now[0] = t
+        g.set(value, {"model": model})
+    assert [(v, tags["model"]) for v, tags in calls] == [(1, "a"), (2, "a"), (2, "b"), (2, "a"), (2, "b")]
+    assert export_period_s() >= 1.0
+    assert _RayGauge("stallfree_test_dedupe_default", "test", ("model",)).refresh_s == export_period_s()
