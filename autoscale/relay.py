@@ -13,7 +13,9 @@ the controller keeps them in (a report's own histogram is most of what the contr
 otherwise unpickle and add, per report). No gap is counted twice, and none is lost unless a flush
 fails (the controller or a hub restarting: the batch goes with it); a replica that leaves before
 the flush leaves its gaps in (they were served). The relay answers each report with the
-period the controller last asked for.
+period the controller last asked for, and the Unix socket its node's reporters send their next
+reports to as datagrams (`autoscale.datagrams`: an actor call then carries one report a
+heartbeat, not ten a second).
 
 Node relays are many in a large fleet, and their flushes (ten a second each) are themselves calls
 the controller pays for. So the controller's reply to a flush also says how
@@ -42,6 +44,7 @@ from typing import Any
 import ray
 
 from autoscale.controller import get_or_create_controller, without_tbt
+from autoscale.datagrams import DatagramIntake, session_sockets_dir
 from autoscale.keys import deployment_key
 from replicas.scheduling.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
@@ -64,10 +67,14 @@ class ReportRelay:
         return len(self._pending) + len(self._tbt)
 
     def add(self, replica_id: str, load: ReplicaLoad) -> float:
-        """Keep `load` for the next flush, its TBT gaps added to its deployment's."""
+        """Keep `load` for the next flush, its TBT gaps added to its deployment's. A load older
+        than the one kept (a report by actor call overtaken by a later one by datagram) only
+        adds its gaps."""
         if load.tbt_histogram:
             self._merge(deployment_key(replica_id), load.tbt_histogram)
-        self._pending[replica_id] = without_tbt(load, replica_id)
+        kept = self._pending.get(replica_id)
+        if kept is None or load.timestamp >= kept.timestamp:
+            self._pending[replica_id] = without_tbt(load, replica_id)
         return self.interval_s
 
     def add_many(self, reports: Sequence[tuple[str, ReplicaLoad]], tbt: Mapping[str, LogHistogram],
@@ -136,11 +143,36 @@ class NodeRelay:
         self._upstream: tuple[int, Any] | None = None  # (hub index, -1 for the controller; its handle)
         self._loop: asyncio.Task[None] | None = None
         self._last_report = clock()
+        self._intake: DatagramIntake | None = None  # opened by the first report by call
+        self._intake_failed = False
 
-    async def report(self, replica_id: str, load: ReplicaLoad) -> float:
-        """Take one replica's report; returns the fleet's report period."""
+    async def report(self, replica_id: str, load: ReplicaLoad) -> tuple[float, str | None]:
+        """Take one replica's report; returns the fleet's report period and the socket the
+        node's reporters send their next reports to as datagrams (`autoscale.datagrams`; None
+        where it could not be opened: reports keep coming by call)."""
+        self._take(replica_id, load)
+        if self._intake is None and not self._intake_failed:
+            try:
+                self._intake = await DatagramIntake.open(self._take_datagram, session_sockets_dir())
+            except Exception as exc:  # noqa: BLE001 - calls still carry the reports
+                self._intake_failed = True
+                logger.warning("relay: no datagram socket, reports come by actor call: %r", exc)
+        return self._relay.interval_s, self._intake.path if self._intake is not None else None
+
+    def _take(self, replica_id: str, load: ReplicaLoad) -> None:
         self._wake()
-        return self._relay.add(replica_id, load)
+        self._relay.add(replica_id, load)
+
+    def _take_datagram(self, message: Any) -> None:
+        replica_id, load = message
+        if isinstance(replica_id, str) and isinstance(load, ReplicaLoad):
+            self._take(replica_id, load)
+
+    def datagrams(self) -> dict[str, Any]:
+        """The datagram intake's socket and counts (None: not opened yet, or it failed)."""
+        if self._intake is None:
+            return {"path": None, "received": 0, "bad": 0}
+        return {"path": self._intake.path, "received": self._intake.received, "bad": self._intake.bad}
 
     async def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]], tbt: Mapping[str, LogHistogram],
                           calls: int = 1) -> tuple[float, int | None]:

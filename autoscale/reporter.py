@@ -30,6 +30,7 @@ from typing import Any
 import ray
 
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller
+from autoscale.datagrams import DatagramSender
 from autoscale.keys import current_replica_key
 from autoscale.load import ReportThrottle, TbtWindow
 from autoscale.relay import get_or_create_relay
@@ -89,6 +90,9 @@ class LoadReporter:
         self._poll_failing = False
         self.num_sent = 0
         self.num_failed = 0
+        self.num_datagrams = 0  # of num_sent, those that went to the node relay's socket
+        self._datagrams: DatagramSender | None = None  # the node relay's socket, from its reply
+        self._called_at = float("-inf")  # the last report by actor call (its timestamp)
 
     @property
     def replica_id(self) -> str | None:
@@ -170,17 +174,34 @@ class LoadReporter:
         try:
             if self._send_fn is not None:
                 self._take_interval(self._send_fn(replica_id, payload))
+            elif self._by_datagram(replica_id, payload):
+                pass
             else:
                 handle = self._handle()
                 if handle is None:
                     return
                 self._last_future = handle.report.remote(replica_id, payload).future()
+                self._called_at = payload.timestamp
             self.num_sent += 1
         except Exception as exc:  # reporting must never hurt serving
             self.num_failed += 1
             self._controller = None
             self._lookup_after = self._clock() + LOOKUP_RETRY_S
             logger.debug("load report failed: %r", exc)
+
+    def _by_datagram(self, replica_id: str, payload: ReplicaLoad) -> bool:
+        """Sent to the node relay's socket: while one is known and a call went out within a
+        heartbeat (a call's reply brings the controller's period and a restarted relay's socket).
+        A datagram that cannot go drops the socket: this report goes by call."""
+        sender = self._datagrams
+        if sender is None or payload.timestamp - self._called_at >= self.throttle.heartbeat_s:
+            return False
+        if sender.send((replica_id, payload)):
+            self.num_datagrams += 1
+            return True
+        sender.close()
+        self._datagrams = None
+        return False
 
     def _read_reply(self) -> None:
         """The report period from the controller's reply to the last report, once it is in."""
@@ -189,6 +210,15 @@ class LoadReporter:
             self._take_interval(last.result())
 
     def _take_interval(self, reply: Any) -> None:
+        """A report's reply: the controller's report period, or a node relay's (period, its
+        datagram socket or None)."""
+        if isinstance(reply, tuple) and len(reply) == 2:
+            reply, path = reply
+            if self._datagrams is not None and self._datagrams.path != path:
+                self._datagrams.close()
+                self._datagrams = None
+            if isinstance(path, str) and self._datagrams is None:
+                self._datagrams = DatagramSender(path)
         if isinstance(reply, (int, float)) and reply >= 0:
             self.fleet_interval_s = float(reply)
 

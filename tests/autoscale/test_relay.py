@@ -34,6 +34,17 @@ def test_newest_load_wins_and_gaps_add_up_per_deployment():
     assert calls == 1 and relay.take() == ([], {}, 1) and len(relay) == 0
 
 
+def test_a_report_overtaken_by_a_later_one_adds_only_its_gaps():
+    """A replica's reports come by datagram and, once a heartbeat, by actor call: a call may land
+    after a later datagram. The newest load (by its timestamp) is kept; every gap still counts."""
+    relay = ReportRelay()
+    relay.add("app#D#a", ReplicaLoad(running_tokens=300, tbt_histogram=LogHistogram.of([0.03]), timestamp=2.0))
+    relay.add("app#D#a", ReplicaLoad(running_tokens=100, tbt_histogram=LogHistogram.of([0.01]), timestamp=1.0))
+    loads, tbt, _ = relay.take()
+    assert [(r, x.running_tokens) for r, x in loads] == [("app#D#a", 300)]
+    assert tbt == {"app#D": LogHistogram.of([0.01, 0.03])}
+
+
 def test_the_controller_keeps_the_same_through_a_relay():
     """A relay's batch gives the controller the loads and the TBT window that the same reports
     sent one by one give."""

@@ -137,3 +137,48 @@ def test_outside_a_serve_replica_the_reporter_stays_idle():
     rep = LoadReporter(send=sink, clock=lambda: 0.0)  # no replica id, no Serve replica context
     assert not rep.maybe_report(FakeLoad(running_tokens=5), now=0.0)
     assert rep.replica_id is None and sink.sent == []
+
+
+def test_between_heartbeat_calls_reports_go_to_the_node_relays_socket_and_none_is_lost():
+    """The relay's reply to a call names its datagram socket; reports then go there, one call a
+    heartbeat carries the rest (the controller's period, a restarted relay's socket); a datagram
+    that cannot go (the relay gone) sends that same report by call."""
+    import concurrent.futures
+    import os
+    import pickle
+    import shutil
+    import socket
+    import tempfile
+
+    parent = tempfile.mkdtemp()
+    path = os.path.join(parent, "reports.sock")
+    relay = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    relay.bind(path)
+    relay.settimeout(30)
+    calls: list[ReplicaLoad] = []
+
+    def remote(replica_id: str, load: ReplicaLoad) -> Any:
+        calls.append(load)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result((0.0, path))
+        return SimpleNamespace(future=lambda: done)
+
+    rep = LoadReporter("r1", controller=SimpleNamespace(report=SimpleNamespace(remote=remote)), interval_s=0.1,
+                       heartbeat_s=1.0, clock=lambda: 0.0)
+    try:
+        got = []
+        for t in range(20):  # two seconds of reports, one every 100 ms
+            assert rep.maybe_report(FakeLoad(running_tokens=100 + t), now=t / 10, tbt=(t + 1, [0.01]))
+            if rep.num_datagrams > len(got):  # read as the relay's loop does (the queue may hold 10)
+                got.append(pickle.loads(relay.recv(65536)))
+        assert [round(load.timestamp, 1) for load in calls] == [0.0, 1.0]  # a call a heartbeat
+        assert rep.num_sent == 20 and rep.num_datagrams == 18 and rep.num_failed == 0
+        assert [(rid, load.running_tokens) for rid, load in got] == [
+            ("r1", 100 + t) for t in range(20) if t not in (0, 10)]
+        assert sum(load.tbt_histogram.count for load in calls + [load for _, load in got]) == 20  # every gap once
+        relay.close()
+        os.unlink(path)  # the relay is gone
+        assert rep.maybe_report(FakeLoad(running_tokens=500), now=2.0)
+        assert calls[-1].running_tokens == 500 and rep.num_datagrams == 18  # went by call
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)

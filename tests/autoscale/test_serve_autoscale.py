@@ -151,8 +151,8 @@ def two_replicas(ray_serve):
     """The fake server on 2 fixed replicas behind the token-load router, which here refreshes
     the controller's view before every routing decision and waits for it as long as it takes
     (by default it waits 0.1 s at most, which a busy machine can overrun): the burst tests
-    rank on what the controller knows, not on how fast the machine is. Yields the handle and
-    the controller."""
+    rank on what the controller knows, not on how fast the machine is. Yields the handle, the
+    controller and its (name, namespace)."""
     from ray import serve
 
     tag = uuid.uuid4().hex[:8]
@@ -164,7 +164,7 @@ def two_replicas(ray_serve):
                              stale_after_s=0.0, stale_wait_s=60.0, snapshot_timeout_s=60.0,
                              max_snapshot_age_s=60.0))
     handle = serve.run(dep.bind(), name=app, route_prefix=None)
-    yield handle, controller
+    yield handle, controller, (ctl, ns)
     serve.delete(app)
     kill_controller(ctl, ns)
 
@@ -189,7 +189,7 @@ async def burst_beside_a_held_request(two_replicas: Any, await_until: Any, promp
     """Hold one request (until cancelled) that its replica reports as `waiting` tokens; once the
     controller shows that, send a burst of short requests. Returns (the busy replica, the replica
     each burst request went to), after the held request is cancelled and its load is gone."""
-    handle, controller = two_replicas
+    handle, controller, _ = two_replicas
     await both_replicas_serve(handle, await_until)
     busy, held = await open_stream(handle, prompt_len, max_tokens=1, hold_s=3600.0, **params)
     try:
@@ -220,6 +220,16 @@ async def test_load_only_the_controller_knows_steers_requests(two_replicas, awai
     busy, served = await burst_beside_a_held_request(two_replicas, await_until, 1, 50_001,
                                                      extra_waiting=50_000)
     assert len(served) == 10 and len(set(served)) == 1 and busy not in served, (busy, served)
+    # The replicas' reports came to their node's relay mostly as datagrams on its socket, one
+    # actor call a heartbeat (autoscale/datagrams.py)
+    import ray
+
+    from autoscale.relay import relay_name
+
+    ctl, ns = two_replicas[2]
+    relay = ray.get_actor(relay_name(ctl, ray.get_runtime_context().get_node_id()), namespace=ns)
+    counts = await relay.datagrams.remote()
+    assert counts["path"] and counts["received"] > 0 and counts["bad"] == 0, counts
 
 
 async def test_scales_up_on_slo_breach_and_down_without_cutting_streams(names, await_until, tmp_path: Path):
