@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from replicas.outputs import Delta, StreamText, output_of
 from replicas.protocol import RequestOutput, SamplingParams, sample_id
@@ -52,6 +52,15 @@ STATE_EVERY_S = 0.02  # a pass with no delta due sends its state only if the las
 BEAT_S = 0.5  # the child tells its state this often while idle (health, gauges)
 START_TIMEOUT_S = 900.0  # the child's model load and warm-up, at most
 ITERATIONS_KEPT = 4096  # the mirror's recent passes (the load reporter reads at most 1,024 back)
+
+
+class PassTime(NamedTuple):
+    """A pass as the replica's mirror keeps it: what the load reporter reads of an
+    `IterationStats`. The child sends them as one flat list of floats (start, duration, ...):
+    a hundred passes a stream as dataclasses were a third of the messages' unpickling."""
+
+    start: float
+    duration: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +145,7 @@ class ProcessEngine:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
-        self._backend = metrics_backend
-        self._metrics: dict[int, Any] = {}
+        self._metrics = None if metrics_backend is None else HeldReplay(metrics_backend)
         self._streams: dict[int, _Stream] = {}
         self._keys = iter(range(1, 1 << 62))
         self.error: BaseException | None = None
@@ -284,7 +292,7 @@ class ProcessEngine:
         """As `AsyncEngine.tbt_snapshot`: the TBT samples taken ever, and the latest of them."""
         return self._tbt_total, tuple(self._tbt_tail)
 
-    def _apply(self, state: EngineState | None, ops: list[list], iterations: list[Any]) -> None:
+    def _apply(self, state: EngineState | None, ops: list[list], iterations: list[float]) -> None:
         if state is not None:
             self.load_snapshot = state.load
             self._tbt_total = state.tbt[0]
@@ -292,10 +300,11 @@ class ProcessEngine:
             if state.sketch is not None:
                 self.sketch_snapshot = state.sketch
             self.engine.update(state)
-        self.engine.iterations.extend(iterations)
-        if ops and self._backend is not None:
+        if iterations:
+            self.engine.iterations.extend(map(PassTime, iterations[::2], iterations[1::2]))
+        if self._metrics is not None:
             try:
-                replay(ops, self._backend, self._metrics)
+                self._metrics.add(ops, time.monotonic())
             except Exception:  # metrics must never stop the stream
                 logger.exception("replaying the engine's metrics failed")
 
@@ -388,6 +397,29 @@ def replay(ops: list[list], backend: Any, metrics: dict[int, Any]) -> None:
             metrics[op[1]].flush()
 
 
+class HeldReplay:
+    """The child's records held in the replica between two replays into `backend`, summed as
+    the child sums them (`_Forwarding`: a gauge's last value, a counter's sum, a histogram's
+    values): replayed at most every `backend.replay_every_s` (0 where it has none), by the first
+    message after that (the child sends one at least every BEAT_S). Ray's metrics cost ~10 us a
+    record and are exported once a period (10 s by default): a message's ten records replayed
+    as they came were most of the replica's metrics work."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.every_s = float(getattr(backend, "replay_every_s", 0.0))
+        self._held, self._held_metrics = _Forwarding(), {}
+        self._metrics: dict[int, Any] = {}
+        self._replayed_at = float("-inf")
+
+    def add(self, ops: list[list], now: float) -> None:
+        if ops:
+            replay(ops, self._held, self._held_metrics)
+        if self._held.ops and now - self._replayed_at >= self.every_s:
+            self._replayed_at = now
+            replay(self._held.take(), self.backend, self._metrics)
+
+
 # ---- the child's side ----------------------------------------------------------------------
 
 
@@ -424,9 +456,10 @@ class _Core(AsyncEngine):
         with self._send_lock:
             self.conn.send_bytes(data)
 
-    def state(self) -> tuple[EngineState, list[list], list[Any]]:
+    def state(self) -> tuple[EngineState, list[list], list[float]]:
         """The engine's state, the metric records since the last call and the passes since the
-        last call (on the loop's thread: it alone appends to `iterations`)."""
+        last call as `PassTime` fields, flat (on the loop's thread: it alone appends to
+        `iterations`)."""
         engine = self.engine
         sketch = self.sketch_snapshot
         fresh_sketch = sketch if sketch is not self._sent_sketch else None
@@ -441,14 +474,16 @@ class _Core(AsyncEngine):
             prefill_tps=engine.pass_time.prefill_tokens_per_s if engine.pass_time is not None else None,
             runner={"path": runner.path, "fallback_error": runner.fallback_error, "compiles": runner.compiles},
             sketch=fresh_sketch)
-        iterations = []
+        fresh_passes = []
         for it in reversed(engine.iterations):
-            if it.start <= self._sent_iteration or len(iterations) == ITERATIONS_KEPT:
+            if it.start <= self._sent_iteration or len(fresh_passes) == ITERATIONS_KEPT:
                 break
-            iterations.append(it)
-        if iterations:
-            iterations.reverse()
-            self._sent_iteration = iterations[-1].start
+            fresh_passes.append(it)
+        iterations: list[float] = []  # PassTime's fields, flat, oldest first
+        if fresh_passes:
+            self._sent_iteration = fresh_passes[0].start
+            for it in reversed(fresh_passes):
+                iterations += (it.start, it.duration)
         self._told_at = time.monotonic()
         return state, self.forwarding.take() if self.forwarding is not None else [], iterations
 

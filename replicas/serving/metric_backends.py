@@ -172,7 +172,12 @@ class _RayGauge:
 
 
 class RayBackend:
-    """`ray.serve.metrics`: Serve adds deployment/replica/application tags."""
+    """`ray.serve.metrics`: Serve adds deployment/replica/application tags. `replay_every_s`:
+    how often the engine process's records are replayed into it (`ProcessEngine`, summed in
+    between): twice per Ray export period, at least every FLUSH_S."""
+
+    def __init__(self) -> None:
+        self.replay_every_s = max(FLUSH_S, export_period_s() / 2)
 
     def counter(self, name: str, doc: str, tags: Sequence[str]) -> Metric:
         from ray.serve.metrics import Counter
@@ -186,7 +191,7 @@ class RayBackend:
     def histogram(self, name: str, doc: str, buckets: Sequence[float], tags: Sequence[str]) -> Metric:
         # Ray exports a worker's gauges once a period: setting them more than twice a period
         # only costs CPU (hundreds of sets a flush); at least every FLUSH_S all the same.
-        return GaugeHistogram(_RayGauge, name, doc, buckets, tags, flush_s=max(FLUSH_S, export_period_s() / 2))
+        return GaugeHistogram(_RayGauge, name, doc, buckets, tags, flush_s=self.replay_every_s)
 
 
 class PrometheusBackend:

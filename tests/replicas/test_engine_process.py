@@ -179,6 +179,40 @@ def test_records_between_two_takes_cross_as_what_they_add_up_to() -> None:
     assert forwarding.take() == [["one", 1, 9, {"model_name": "x"}]]
 
 
+def test_the_replica_holds_the_childs_records_until_its_backends_replay_period_passed() -> None:
+    """Messages within `replay_every_s` of the last replay are summed here (a gauge's last
+    value, a counter's sum, a histogram's values) and replayed by the first message after it:
+    the registry then holds what it would have held message by message."""
+    from replicas.serving.engine_process import HeldReplay
+
+    class Periodic(PrometheusBackend):
+        replay_every_s = 1.0
+
+    held, direct = Periodic(prometheus_client.CollectorRegistry()), PrometheusBackend(prometheus_client.CollectorRegistry())
+    replica, made, child = HeldReplay(held), {}, _Forwarding()
+    gauge, counter = child.gauge("g", "doc", ["model_name"]), child.counter("c_total", "doc", ["model_name"])
+    hist = child.histogram("h_seconds", "doc", [0.1, 1.0], ["model_name"])
+
+    def value(backend: PrometheusBackend, name: str) -> float | None:
+        return backend.registry.get_sample_value(name, {"model_name": "x"})
+
+    for now, v in [(0.0, 3), (0.4, 5), (0.9, 2), (1.2, 4)]:  # one message each
+        gauge.record(v, {"model_name": "x"})
+        counter.record(v, {"model_name": "x"})
+        hist.record(v / 10, {"model_name": "x"})
+        ops = child.take()
+        replay(ops, direct, made)
+        replica.add(ops, now)
+        if now == 0.0:  # the first message: replayed at once
+            assert value(held, "g") == 3 and value(held, "c_total") == 3
+        if now == 0.9:  # within a second of it: held
+            assert value(held, "g") == 3 and value(held, "c_total") == 3 and value(held, "h_seconds_count") == 1
+    assert [round(value(held, n), 9) for n in ("g", "c_total", "h_seconds_count", "h_seconds_sum")] == \
+        [round(value(direct, n), 9) for n in ("g", "c_total", "h_seconds_count", "h_seconds_sum")] == [4, 14, 4, 1.4]
+    replica.add([], 5.0)  # nothing held: nothing to replay
+    assert value(held, "c_total") == 14
+
+
 def test_a_flush_in_the_child_exports_the_replicas_counted_histogram() -> None:
     """A histogram counted in the replica (`GaugeHistogram`, as Ray's backend makes it) sets its
     gauges when the child's engine flushes it (going idle), not only when `flush_s` has passed."""
