@@ -38,11 +38,14 @@ def test_metrics_are_exported_with_names_labels_and_counts(metrics_url, ray_serv
 
     def moved():  # noqa: ANN202
         """A scrape once both the replica's and the ingress's metrics have been exported
-        (separate processes, each every ~1 s), else None."""
+        (separate processes, each every ~1 s), and the replica's histograms too (counted in the
+        replica, exported at most every few seconds), else None."""
         samples = ray_serve.scrape()
         done = samples.total(PREFIX + "request_success_total", application=APP)
         answered = samples.total(PREFIX + "http_responses_total", application=APP)
-        return samples if done >= n and answered >= n + 1 else None
+        gaps = samples.total(PREFIX + "inter_token_latency_seconds_count", application=APP)
+        firsts = samples.total(PREFIX + "time_to_first_token_seconds_count", application=APP)
+        return samples if done >= n and answered >= n + 1 and gaps >= n * (max_tokens - 1) and firsts >= n else None
 
     after = wait_until(moved, interval_s=1.0, what="metrics exported")
 
