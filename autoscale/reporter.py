@@ -174,9 +174,7 @@ class LoadReporter:
         try:
             if self._send_fn is not None:
                 self._take_interval(self._send_fn(replica_id, payload))
-            elif self._by_datagram(replica_id, payload):
-                pass
-            else:
+            elif not self._by_datagram(replica_id, payload):
                 handle = self._handle()
                 if handle is None:
                     return

@@ -357,14 +357,14 @@ class _Forwarded:
         self._id, self._kind, self._to = metric_id, kind, to
 
     def record(self, value: float, tags: dict[str, str]) -> None:
+        if self._kind == "histogram":
+            self.record_many((value,), tags)
+            return
         key = (self._id, tuple(tags.items()))
         op = self._to.pending.get(key)
         if op is None:
-            op = self._to.pending[key] = ["many", self._id, [value], tags] if self._kind == "histogram" \
-                else ["one", self._id, value, tags]
+            self._to.pending[key] = op = ["one", self._id, value, tags]
             self._to.ops.append(op)
-        elif self._kind == "histogram":
-            op[2].append(value)
         elif self._kind == "counter":
             op[2] += value
         else:  # a gauge: its last value

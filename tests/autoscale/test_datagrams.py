@@ -20,15 +20,7 @@ from replicas.scheduling.histogram import LogHistogram
 pytestmark = pytest.mark.unit
 
 
-async def _until(cond: Any, what: str, deadline_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not cond():
-        assert loop.time() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-def test_reports_arrive_as_sent_and_a_gone_intake_refuses() -> None:
+def test_reports_arrive_as_sent_and_a_gone_intake_refuses(await_until: Any) -> None:
     parent = tempfile.mkdtemp()  # short: pytest's tmp_path is too deep for a socket's path
 
     async def main() -> None:
@@ -43,10 +35,10 @@ def test_reports_arrive_as_sent_and_a_gone_intake_refuses() -> None:
                                  timestamp=float(i)) for i in range(50)]
             for i in range(0, 50, 5):  # a Unix datagram socket may queue as few as 10
                 assert all(sender.send(("r", load)) for load in loads[i:i + 5])
-                await _until(lambda i=i: len(got) == i + 5, f"{i + 5} reports")
+                await await_until(lambda i=i: len(got) == i + 5, interval_s=0.01, what=f"{i + 5} reports")
             assert got == [("r", load) for load in loads]
             sender._sock.sendto(b"not a pickle", intake.path)
-            await _until(lambda: intake.bad == 1, "the bad datagram counted")
+            await await_until(lambda: intake.bad == 1, interval_s=0.01, what="the bad datagram counted")
             assert intake.received == 50 and len(got) == 50
         finally:
             intake.close()
