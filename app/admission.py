@@ -223,12 +223,14 @@ def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
     from autoscale.keys import deployment_key_of
 
     handle: list[Any] = []
+    send_demand = (None if demand is None else
+                   controller_demand(controller_name, namespace, app_name, deployment, *demand, handle=handle))
 
     async def fetch() -> Mapping[str, ReplicaLoad]:
         if not handle:
             handle.append(get_or_create_controller(controller_name, namespace))
-        if demand is not None and (counts := demand[1](time.time())) is not None:
-            handle[0].report_demand.remote(deployment_key_of(app_name, deployment), demand[0], counts)
+        if send_demand is not None:
+            send_demand(time.time())
         try:
             ref = handle[0].routing_view.remote(None if app_name is None else deployment_key_of(app_name, deployment))
             snap = load_view(await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s))
@@ -240,6 +242,51 @@ def controller_fetch(controller_name: str, namespace: str, app_name: str | None,
         return {key: load for key, load in snap.replicas.items() if _is_replica_of(key, app_name, deployment)}
 
     return fetch
+
+
+def controller_demand(controller_name: str, namespace: str, app_name: str | None, deployment: str,
+                      source: str, counts: Callable[[float], DemandCounts | None],
+                      handle: list[Any] | None = None) -> Callable[[float], bool]:
+    """`send(now)`: `counts(now)` to the controller's demand log for this app's engine replicas
+    when they are due (`DemandCounter.to_send`), without waiting for an answer; True when sent.
+    `handle`: a list holding the controller's handle to share (looked up on first use, dropped
+    when a send fails, so a restarted controller is found again)."""
+    from autoscale.controller import get_or_create_controller
+    from autoscale.keys import deployment_key_of
+
+    held: list[Any] = [] if handle is None else handle
+    key = deployment_key_of(app_name, deployment)
+
+    def send(now: float) -> bool:
+        due = counts(now)
+        if due is None:
+            return False
+        if not held:
+            held.append(get_or_create_controller(controller_name, namespace))
+        try:
+            held[0].report_demand.remote(key, source, due)
+        except Exception:
+            held.clear()
+            raise
+        return True
+
+    return send
+
+
+async def send_demand_every(send: Callable[[float], bool], period_s: float,
+                            clock: Callable[[], float] = time.time) -> None:
+    """Call `send(clock())` every `period_s`, for a source whose demand rides on no other call
+    (an engine replica serving HTTP itself: its door reads no controller view). A failed send is
+    logged and tried again next period; the counters are monotone, so nothing is lost."""
+    failures = 0
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            send(clock())
+        except Exception as exc:  # noqa: BLE001 - the controller restarting: its counts come next time
+            failures += 1
+            if failures == 1 or failures % 100 == 0:
+                logger.warning("demand report to the controller failed (%d times): %r", failures, exc)
 
 
 def _is_replica_of(key: str, app_name: str | None, deployment: str) -> bool:

@@ -148,13 +148,21 @@ class OpenAIIngress:
             limit.on_step = limit_observer(limit, "ingress", logger)
             api.state.stream_limit = limit
         # Every request this ingress answers, served or refused (429), for the autoscaler's demand;
-        # the in-flight limit's refusals go unsized (no body read). Sent with the gate's fetches.
+        # the in-flight limit's refusals go unsized (no body read).
         self.demand = DemandCounter()
-        self.gate = AdmissionGate(controller_fetch(
+        self.gate = self._admission_gate(llm, args)
+        freeze_startup_objects(logger, "the ingress")
+
+    def _admission_gate(self, llm: Any, args: AppArgs) -> AdmissionGate:
+        """The token door over the engine replicas' queues, as the controller's routing view shows
+        them (refreshed every 50 ms while requests come); the demand counters ride on its reads."""
+        return AdmissionGate(controller_fetch(
             args.controller_name, args.controller_namespace, getattr(llm, "app_name", None),
             getattr(llm, "deployment_name", "LLMServer"),
-            demand=(f"ingress:{_replica_name()}", self._demand_counts)))
-        freeze_startup_objects(logger, "the ingress")
+            demand=(self._demand_source(), self._demand_counts)))
+
+    def _demand_source(self) -> str:
+        return f"ingress:{_replica_name()}"
 
     def _demand_counts(self, now: float) -> DemandCounts | None:
         limit = api.state.stream_limit

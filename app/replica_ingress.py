@@ -10,9 +10,10 @@ few handle methods the ingress uses), so the proxy routes straight to an engine 
 deltas go from the engine to the HTTP response on one event loop, as Ray Serve LLM's direct
 streaming and vLLM's API server (engine and HTTP in one process) do.
 
-What is the same: the OpenAI routes and shapes, the proxy's door, the ingress's in-flight limit
-and token gate (now per engine replica), demand counting, the replica's own admission, disconnects
-freeing KV, /health and /metrics. What differs: the proxy chooses the replica without the
+What is the same: the OpenAI routes and shapes, the proxy's door, the ingress's in-flight limit,
+demand counting, the replica's own admission, disconnects freeing KV, /health and /metrics. The
+token gate decides on this replica's own queue (`ReplicaIngress._admission_gate`), not on the
+fleet's as the controller shows it: the request is served here or refused. What differs: the proxy chooses the replica without the
 request's prompt (it routes before reading the body), so by the replicas' reported token load
 alone, no prefix or prompt-size ranking: Serve's proxy with the app's router
 (`TokenLoadRouter`), Ray's HAProxy by least connections, on weights these replicas set from the
@@ -27,9 +28,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from app.admission import controller_fetch
+from app.admission import AdmissionGate, controller_demand, controller_fetch, send_demand_every
 from app.http_path import proxy_kind
 from app.ingress import OpenAIIngress
+from autoscale.demand import REPORT_EVERY_S
 from autoscale.haproxy_weights import WeightPusher, admin_socket, node_admin_socket_path
 from autoscale.keys import current_replica_key
 from replicas.serving.deployment import LLMServer
@@ -105,6 +107,10 @@ class ReplicaIngress(_IngressClass):
         except Exception:  # noqa: BLE001 - outside Serve (tests)
             app_name, deployment = None, "LLMServer"
         await super().__init__(LocalHandle(self.server, app_name, deployment), args)
+        # Its demand counters ride on no controller read (`_admission_gate`): sent on their own.
+        self._demand_task = asyncio.get_running_loop().create_task(send_demand_every(
+            controller_demand(args.controller_name, args.controller_namespace, app_name, deployment,
+                              self._demand_source(), self._demand_counts), REPORT_EVERY_S))
         # Behind HAProxy, its least connections steered by the replicas' token load.
         self.weights: WeightPusher | None = None
         self._weights_task: asyncio.Task[None] | None = None
@@ -116,6 +122,15 @@ class ReplicaIngress(_IngressClass):
             self._weights_task = asyncio.get_running_loop().create_task(self.weights.run())
             logger.info("HAProxy weights from the replicas' token load every %d ms, through %s",
                         args.haproxy_weight_interval_ms, path)
+
+    def _admission_gate(self, llm: Any, args: Any) -> AdmissionGate:
+        """No fleet view: every request that reaches this replica is served here (the proxy
+        chose the replica before the body was read, and nothing sends it on), so the door is this
+        replica's own queue bound, which `LLMServer` applies in process, exactly, before the engine
+        sees the request (`LLMServer._admit`). A view of the fleet's queues would admit a request
+        to this full queue because others have room, and cost a controller read every refresh
+        (up to 20 a second) on every replica: 20,000 reads a second for 1,000 busy replicas."""
+        return AdmissionGate(None)
 
     def _http_path_state(self) -> dict[str, Any]:
         return {"weights": self.weights.state() if self.weights is not None else None}
@@ -132,9 +147,9 @@ class ReplicaIngress(_IngressClass):
         return self.server.record_autoscaling_stats()
 
     async def __del__(self) -> None:  # Serve awaits it on graceful shutdown (the ASGI app's too)
-        task = getattr(self, "_weights_task", None)
-        if task is not None:
-            task.cancel()
+        for task in (getattr(self, "_weights_task", None), getattr(self, "_demand_task", None)):
+            if task is not None:
+                task.cancel()
         server = getattr(self, "server", None)
         if server is not None:
             server.shutdown()

@@ -280,3 +280,78 @@ def test_the_kept_sum_is_the_sum_over_every_ticket() -> None:
         assert gate._unreflected(loads, clock.t) == kept, step
         checked += kept != 0
     assert checked > 1000  # the sums compared were mostly not trivially 0
+
+
+def test_demand_goes_to_the_controller_when_due_and_a_failed_send_looks_it_up_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`controller_demand`: the counters go to the app's deployment key only when the counter says
+    they are due; a send that raises drops the handle, so the next one finds a restarted
+    controller."""
+    import autoscale.controller as controller_module
+    from app.admission import controller_demand
+    from autoscale.demand import DemandCounter
+
+    sent: list[tuple] = []
+    lookups: list[str] = []
+    broken = [True]
+
+    class Handle:
+        class report_demand:  # noqa: N801 - a Ray method's shape
+            @staticmethod
+            def remote(*args: object) -> None:
+                if broken[0]:
+                    broken[0] = False
+                    raise RuntimeError("controller restarting")
+                sent.append(args)
+
+    def lookup(name: str, namespace: str) -> Handle:
+        lookups.append(name)
+        return Handle()
+
+    monkeypatch.setattr(controller_module, "get_or_create_controller", lookup)
+    counter = DemandCounter()
+    send = controller_demand("ctl", "ns", "llm", "LLMServer", "ingress:r1", counter.to_send)
+    with pytest.raises(RuntimeError):  # the first send (the controller's baseline) fails
+        send(0.0)
+    counter.served(120)
+    assert send(0.5) is False and lookups == ["ctl"]  # within REPORT_EVERY_S: nothing due
+    assert send(10.0) is True and lookups == ["ctl", "ctl"]  # looked up again after the failure
+    counter.refused(30)
+    assert send(10.5) is False
+    assert send(20.0) is True and lookups == ["ctl", "ctl"]  # the handle kept while it works
+    assert send(40.0) is False  # nothing moved
+    assert [(key, source) for key, source, _ in sent] == [("SERVE_REPLICA::llm#LLMServer", "ingress:r1")] * 2
+    assert [(c.served_tokens, c.refused_tokens) for _, _, c in sent] == [(120, 0), (120, 30)]  # totals
+
+
+async def test_demand_is_sent_every_period_through_failures(await_until) -> None:  # noqa: ANN001
+    """`send_demand_every`: a send each period, on the clock it is given; a failing one is logged
+    and the loop goes on."""
+    from app.admission import send_demand_every
+
+    calls: list[float] = []
+
+    def send(now: float) -> bool:
+        calls.append(now)
+        if len(calls) == 2:
+            raise RuntimeError("controller gone")
+        return True
+
+    task = asyncio.get_running_loop().create_task(send_demand_every(send, 0.001, clock=lambda: 7.0))
+    try:
+        await await_until(lambda: len(calls) >= 4, interval_s=0.005, what="four sends")
+        assert set(calls) == {7.0} and not task.done()  # it outlived the failure
+    finally:
+        task.cancel()
+
+
+async def test_an_engine_replica_serving_http_leaves_admission_to_its_own_queue() -> None:
+    """`ingress_in_replica`: a request that reached the replica is served there or refused, so its
+    token gate reads no fleet view (no controller call per refresh) and admits whatever size; the
+    replica's own queue bound refuses (`LLMServer._admit`, tested in test_llm_server.py)."""
+    from app.replica_ingress import ReplicaIngress
+
+    gate = ReplicaIngress._admission_gate(object(), None, None)
+    assert (await gate.decide(10**9)).admitted
+    gate.settle(gate.admit(10**9))
+    assert (await gate.decide(10**9)).admitted and gate.num_failed_refreshes == 0

@@ -95,3 +95,25 @@ def test_the_engine_process_serves_and_its_metrics_are_exported(merged_url: str,
         return (tokens, ttft) if tokens >= 16 and ttft >= 1 else None
 
     wait_until(exported, interval_s=1.0, what="the engine process's metrics exported")
+
+
+def test_its_demand_reaches_the_controller_on_its_own(merged_url: str, wait_until) -> None:  # noqa: ANN001
+    """Its door reads no fleet view (the replica's own queue decides), so no read carries its
+    demand counters: they go to the controller once a second on their own, and the autoscaler
+    sees the demand it served."""
+    import ray
+
+    from autoscale.controller import get_or_create_controller
+    from autoscale.keys import deployment_key_of
+
+    controller = get_or_create_controller()  # the app's (AppArgs' default name)
+    prefix = deployment_key_of(NAME, "LLMServer") + "#"
+
+    def served_seen() -> bool:
+        # one more request each time: increments over the counters' first (baseline) report
+        assert httpx.post(f"{merged_url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
+                          timeout=120).status_code == 200
+        ids = [r for r in ray.get(controller.replica_ids.remote()) if r.startswith(prefix)]
+        return bool(ids) and ray.get(controller.snapshot.remote(ids)).served_tps > 0
+
+    wait_until(served_seen, interval_s=0.5, what="the in-replica app's served demand at the controller")
