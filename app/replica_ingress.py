@@ -31,9 +31,10 @@ from typing import Any
 from app.admission import AdmissionGate, controller_demand, controller_fetch, send_demand_every
 from app.http_path import proxy_kind
 from app.ingress import OpenAIIngress
-from autoscale.demand import REPORT_EVERY_S
+from autoscale.demand import REPORT_EVERY_S, Demand
 from autoscale.haproxy_weights import WeightPusher, admin_socket, node_admin_socket_path
-from autoscale.keys import current_replica_key
+from autoscale.keys import current_replica_key, deployment_key_of
+from autoscale.reporter import LoadReporter
 from replicas.serving.deployment import LLMServer
 
 logger = logging.getLogger(__name__)
@@ -107,10 +108,20 @@ class ReplicaIngress(_IngressClass):
         except Exception:  # noqa: BLE001 - outside Serve (tests)
             app_name, deployment = None, "LLMServer"
         await super().__init__(LocalHandle(self.server, app_name, deployment), args)
-        # Its demand counters ride on no controller read (`_admission_gate`): sent on their own.
-        self._demand_task = asyncio.get_running_loop().create_task(send_demand_every(
-            controller_demand(args.controller_name, args.controller_namespace, app_name, deployment,
-                              self._demand_source(), self._demand_counts), REPORT_EVERY_S))
+        # Its demand counters ride on no controller read (`_admission_gate`): they go with the
+        # replica's load reports, through the node relays (one flush a node, not a call a replica),
+        # or, with no reporter, to the controller on their own.
+        self._demand_task: asyncio.Task[None] | None = None
+        key, source = deployment_key_of(app_name, deployment), self._demand_source()
+        if isinstance(self.server.reporter, LoadReporter):
+            def demand(now: float) -> Demand | None:
+                counts = self._demand_counts(now)
+                return None if counts is None else (key, source, counts)
+            self.server.reporter.demand = demand
+        else:
+            self._demand_task = asyncio.get_running_loop().create_task(send_demand_every(
+                controller_demand(args.controller_name, args.controller_namespace, app_name, deployment,
+                                  source, self._demand_counts), REPORT_EVERY_S))
         # Behind HAProxy, its least connections steered by the replicas' token load.
         self.weights: WeightPusher | None = None
         self._weights_task: asyncio.Task[None] | None = None

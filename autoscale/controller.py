@@ -33,7 +33,7 @@ from typing import Any
 
 import ray
 
-from autoscale.demand import DemandCounts, DemandLog
+from autoscale.demand import Demand, DemandCounts, DemandLog
 from autoscale.keys import deployment_key
 from autoscale.load import ClusterSnapshot, LogHistogram, ReplicaLoad, TbtWindow, fleet_interval, relay_hubs
 from replicas.scheduling.histogram import NUM_BINS
@@ -89,10 +89,13 @@ class LoadBook:
         # way (held by a hub relay for a flush) must not bring them back.
         self._removed: dict[str, float] = {}
 
-    def report(self, replica_id: str, load: ReplicaLoad) -> float:
+    def report(self, replica_id: str, load: ReplicaLoad, demand: Demand | None = None) -> float:
         """Record one replica's load; its TBT histogram joins its deployment's window at receive
-        time. Returns the report period the fleet asks of each replica now (seconds)."""
+        time; `demand`, a source's counters riding with it, goes to `report_demand`. Returns the
+        report period the fleet asks of each replica now (seconds)."""
         self._record(replica_id, load, self._clock())
+        if demand is not None:
+            self.report_demand(*demand)
         return fleet_interval(len(self._loads), self.max_reports_per_s)
 
     def report_demand(self, deployment: str, source: str, counts: DemandCounts) -> None:
@@ -105,15 +108,19 @@ class LoadBook:
         log.report(source, now, counts)
 
     def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]],
-                    tbt: Mapping[str, LogHistogram] | None = None, calls: int = 1) -> tuple[float, int]:
+                    tbt: Mapping[str, LogHistogram] | None = None, calls: int = 1,
+                    demand: Sequence[Demand] = ()) -> tuple[float, int]:
         """`report` for several replicas in one call: a relay's flush. The relay sends the TBT
         gaps of all of them merged per deployment (`deployment_key` -> histogram) in `tbt`, rather
         than one histogram in each load, and `calls` is the node relays' flushes the call stands
-        for (a hub relay's merges several). Returns the report period, as `report`, and how many
+        for (a hub relay's merges several); `demand`, the demand counters that rode with the loads
+        (the newest of each source's). Returns the report period, as `report`, and how many
         hub relays the node relays should flush through (`load.relay_hubs`)."""
         now = self._clock()
         for replica_id, load in reports:
             self._record(replica_id, load, now)
+        for entry in demand:
+            self.report_demand(*entry)
         for deployment, hist in (tbt or {}).items():
             if hist:
                 self._window(deployment).add(hist, now)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, fields, replace
 
-__all__ = ["REPORT_EVERY_S", "DemandCounter", "DemandCounts", "DemandLog"]
+__all__ = ["REPORT_EVERY_S", "Demand", "DemandCounter", "DemandCounts", "DemandLog"]
 
 REPORT_EVERY_S = 1.0  # a source sends its counters at most this often, and only when they moved
 
@@ -49,6 +49,16 @@ class DemandCounts:
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))
+
+    def latest(self, other: DemandCounts) -> DemandCounts:
+        """The later of two reports of one source's counters, whichever came first: they only
+        grow, so field by field the larger (a report by actor call overtaken by a datagram)."""
+        return DemandCounts(*(max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)))
+
+
+# A source's counters as they travel with its replica's load report, through the node relays
+# (`LoadReporter.demand`): (the deployment's key, the source, its counters).
+Demand = tuple[str, str, DemandCounts]
 
 
 class DemandCounter:
@@ -109,11 +119,15 @@ class DemandLog:
         self._prune(t)
 
     def report(self, source: str, t: float, counts: DemandCounts) -> None:
-        """A source's counters at `t`: their growth since its previous report is added."""
+        """A source's counters at `t`: their growth since its previous report is added (none
+        from a report older than one already taken: relays may deliver them out of order)."""
         last = self._counters.get(source)
+        if last is None:
+            self._counters[source] = counts
+            return
+        counts = last.latest(counts)
         self._counters[source] = counts
-        if last is not None:
-            self.add(t, counts=counts - last)
+        self.add(t, counts=counts - last)
 
     def forget(self, source: str) -> None:
         """The source went away (its increments stay in the window)."""

@@ -45,6 +45,7 @@ import ray
 
 from autoscale.controller import get_or_create_controller, without_tbt
 from autoscale.datagrams import DatagramIntake, session_sockets_dir
+from autoscale.demand import Demand, DemandCounts
 from autoscale.keys import deployment_key
 from replicas.scheduling.histogram import LogHistogram
 from replicas.protocol import ReplicaLoad
@@ -60,16 +61,21 @@ class ReportRelay:
         self._pending: dict[str, ReplicaLoad] = {}  # without their histograms
         self._tbt: dict[str, LogHistogram] = {}  # deployment_key -> the gaps since the last flush
         self._calls = 0  # node relays' flushes merged in (a hub's)
+        # (deployment_key, source) -> the newest demand counters a source sent with its load
+        self._demand: dict[tuple[str, str], DemandCounts] = {}
         self.interval_s = 0.0  # the report period the controller last asked for
         self.hubs: int | None = None  # the hubs it last asked node relays to go through (None: not heard yet)
 
     def __len__(self) -> int:
-        return len(self._pending) + len(self._tbt)
+        return len(self._pending) + len(self._tbt) + len(self._demand)
 
-    def add(self, replica_id: str, load: ReplicaLoad) -> float:
+    def add(self, replica_id: str, load: ReplicaLoad, demand: Demand | None = None) -> float:
         """Keep `load` for the next flush, its TBT gaps added to its deployment's. A load older
         than the one kept (a report by actor call overtaken by a later one by datagram) only
-        adds its gaps."""
+        adds its gaps. `demand`: a source's demand counters riding with the load
+        (`LoadReporter.demand`)."""
+        if demand is not None:
+            self.add_demand(*demand)
         if load.tbt_histogram:
             self._merge(deployment_key(replica_id), load.tbt_histogram)
         kept = self._pending.get(replica_id)
@@ -77,13 +83,20 @@ class ReportRelay:
             self._pending[replica_id] = without_tbt(load, replica_id)
         return self.interval_s
 
+    def add_demand(self, deployment: str, source: str, counts: DemandCounts) -> None:
+        """Keep a source's demand counters for the next flush (the newest of those that came)."""
+        kept = self._demand.get((deployment, source))
+        self._demand[(deployment, source)] = counts if kept is None else kept.latest(counts)
+
     def add_many(self, reports: Sequence[tuple[str, ReplicaLoad]], tbt: Mapping[str, LogHistogram],
-                 calls: int) -> tuple[float, int | None]:
+                 calls: int, demand: Sequence[Demand] = ()) -> tuple[float, int | None]:
         """A node relay's flush, as `LoadBook.report_many` takes it (this relay is a hub)."""
         for replica_id, load in reports:
             self._pending[replica_id] = without_tbt(load, replica_id)
         for deployment, hist in tbt.items():
             self._merge(deployment, hist)
+        for entry in demand:
+            self.add_demand(*entry)
         self._calls += calls
         return self.interval_s, self.hubs
 
@@ -98,12 +111,13 @@ class ReportRelay:
         """Forget the replica's load; its gaps stay (they were served)."""
         self._pending.pop(replica_id, None)
 
-    def take(self) -> tuple[list[tuple[str, ReplicaLoad]], dict[str, LogHistogram], int]:
+    def take(self) -> tuple[list[tuple[str, ReplicaLoad]], dict[str, LogHistogram], int, list[Demand]]:
         """What to forward now, as `LoadBook.report_many`'s arguments (one flush, or those a hub
         merged); the relay starts over empty."""
         batch, tbt, calls = list(self._pending.items()), self._tbt, self._calls or 1
-        self._pending, self._tbt, self._calls = {}, {}, 0
-        return batch, tbt, calls
+        demand = [(deployment, source, counts) for (deployment, source), counts in self._demand.items()]
+        self._pending, self._tbt, self._calls, self._demand = {}, {}, 0, {}
+        return batch, tbt, calls, demand
 
     def took_reply(self, reply: tuple[float, int | None] | float) -> None:
         """The upstream's reply to a flush: the report period, and the hubs (a hub that has not
@@ -146,11 +160,13 @@ class NodeRelay:
         self._intake: DatagramIntake | None = None  # opened by the first report by call
         self._intake_failed = False
 
-    async def report(self, replica_id: str, load: ReplicaLoad) -> tuple[float, str | None]:
-        """Take one replica's report; returns the fleet's report period and the socket the
-        node's reporters send their next reports to as datagrams (`autoscale.datagrams`; None
-        where it could not be opened: reports keep coming by call)."""
-        self._take(replica_id, load)
+    async def report(self, replica_id: str, load: ReplicaLoad,
+                     demand: Demand | None = None) -> tuple[float, str | None]:
+        """Take one replica's report (and the demand counters riding with it); returns the
+        fleet's report period and the socket the node's reporters send their next reports to as
+        datagrams (`autoscale.datagrams`; None where it could not be opened: reports keep coming
+        by call)."""
+        self._take(replica_id, load, demand)
         if self._intake is None and not self._intake_failed:
             try:
                 self._intake = await DatagramIntake.open(self._take_datagram, session_sockets_dir())
@@ -159,14 +175,19 @@ class NodeRelay:
                 logger.warning("relay: no datagram socket, reports come by actor call: %r", exc)
         return self._relay.interval_s, self._intake.path if self._intake is not None else None
 
-    def _take(self, replica_id: str, load: ReplicaLoad) -> None:
+    def _take(self, replica_id: str, load: ReplicaLoad, demand: Demand | None = None) -> None:
         self._wake()
-        self._relay.add(replica_id, load)
+        self._relay.add(replica_id, load, demand)
 
     def _take_datagram(self, message: Any) -> None:
-        replica_id, load = message
+        """(replica_id, load) or (replica_id, load, demand), as `LoadReporter` sends them."""
+        replica_id, load, *rest = message
+        demand = rest[0] if len(rest) == 1 else None
+        if demand is not None and not (isinstance(demand, tuple) and len(demand) == 3
+                                       and isinstance(demand[2], DemandCounts)):
+            raise ValueError(f"not a demand report: {demand!r}")
         if isinstance(replica_id, str) and isinstance(load, ReplicaLoad):
-            self._take(replica_id, load)
+            self._take(replica_id, load, demand)
 
     def datagrams(self) -> dict[str, Any]:
         """The datagram intake's socket and counts (None: not opened yet, or it failed)."""
@@ -175,10 +196,10 @@ class NodeRelay:
         return {"path": self._intake.path, "received": self._intake.received, "bad": self._intake.bad}
 
     async def report_many(self, reports: Sequence[tuple[str, ReplicaLoad]], tbt: Mapping[str, LogHistogram],
-                          calls: int = 1) -> tuple[float, int | None]:
+                          calls: int = 1, demand: Sequence[Demand] = ()) -> tuple[float, int | None]:
         """Take a node relay's flush (a hub's intake); the controller's last reply."""
         self._wake()
-        return self._relay.add_many(reports, tbt, calls)
+        return self._relay.add_many(reports, tbt, calls, demand)
 
     async def remove(self, replica_id: str) -> None:
         """The replica is going: drop what it left here and tell the controller."""
@@ -209,9 +230,9 @@ class NodeRelay:
             await asyncio.sleep(self.flush_s if self.node_id is None else max(self.flush_s, self._relay.interval_s))
             if not self._relay:
                 continue
-            batch, tbt, calls = self._relay.take()
+            batch, tbt, calls, demand = self._relay.take()
             try:
-                self._relay.took_reply(await self._handle().report_many.remote(batch, tbt, calls))
+                self._relay.took_reply(await self._handle().report_many.remote(batch, tbt, calls, demand))
             except Exception as exc:  # the controller or hub restarts or is re-created: look it up again
                 logger.debug("relay flush failed: %r", exc)
                 self._upstream = None

@@ -31,6 +31,7 @@ import ray
 
 from autoscale.controller import DEFAULT_CONTROLLER_NAME, DEFAULT_NAMESPACE, get_or_create_controller
 from autoscale.datagrams import DatagramSender
+from autoscale.demand import Demand
 from autoscale.keys import current_replica_key
 from autoscale.load import ReportThrottle, TbtWindow
 from autoscale.relay import get_or_create_relay
@@ -93,6 +94,9 @@ class LoadReporter:
         self.num_datagrams = 0  # of num_sent, those that went to the node relay's socket
         self._datagrams: DatagramSender | None = None  # the node relay's socket, from its reply
         self._called_at = float("-inf")  # the last report by actor call (its timestamp)
+        # `demand(now)`: demand counters to ride with the next report when they are due (an
+        # engine replica serving HTTP itself: its ingress's, `DemandCounter.to_send`), else None.
+        self.demand: Callable[[float], Demand | None] | None = None
 
     @property
     def replica_id(self) -> str | None:
@@ -146,7 +150,7 @@ class LoadReporter:
             iteration_max_s=max(durations, default=0.0), timestamp=now)
         self._pending_tbt = LogHistogram()
         self._last_sent, self._last_tokens, self._last_load, self._last_shape = now, tokens, entry, shape
-        self._send(replica_id, entry)
+        self._send(replica_id, entry, self.demand(now) if self.demand is not None else None)
         return True
 
     def _collect_iterations(self, iterations: Sequence[Any]) -> None:
@@ -170,15 +174,18 @@ class LoadReporter:
 
     # ---- sending --------------------------------------------------------------------------
 
-    def _send(self, replica_id: str, payload: ReplicaLoad) -> None:
+    def _send(self, replica_id: str, payload: ReplicaLoad, demand: Demand | None = None) -> None:
+        """One report, with the demand counters riding on it when there are any (a lost report
+        loses no demand: the counters only grow, and the next report that carries them counts)."""
+        message = (replica_id, payload) if demand is None else (replica_id, payload, demand)
         try:
             if self._send_fn is not None:
-                self._take_interval(self._send_fn(replica_id, payload))
-            elif not self._by_datagram(replica_id, payload):
+                self._take_interval(self._send_fn(*message))
+            elif not self._by_datagram(message):
                 handle = self._handle()
                 if handle is None:
                     return
-                self._last_future = handle.report.remote(replica_id, payload).future()
+                self._last_future = handle.report.remote(*message).future()
                 self._called_at = payload.timestamp
             self.num_sent += 1
         except Exception as exc:  # reporting must never hurt serving
@@ -187,14 +194,15 @@ class LoadReporter:
             self._lookup_after = self._clock() + LOOKUP_RETRY_S
             logger.debug("load report failed: %r", exc)
 
-    def _by_datagram(self, replica_id: str, payload: ReplicaLoad) -> bool:
-        """Sent to the node relay's socket: while one is known and a call went out within a
-        heartbeat (a call's reply brings the controller's period and a restarted relay's socket).
-        A datagram that cannot go drops the socket: this report goes by call."""
+    def _by_datagram(self, message: tuple) -> bool:
+        """`message` (replica_id, load[, demand]) sent to the node relay's socket: while one is
+        known and a call went out within a heartbeat (a call's reply brings the controller's
+        period and a restarted relay's socket). A datagram that cannot go drops the socket: this
+        report goes by call."""
         sender = self._datagrams
-        if sender is None or payload.timestamp - self._called_at >= self.throttle.heartbeat_s:
+        if sender is None or message[1].timestamp - self._called_at >= self.throttle.heartbeat_s:
             return False
-        if sender.send((replica_id, payload)):
+        if sender.send(message):
             self.num_datagrams += 1
             return True
         sender.close()

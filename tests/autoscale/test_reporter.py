@@ -139,46 +139,114 @@ def test_outside_a_serve_replica_the_reporter_stays_idle():
     assert rep.replica_id is None and sink.sent == []
 
 
-def test_between_heartbeat_calls_reports_go_to_the_node_relays_socket_and_none_is_lost():
+class FakeRelay:
+    """A node relay as a reporter meets it: its datagram socket (`recv` reads one report), and
+    its `report` method, whose calls it keeps (`calls`: each call's arguments) and answers with
+    (period 0, that socket)."""
+
+    def __init__(self, parent: str) -> None:
+        import os
+        import socket
+
+        self.path = os.path.join(parent, "reports.sock")
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind(self.path)
+        self.socket.settimeout(30)
+        self.calls: list[tuple] = []
+        self.handle = SimpleNamespace(report=SimpleNamespace(remote=self._remote))
+
+    def _remote(self, *message: Any) -> Any:
+        import concurrent.futures
+
+        self.calls.append(message)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result((0.0, self.path))
+        return SimpleNamespace(future=lambda: done)
+
+    def recv(self) -> tuple:
+        import pickle
+
+        return pickle.loads(self.socket.recv(65536))
+
+
+@pytest.fixture
+def fake_relay() -> Any:
+    import shutil
+    import tempfile
+
+    parent = tempfile.mkdtemp()  # short: a Unix socket's path has a limit of ~108 bytes
+    try:
+        yield FakeRelay(parent)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_between_heartbeat_calls_reports_go_to_the_node_relays_socket_and_none_is_lost(fake_relay) -> None:  # noqa: ANN001
     """The relay's reply to a call names its datagram socket; reports then go there, one call a
     heartbeat carries the rest (the controller's period, a restarted relay's socket); a datagram
     that cannot go (the relay gone) sends that same report by call."""
-    import concurrent.futures
     import os
-    import pickle
-    import shutil
-    import socket
-    import tempfile
 
-    parent = tempfile.mkdtemp()
-    path = os.path.join(parent, "reports.sock")
-    relay = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    relay.bind(path)
-    relay.settimeout(30)
-    calls: list[ReplicaLoad] = []
+    rep = LoadReporter("r1", controller=fake_relay.handle, interval_s=0.1, heartbeat_s=1.0, clock=lambda: 0.0)
+    got = []
+    for t in range(20):  # two seconds of reports, one every 100 ms
+        assert rep.maybe_report(FakeLoad(running_tokens=100 + t), now=t / 10, tbt=(t + 1, [0.01]))
+        if rep.num_datagrams > len(got):  # read as the relay's loop does (the queue may hold 10)
+            got.append(fake_relay.recv())
+    calls = [load for _, load in fake_relay.calls]
+    assert [round(load.timestamp, 1) for load in calls] == [0.0, 1.0]  # a call a heartbeat
+    assert rep.num_sent == 20 and rep.num_datagrams == 18 and rep.num_failed == 0
+    assert [(rid, load.running_tokens) for rid, load in got] == [
+        ("r1", 100 + t) for t in range(20) if t not in (0, 10)]
+    assert sum(load.tbt_histogram.count for load in calls + [load for _, load in got]) == 20  # every gap once
+    fake_relay.socket.close()
+    os.unlink(fake_relay.path)  # the relay is gone
+    assert rep.maybe_report(FakeLoad(running_tokens=500), now=2.0)
+    assert fake_relay.calls[-1][1].running_tokens == 500 and rep.num_datagrams == 18  # went by call
 
-    def remote(replica_id: str, load: ReplicaLoad) -> Any:
-        calls.append(load)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result((0.0, path))
-        return SimpleNamespace(future=lambda: done)
 
-    rep = LoadReporter("r1", controller=SimpleNamespace(report=SimpleNamespace(remote=remote)), interval_s=0.1,
-                       heartbeat_s=1.0, clock=lambda: 0.0)
-    try:
-        got = []
-        for t in range(20):  # two seconds of reports, one every 100 ms
-            assert rep.maybe_report(FakeLoad(running_tokens=100 + t), now=t / 10, tbt=(t + 1, [0.01]))
-            if rep.num_datagrams > len(got):  # read as the relay's loop does (the queue may hold 10)
-                got.append(pickle.loads(relay.recv(65536)))
-        assert [round(load.timestamp, 1) for load in calls] == [0.0, 1.0]  # a call a heartbeat
-        assert rep.num_sent == 20 and rep.num_datagrams == 18 and rep.num_failed == 0
-        assert [(rid, load.running_tokens) for rid, load in got] == [
-            ("r1", 100 + t) for t in range(20) if t not in (0, 10)]
-        assert sum(load.tbt_histogram.count for load in calls + [load for _, load in got]) == 20  # every gap once
-        relay.close()
-        os.unlink(path)  # the relay is gone
-        assert rep.maybe_report(FakeLoad(running_tokens=500), now=2.0)
-        assert calls[-1].running_tokens == 500 and rep.num_datagrams == 18  # went by call
-    finally:
-        shutil.rmtree(parent, ignore_errors=True)
+def test_demand_counters_ride_with_the_reports_by_call_and_by_datagram(fake_relay) -> None:  # noqa: ANN001
+    """`LoadReporter.demand`: what it returns when a report goes rides with that report, by call
+    and by datagram alike, and the node relay takes it from either; with nothing due the report
+    goes as before."""
+    from autoscale.demand import DemandCounter, DemandCounts
+    from autoscale.relay import NodeRelay
+
+    calls = fake_relay.calls
+
+    def hook(counter: DemandCounter) -> Any:
+        return lambda now: None if (c := counter.to_send(now)) is None else ("app#D", "ingress:r1", c)
+
+    def reporter_at() -> LoadReporter:
+        return LoadReporter("r1", controller=fake_relay.handle, interval_s=0.1, heartbeat_s=1.0, clock=lambda: 0.0)
+
+    by_call = reporter_at()
+    by_call.demand = hook(DemandCounter())
+    assert by_call.maybe_report(FakeLoad(running_tokens=1), now=0.0)  # a call, with the baseline
+    assert calls[-1][2] == ("app#D", "ingress:r1", DemandCounts())
+
+    counter = DemandCounter()
+    rep = reporter_at()
+    assert rep.maybe_report(FakeLoad(running_tokens=1), now=0.0) and len(calls[-1]) == 2  # no hook yet
+    rep.demand = hook(counter)
+    got = []
+    for t, load_tokens in ((0.5, 2), (1.0, 3), (1.5, 4), (2.0, 5), (2.5, 6)):
+        if t == 1.0:
+            counter.served(64)
+        if t == 2.0:
+            counter.refused(10)
+        assert rep.maybe_report(FakeLoad(running_tokens=load_tokens), now=t)
+        if rep.num_datagrams > len(got):
+            got.append(fake_relay.recv())
+    assert [len(c) for c in calls[-3:]] == [2, 2, 2]  # the heartbeats' calls at 0, 1 and 2: nothing due
+    assert [m[2][2] for m in got] == [DemandCounts(), DemandCounts(served_tokens=64, served_requests=1),
+                                      counter.counts]  # each datagram a second after the last sent
+    message = got[-1]
+
+    # The relay's datagram intake takes it; what is not a demand report is refused, not kept.
+    relay = NodeRelay.__ray_actor_class__("ctl", "ns", "node")
+    relay._wake = lambda: None
+    relay._take_datagram(message)
+    assert relay._relay.take()[3] == [message[2]]
+    with pytest.raises(ValueError, match="not a demand report"):
+        relay._take_datagram(("r1", FakeLoad(), ("app#D", "x", {"served_tokens": 1})))
