@@ -51,6 +51,7 @@ import math
 import os
 import socket
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass as std_dataclass
@@ -63,7 +64,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
 from app.http_path import HA_PROXY_ENV, runs_in
-from autoscale.demand import DemandCounter, DemandCounts
+from autoscale.demand import Demand, DemandCounter, DemandCounts
 from replicas.config import STRICT
 from replicas.serving.priority import NICENESS_ENV, SERVING_NICENESS, serve_at_full_priority
 from replicas.serving.startup_gc import freeze_startup_objects
@@ -187,15 +188,26 @@ def middlewares() -> list[Middleware]:
     pending = Pending(settings.wait_target_s, time.monotonic, log=logger)
     door = Door(pending, limit, published, time.monotonic, where)
     door.apply(settings)
+    _doors.add(door)
     # Serve wraps the proxy's app in this list's order: the last one sees a request first. The
     # in-flight limit outside, so the waits only see 429s that came from the ingress.
     return [Middleware(PendingMiddleware, pending=pending, count=_refusal_counter(), door=door),
             Middleware(StreamLimitMiddleware, limit=limit, where="proxy" if where == "proxy" else "door")]
 
 
+_doors: weakref.WeakSet[Door] = weakref.WeakSet()  # the doors `middlewares` made in this process
+
+
+def doors_here() -> list[Door]:
+    """The doors serving HTTP in this process (an engine replica's own server's, in HAProxy mode)."""
+    return list(_doors)
+
+
 class Door:
     """The door's settings, applied to its two parts and read again every REFRESH_S (off the
-    event loop: the read is a call to Ray's KV store)."""
+    event loop: the read is a call to Ray's KV store). Its refusals go to the controller as
+    refused demand with those reads, unless something in its process carries them (`carried`:
+    an engine replica's load reports, `ReplicaIngress`), which asks `demand_due`."""
 
     def __init__(self, pending: Pending, limit: StreamLimit, read: Callable[[], DoorSettings | None],
                  clock: Callable[[], float], where: str = "proxy") -> None:
@@ -207,6 +219,7 @@ class Door:
         self._reading: asyncio.Task[None] | None = None
         self.demand = DemandCounter()  # its refusals are unsized: no body was read
         self.source = f"door:{socket.gethostname()}:{os.getpid()}"
+        self.carried = False  # its demand rides with this process's load reports (`demand_due`)
 
     def apply(self, settings: DoorSettings) -> None:
         if settings == self.settings:
@@ -239,10 +252,22 @@ class Door:
         settings = await asyncio.to_thread(self._read)
         if settings is not None:
             self.apply(settings)
-        counts = self.demand.to_send(self._clock(),
-                                     unsized=self.pending.num_refused_demand + self.limit.num_refused_demand)
+        if self.carried:
+            return
+        counts = self._counts_due(self._clock())
         if counts is not None and self.settings is not None and self.settings.controller_name:
             await asyncio.to_thread(self._report, self.settings, counts)
+
+    def _counts_due(self, now: float) -> DemandCounts | None:
+        return self.demand.to_send(now, unsized=self.pending.num_refused_demand + self.limit.num_refused_demand)
+
+    def demand_due(self, now: float) -> Demand | None:
+        """Its refusals as a demand report when one is due (for whoever carries them), once it
+        knows the deployment they are for (the app's published settings)."""
+        if self.settings is None or not self.settings.deployment:
+            return None
+        counts = self._counts_due(now)
+        return None if counts is None else (self.settings.deployment, self.source, counts)
 
     def _report(self, settings: DoorSettings, counts: DemandCounts) -> None:
         """The door's refusals to the controller, as refused demand (sent, not waited for)."""

@@ -28,6 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from app import proxy_door
 from app.admission import AdmissionGate, controller_demand, controller_fetch, send_demand_every
 from app.http_path import proxy_kind
 from app.ingress import OpenAIIngress
@@ -110,13 +111,19 @@ class ReplicaIngress(_IngressClass):
         await super().__init__(LocalHandle(self.server, app_name, deployment), args)
         # Its demand counters ride on no controller read (`_admission_gate`): they go with the
         # replica's load reports, through the node relays (one flush a node, not a call a replica),
-        # or, with no reporter, to the controller on their own.
+        # and so do those of the door in this replica's own HTTP server (HAProxy mode); with no
+        # reporter, to the controller on their own.
         self._demand_task: asyncio.Task[None] | None = None
         key, source = deployment_key_of(app_name, deployment), self._demand_source()
         if isinstance(self.server.reporter, LoadReporter):
-            def demand(now: float) -> Demand | None:
+            def demand(now: float) -> list[Demand]:
                 counts = self._demand_counts(now)
-                return None if counts is None else (key, source, counts)
+                due = [] if counts is None else [(key, source, counts)]
+                for door in proxy_door.doors_here():
+                    door.carried = True
+                    if (entry := door.demand_due(now)) is not None:
+                        due.append(entry)
+                return due
             self.server.reporter.demand = demand
         else:
             self._demand_task = asyncio.get_running_loop().create_task(send_demand_every(

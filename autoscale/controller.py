@@ -89,13 +89,13 @@ class LoadBook:
         # way (held by a hub relay for a flush) must not bring them back.
         self._removed: dict[str, float] = {}
 
-    def report(self, replica_id: str, load: ReplicaLoad, demand: Demand | None = None) -> float:
+    def report(self, replica_id: str, load: ReplicaLoad, demand: Sequence[Demand] = ()) -> float:
         """Record one replica's load; its TBT histogram joins its deployment's window at receive
-        time; `demand`, a source's counters riding with it, goes to `report_demand`. Returns the
+        time; `demand`, sources' counters riding with it, goes to `report_demand`. Returns the
         report period the fleet asks of each replica now (seconds)."""
         self._record(replica_id, load, self._clock())
-        if demand is not None:
-            self.report_demand(*demand)
+        for entry in demand:
+            self.report_demand(*entry)
         return fleet_interval(len(self._loads), self.max_reports_per_s)
 
     def report_demand(self, deployment: str, source: str, counts: DemandCounts) -> None:

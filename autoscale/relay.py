@@ -69,13 +69,13 @@ class ReportRelay:
     def __len__(self) -> int:
         return len(self._pending) + len(self._tbt) + len(self._demand)
 
-    def add(self, replica_id: str, load: ReplicaLoad, demand: Demand | None = None) -> float:
+    def add(self, replica_id: str, load: ReplicaLoad, demand: Sequence[Demand] = ()) -> float:
         """Keep `load` for the next flush, its TBT gaps added to its deployment's. A load older
         than the one kept (a report by actor call overtaken by a later one by datagram) only
-        adds its gaps. `demand`: a source's demand counters riding with the load
+        adds its gaps. `demand`: sources' demand counters riding with the load
         (`LoadReporter.demand`)."""
-        if demand is not None:
-            self.add_demand(*demand)
+        for entry in demand:
+            self.add_demand(*entry)
         if load.tbt_histogram:
             self._merge(deployment_key(replica_id), load.tbt_histogram)
         kept = self._pending.get(replica_id)
@@ -161,7 +161,7 @@ class NodeRelay:
         self._intake_failed = False
 
     async def report(self, replica_id: str, load: ReplicaLoad,
-                     demand: Demand | None = None) -> tuple[float, str | None]:
+                     demand: Sequence[Demand] = ()) -> tuple[float, str | None]:
         """Take one replica's report (and the demand counters riding with it); returns the
         fleet's report period and the socket the node's reporters send their next reports to as
         datagrams (`autoscale.datagrams`; None where it could not be opened: reports keep coming
@@ -175,17 +175,16 @@ class NodeRelay:
                 logger.warning("relay: no datagram socket, reports come by actor call: %r", exc)
         return self._relay.interval_s, self._intake.path if self._intake is not None else None
 
-    def _take(self, replica_id: str, load: ReplicaLoad, demand: Demand | None = None) -> None:
+    def _take(self, replica_id: str, load: ReplicaLoad, demand: Sequence[Demand] = ()) -> None:
         self._wake()
         self._relay.add(replica_id, load, demand)
 
     def _take_datagram(self, message: Any) -> None:
-        """(replica_id, load) or (replica_id, load, demand), as `LoadReporter` sends them."""
+        """(replica_id, load) or (replica_id, load, demands), as `LoadReporter` sends them."""
         replica_id, load, *rest = message
-        demand = rest[0] if len(rest) == 1 else None
-        if demand is not None and not (isinstance(demand, tuple) and len(demand) == 3
-                                       and isinstance(demand[2], DemandCounts)):
-            raise ValueError(f"not a demand report: {demand!r}")
+        demand = rest[0] if len(rest) == 1 else ()
+        if not all(isinstance(d, tuple) and len(d) == 3 and isinstance(d[2], DemandCounts) for d in demand):
+            raise ValueError(f"not demand reports: {demand!r}")
         if isinstance(replica_id, str) and isinstance(load, ReplicaLoad):
             self._take(replica_id, load, demand)
 

@@ -94,9 +94,9 @@ class LoadReporter:
         self.num_datagrams = 0  # of num_sent, those that went to the node relay's socket
         self._datagrams: DatagramSender | None = None  # the node relay's socket, from its reply
         self._called_at = float("-inf")  # the last report by actor call (its timestamp)
-        # `demand(now)`: demand counters to ride with the next report when they are due (an
-        # engine replica serving HTTP itself: its ingress's, `DemandCounter.to_send`), else None.
-        self.demand: Callable[[float], Demand | None] | None = None
+        # `demand(now)`: the demand counters due to ride with the report going now (an engine
+        # replica serving HTTP itself: its ingress's and its door's, `DemandCounter.to_send`).
+        self.demand: Callable[[float], Sequence[Demand]] | None = None
 
     @property
     def replica_id(self) -> str | None:
@@ -150,7 +150,7 @@ class LoadReporter:
             iteration_max_s=max(durations, default=0.0), timestamp=now)
         self._pending_tbt = LogHistogram()
         self._last_sent, self._last_tokens, self._last_load, self._last_shape = now, tokens, entry, shape
-        self._send(replica_id, entry, self.demand(now) if self.demand is not None else None)
+        self._send(replica_id, entry, tuple(self.demand(now)) if self.demand is not None else ())
         return True
 
     def _collect_iterations(self, iterations: Sequence[Any]) -> None:
@@ -174,10 +174,10 @@ class LoadReporter:
 
     # ---- sending --------------------------------------------------------------------------
 
-    def _send(self, replica_id: str, payload: ReplicaLoad, demand: Demand | None = None) -> None:
+    def _send(self, replica_id: str, payload: ReplicaLoad, demand: tuple[Demand, ...] = ()) -> None:
         """One report, with the demand counters riding on it when there are any (a lost report
         loses no demand: the counters only grow, and the next report that carries them counts)."""
-        message = (replica_id, payload) if demand is None else (replica_id, payload, demand)
+        message = (replica_id, payload, demand) if demand else (replica_id, payload)
         try:
             if self._send_fn is not None:
                 self._take_interval(self._send_fn(*message))
@@ -195,7 +195,7 @@ class LoadReporter:
             logger.debug("load report failed: %r", exc)
 
     def _by_datagram(self, message: tuple) -> bool:
-        """`message` (replica_id, load[, demand]) sent to the node relay's socket: while one is
+        """`message` (replica_id, load[, demands]) sent to the node relay's socket: while one is
         known and a call went out within a heartbeat (a call's reply brings the controller's
         period and a restarted relay's socket). A datagram that cannot go drops the socket: this
         report goes by call."""

@@ -14,6 +14,7 @@ from starlette.types import Message
 from app.middleware import INGRESS_MS_HEADER, StreamLimitMiddleware
 from app.proxy_door import (CALLBACK_ENV, DEFAULT_WAIT_TARGET_MS, HA_PROXY_ENV, IMPORT_PATH, NICENESS_ENV,
                             Pending, PendingMiddleware, ProxyDoorConfig, middlewares, proxy_env)
+from autoscale.demand import DemandCounts
 
 pytestmark = pytest.mark.unit
 
@@ -432,6 +433,37 @@ def test_the_doors_refusals_reach_the_controller_as_unsized_refused_demand() -> 
     door.demand._sent_at = float("-inf")
     asyncio.run(refresh())
     assert len(sent) == 2
+
+
+def test_a_door_whose_process_carries_its_demand_leaves_it_to_the_carrier() -> None:
+    """In an engine replica's own server the replica's load reports carry the door's refusals
+    (`ReplicaIngress`): `doors_here` finds it, `demand_due` gives them once the app's deployment
+    is known, and the door's own reads then send nothing."""
+    from app.proxy_door import doors_here
+
+    built = middlewares()
+    pending, door = built[0].kwargs["pending"], built[0].kwargs["door"]
+    assert door in doors_here()
+    sent: list = []
+    door._report = lambda settings, counts: sent.append(counts)
+    assert door.demand_due(0.0) is None  # no deployment yet: nothing to report against
+    settings = dataclasses.replace(ProxyDoorConfig().settings(None), controller_name="ctl",
+                                   controller_namespace="ns", deployment="SERVE_REPLICA::llm#LLMServer")
+    door._read = lambda: settings
+    door.carried = True
+
+    async def refresh() -> None:
+        door._read_at = float("-inf")
+        door.refresh()
+        await door._reading
+
+    asyncio.run(refresh())
+    assert door.settings == settings and sent == []  # read, not reported
+    assert door.demand_due(0.0) == ("SERVE_REPLICA::llm#LLMServer", door.source, DemandCounts())  # baseline
+    pending.num_refused = 3
+    assert door.demand_due(0.5) is None  # within REPORT_EVERY_S of the last
+    deployment, source, counts = door.demand_due(1.5)
+    assert counts.refused_unsized == 3 and sent == []
 
 
 def test_proxy_env_sets_the_callback_and_priority_unless_given() -> None:

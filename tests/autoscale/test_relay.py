@@ -117,12 +117,12 @@ def test_demand_rides_the_relays_to_the_controller_newest_first_in_any_order():
     old, new = DemandCounts(served_tokens=100, served_requests=1), DemandCounts(served_tokens=300, served_requests=3,
                                                                               refused_tokens=50)
     node_a, node_b, hub = ReportRelay(), ReportRelay(), ReportRelay()
-    node_a.add("app#D#a", load(1, []), ("app#D", "ingress:a", new))
-    node_a.add("app#D#a", load(1, []), ("app#D", "ingress:a", old))  # overtaken: changes nothing
+    node_a.add("app#D#a", load(1, []), [("app#D", "ingress:a", new)])
+    node_a.add("app#D#a", load(1, []), [("app#D", "ingress:a", old)])  # overtaken: changes nothing
     node_b.add_demand("app#D", "ingress:b", old)
     assert len(node_b) == 1  # demand alone is something to flush
     assert node_a.take()[3] == [("app#D", "ingress:a", new)]
-    node_a.add("app#D#a", load(1, []), ("app#D", "ingress:a", old))
+    node_a.add("app#D#a", load(1, []), [("app#D", "ingress:a", old)])
     hub.add_many(*node_a.take())
     hub.add_many(*node_b.take())
     hub.add_many([], {}, 1, [("app#D", "ingress:a", new)])
@@ -136,7 +136,7 @@ def test_demand_rides_the_relays_to_the_controller_newest_first_in_any_order():
         now[0] += 1
         book.report_many([], {}, 1, [("app#D", "ingress:a", entry)])
     now[0] += 1
-    book.report("app#D#a", load(1, []), ("app#D", "ingress:a", new))
+    book.report("app#D#a", load(1, []), [("app#D", "ingress:a", new)])
     now[0] = 14.0
     snap = book.snapshot()  # the demand log's rates over (10, 14]: the growth once
     assert (snap.served_tps, snap.refused_tps) == (200 / 4, 50 / 4)

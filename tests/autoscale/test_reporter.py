@@ -215,7 +215,7 @@ def test_demand_counters_ride_with_the_reports_by_call_and_by_datagram(fake_rela
     calls = fake_relay.calls
 
     def hook(counter: DemandCounter) -> Any:
-        return lambda now: None if (c := counter.to_send(now)) is None else ("app#D", "ingress:r1", c)
+        return lambda now: [] if (c := counter.to_send(now)) is None else [("app#D", "ingress:r1", c)]
 
     def reporter_at() -> LoadReporter:
         return LoadReporter("r1", controller=fake_relay.handle, interval_s=0.1, heartbeat_s=1.0, clock=lambda: 0.0)
@@ -223,7 +223,7 @@ def test_demand_counters_ride_with_the_reports_by_call_and_by_datagram(fake_rela
     by_call = reporter_at()
     by_call.demand = hook(DemandCounter())
     assert by_call.maybe_report(FakeLoad(running_tokens=1), now=0.0)  # a call, with the baseline
-    assert calls[-1][2] == ("app#D", "ingress:r1", DemandCounts())
+    assert calls[-1][2] == (("app#D", "ingress:r1", DemandCounts()),)
 
     counter = DemandCounter()
     rep = reporter_at()
@@ -239,7 +239,7 @@ def test_demand_counters_ride_with_the_reports_by_call_and_by_datagram(fake_rela
         if rep.num_datagrams > len(got):
             got.append(fake_relay.recv())
     assert [len(c) for c in calls[-3:]] == [2, 2, 2]  # the heartbeats' calls at 0, 1 and 2: nothing due
-    assert [m[2][2] for m in got] == [DemandCounts(), DemandCounts(served_tokens=64, served_requests=1),
+    assert [m[2][0][2] for m in got] == [DemandCounts(), DemandCounts(served_tokens=64, served_requests=1),
                                       counter.counts]  # each datagram a second after the last sent
     message = got[-1]
 
@@ -247,6 +247,6 @@ def test_demand_counters_ride_with_the_reports_by_call_and_by_datagram(fake_rela
     relay = NodeRelay.__ray_actor_class__("ctl", "ns", "node")
     relay._wake = lambda: None
     relay._take_datagram(message)
-    assert relay._relay.take()[3] == [message[2]]
-    with pytest.raises(ValueError, match="not a demand report"):
-        relay._take_datagram(("r1", FakeLoad(), ("app#D", "x", {"served_tokens": 1})))
+    assert relay._relay.take()[3] == list(message[2])
+    with pytest.raises(ValueError, match="not demand reports"):
+        relay._take_datagram(("r1", FakeLoad(), [("app#D", "x", {"served_tokens": 1})]))
