@@ -273,22 +273,6 @@ def controller_demand(controller_name: str, namespace: str, app_name: str | None
     return send
 
 
-async def send_demand_every(send: Callable[[float], bool], period_s: float,
-                            clock: Callable[[], float] = time.time) -> None:
-    """Call `send(clock())` every `period_s`, for a source whose demand rides on no other call
-    (an engine replica serving HTTP itself: its door reads no controller view). A failed send is
-    logged and tried again next period; the counters are monotone, so nothing is lost."""
-    failures = 0
-    while True:
-        await asyncio.sleep(period_s)
-        try:
-            send(clock())
-        except Exception as exc:  # noqa: BLE001 - the controller restarting: its counts come next time
-            failures += 1
-            if failures == 1 or failures % 100 == 0:
-                logger.warning("demand report to the controller failed (%d times): %r", failures, exc)
-
-
 def _is_replica_of(key: str, app_name: str | None, deployment: str) -> bool:
     from ray.serve._private.common import ReplicaID
 

@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from app import proxy_door
-from app.admission import AdmissionGate, controller_demand, controller_fetch, send_demand_every
+from app.admission import AdmissionGate, controller_fetch
 from app.http_path import proxy_kind
 from app.ingress import OpenAIIngress
-from autoscale.demand import REPORT_EVERY_S, Demand
+from autoscale.demand import Demand
 from autoscale.haproxy_weights import WeightPusher, admin_socket, node_admin_socket_path
 from autoscale.keys import current_replica_key, deployment_key_of
 from autoscale.reporter import LoadReporter
@@ -111,24 +111,11 @@ class ReplicaIngress(_IngressClass):
         await super().__init__(LocalHandle(self.server, app_name, deployment), args)
         # Its demand counters ride on no controller read (`_admission_gate`): they go with the
         # replica's load reports, through the node relays (one flush a node, not a call a replica),
-        # and so do those of the door in this replica's own HTTP server (HAProxy mode); with no
-        # reporter, to the controller on their own.
-        self._demand_task: asyncio.Task[None] | None = None
-        key, source = deployment_key_of(app_name, deployment), self._demand_source()
+        # and so do those of the door in this replica's own HTTP server (HAProxy mode). A replica
+        # with no reporter tells the controller nothing, its demand included.
+        self._demand_of = (deployment_key_of(app_name, deployment), self._demand_source())
         if isinstance(self.server.reporter, LoadReporter):
-            def demand(now: float) -> list[Demand]:
-                counts = self._demand_counts(now)
-                due = [] if counts is None else [(key, source, counts)]
-                for door in proxy_door.doors_here():
-                    door.carried = True
-                    if (entry := door.demand_due(now)) is not None:
-                        due.append(entry)
-                return due
-            self.server.reporter.demand = demand
-        else:
-            self._demand_task = asyncio.get_running_loop().create_task(send_demand_every(
-                controller_demand(args.controller_name, args.controller_namespace, app_name, deployment,
-                                  source, self._demand_counts), REPORT_EVERY_S))
+            self.server.reporter.demand = self._demand_due
         # Behind HAProxy, its least connections steered by the replicas' token load.
         self.weights: WeightPusher | None = None
         self._weights_task: asyncio.Task[None] | None = None
@@ -150,6 +137,18 @@ class ReplicaIngress(_IngressClass):
         (up to 20 a second) on every replica: 20,000 reads a second for 1,000 busy replicas."""
         return AdmissionGate(None)
 
+    def _demand_due(self, now: float) -> list[Demand]:
+        """The demand counters due to ride with the load report going now (`LoadReporter.demand`):
+        the ingress's, and those of the doors serving HTTP in this process, which leave theirs to it."""
+        key, source = self._demand_of
+        counts = self._demand_counts(now)
+        due = [] if counts is None else [(key, source, counts)]
+        for door in proxy_door.doors_here():
+            door.carried = True
+            if (entry := door.demand_due(now)) is not None:
+                due.append(entry)
+        return due
+
     def _http_path_state(self) -> dict[str, Any]:
         return {"weights": self.weights.state() if self.weights is not None else None}
 
@@ -165,9 +164,9 @@ class ReplicaIngress(_IngressClass):
         return self.server.record_autoscaling_stats()
 
     async def __del__(self) -> None:  # Serve awaits it on graceful shutdown (the ASGI app's too)
-        for task in (getattr(self, "_weights_task", None), getattr(self, "_demand_task", None)):
-            if task is not None:
-                task.cancel()
+        task = getattr(self, "_weights_task", None)
+        if task is not None:
+            task.cancel()
         server = getattr(self, "server", None)
         if server is not None:
             server.shutdown()

@@ -324,27 +324,6 @@ def test_demand_goes_to_the_controller_when_due_and_a_failed_send_looks_it_up_ag
     assert [(c.served_tokens, c.refused_tokens) for _, _, c in sent] == [(120, 0), (120, 30)]  # totals
 
 
-async def test_demand_is_sent_every_period_through_failures(await_until) -> None:  # noqa: ANN001
-    """`send_demand_every`: a send each period, on the clock it is given; a failing one is logged
-    and the loop goes on."""
-    from app.admission import send_demand_every
-
-    calls: list[float] = []
-
-    def send(now: float) -> bool:
-        calls.append(now)
-        if len(calls) == 2:
-            raise RuntimeError("controller gone")
-        return True
-
-    task = asyncio.get_running_loop().create_task(send_demand_every(send, 0.001, clock=lambda: 7.0))
-    try:
-        await await_until(lambda: len(calls) >= 4, interval_s=0.005, what="four sends")
-        assert set(calls) == {7.0} and not task.done()  # it outlived the failure
-    finally:
-        task.cancel()
-
-
 async def test_an_engine_replica_serving_http_leaves_admission_to_its_own_queue() -> None:
     """`ingress_in_replica`: a request that reached the replica is served there or refused, so its
     token gate reads no fleet view (no controller call per refresh) and admits whatever size; the
