@@ -212,16 +212,9 @@ class ReplicaOptions:
         "the engine loop runs in a process of its own beside the replica's (as vLLM's EngineCore): "
         "the replica's HTTP work, detokenizing and metrics no longer share a GIL with the passes; "
         "false: a thread of the replica's process")
-    engine_nice: int | None = Field(None, description=
-        "the engine loop's niceness (-20..19): the engine process's with engine_process, else the "
-        "loop thread's; below the replica's own (0), its passes take the cores before the "
-        "replica's HTTP work when both want them. Lowering it takes root, CAP_SYS_NICE or "
-        "RLIMIT_NICE: without, it stays and the replica logs a warning; null: the replica's")
 
     def __post_init__(self) -> None:
         _positive("max_queued_tokens", self.max_queued_tokens)
-        if self.engine_nice is not None and not -20 <= self.engine_nice <= 19:
-            raise ValueError(f"engine_nice must be in [-20, 19], got {self.engine_nice!r}")
         interval = self.stream_interval_ms
         if interval is not None and not 0 <= interval <= 10_000:
             raise ValueError(f"stream_interval_ms must be in [0, 10000], got {interval!r}")

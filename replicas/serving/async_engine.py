@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,7 +25,6 @@ from replicas.outputs import Delta, StreamText
 from replicas.scheduling.prefix_hash import PrefixSketch
 from replicas.protocol import RequestOutput, SamplingParams
 from replicas.request import Request
-from replicas.serving.priority import set_thread_niceness
 from replicas.scheduling.batch import QueueCounts
 
 logger = logging.getLogger(__name__)
@@ -110,15 +108,11 @@ async def read_stream(q: asyncio.Queue, unfinished: set[str], text: StreamText) 
 
 class AsyncEngine:
     def __init__(self, engine: Engine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
-                 stream_interval_s: float = 0.0, nice: int | None = None) -> None:
+                 stream_interval_s: float = 0.0) -> None:
         """`stream_interval_s`: a stream hands its caller a delta about this often (the first
         and the last at once), the tokens in between merged into it; 0: every pass's. The engine
-        holds them (`Engine.stream_interval_s`): deltas it would merge are not built at all.
-        `nice`: the loop thread's niceness, where the process may set it (Linux keeps one per
-        thread); None: the thread keeps the process's."""
+        holds them (`Engine.stream_interval_s`): deltas it would merge are not built at all."""
         self.engine = engine
-        self._nice = nice
-        self.niceness = os.getpriority(os.PRIO_PROCESS, 0)  # the loop thread's, once it runs
         self.wedge_timeout_s = wedge_timeout_s
         engine.stream_interval_s = stream_interval_s
         engine.outputs.deltas_by_caller = True  # the streams build and decode their deltas (`_iterate`)
@@ -230,11 +224,6 @@ class AsyncEngine:
     # ---- loop side (the engine thread) -------------------------------------------------
 
     def _run(self) -> None:
-        if self._nice is not None:
-            self.niceness = set_thread_niceness(self._nice)
-            if self.niceness > self._nice:
-                logger.warning("the engine loop runs at nice %d: it may not lower it to %d (that takes root, "
-                               "CAP_SYS_NICE or RLIMIT_NICE)", self.niceness, self._nice)
         try:
             while not self._stop.is_set():
                 self._drain_inbox()

@@ -104,7 +104,7 @@ class LLMServer:
             self.engine = ProcessEngine(ChildSpec(
                 factory, options.wedge_timeout_s, config.stream_interval_s,
                 metrics_model=config.model if backend is not None else None, tbt_slo_s=config.engine.tbt_slo_s,
-                pass_trace_dir=options.pass_trace_dir, nice=options.engine_nice), backend)
+                pass_trace_dir=options.pass_trace_dir), backend)
         else:
             engine = factory()
             if backend is not None:
@@ -112,7 +112,7 @@ class LLMServer:
             if options.pass_trace_dir is not None:
                 engine.observers.append(PassTrace(options.pass_trace_dir))
             self.engine = AsyncEngine(engine, wedge_timeout_s=options.wedge_timeout_s,
-                                      stream_interval_s=config.stream_interval_s, nice=options.engine_nice)
+                                      stream_interval_s=config.stream_interval_s)
         # Load reports to the controller at iteration granularity (only inside Serve).
         self.reporter = reporter_factory() if reporter_factory is not None else None
         if in_serve and self.reporter is not None:
@@ -306,8 +306,7 @@ class LLMServer:
         total, after = runner.compiles
         return {"path": runner.path, "compiles_since_start": total, "compiles_after_warmup": after,
                 "fallback_error": runner.fallback_error,
-                "tensor_parallel_size": self.engine.engine.config.tensor_parallel_size,
-                "engine_niceness": self.engine.niceness}
+                "tensor_parallel_size": self.engine.engine.config.tensor_parallel_size}
 
     def shutdown(self) -> None:
         """Stop load reports and the engine loop thread."""

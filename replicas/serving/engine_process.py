@@ -44,7 +44,6 @@ from replicas.outputs import Delta, StreamText, output_of
 from replicas.protocol import RequestOutput, SamplingParams, sample_id
 from replicas.scheduling.batch import QueueCounts
 from replicas.serving.async_engine import AsyncEngine, EngineDeadError, _Stream, hand_out, read_stream
-from replicas.serving.priority import set_niceness
 from replicas.serving.startup_gc import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,6 @@ class ChildSpec:
     metrics_model: str | None = None
     tbt_slo_s: float | None = None
     pass_trace_dir: str | None = None
-    nice: int | None = None  # the engine process's niceness, where it may set it
 
 
 @dataclasses.dataclass
@@ -118,7 +116,6 @@ class EngineMirror:
         self.max_model_len, self.max_batch_total_tokens = info["max_model_len"], info["max_batch_total_tokens"]
         self.vocab_size, self.block_size = info["vocab_size"], info["block_size"]
         self.tokenizer = info["tokenizer"]
-        self.niceness = info["niceness"]  # the engine process's
         self.iterations: deque[Any] = deque(maxlen=ITERATIONS_KEPT)
         self.pass_time = _PassTime() if info["pass_time"] else None
         self.peers = None  # no tensor-parallel group (refused with replica.engine_process)
@@ -291,10 +288,6 @@ class ProcessEngine:
             for stream in list(self._streams.values()):
                 stream.put(self.error)
             self._streams.clear()
-
-    @property
-    def niceness(self) -> int:
-        return self.engine.niceness
 
     @property
     def tbt_snapshot(self) -> tuple[int, tuple[float, ...]]:
@@ -547,13 +540,6 @@ def child_main(fd: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s")
     conn = Connection(fd)
     _, spec = pickle.loads(conn.recv_bytes())
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    if spec.nice is not None:  # before the engine starts its threads: they inherit it
-        niceness = set_niceness(spec.nice, lower_only=False)
-        if niceness > spec.nice:
-            logger.warning("the engine process runs at nice %d: it may not lower it to %d (that takes root, "
-                           "CAP_SYS_NICE or RLIMIT_NICE), so the replica's HTTP work competes with its passes "
-                           "on equal terms under load", niceness, spec.nice)
     try:
         engine = spec.factory()
         forwarding = None
@@ -571,8 +557,7 @@ def child_main(fd: int) -> None:
         return
     info = {"config": engine.config, "max_model_len": engine.max_model_len,
             "max_batch_total_tokens": engine.max_batch_total_tokens, "vocab_size": engine.vocab_size,
-            "block_size": engine.block_size, "tokenizer": engine.tokenizer, "pass_time": engine.pass_time is not None,
-            "niceness": niceness}
+            "block_size": engine.block_size, "tokenizer": engine.tokenizer, "pass_time": engine.pass_time is not None}
     state, ops, _ = core.state()  # the warm-up's passes are not the replica's
     freeze_startup_objects(logger, "the engine process", own_process=True)
     core.send(("ready", (info, state, ops)))

@@ -44,8 +44,7 @@ def test_health_and_models(client: httpx.Client, serve_app) -> None:  # noqa: AN
     assert health["gc"]["frozen"] > 10_000 and health["gc"]["threshold"][0] == GEN0_THRESHOLD
     # which forward path the replica runs, and nothing compiled (the CPU path compiles nothing)
     assert health["runner"] == {"path": "sdpa", "compiles_since_start": 0, "compiles_after_warmup": 0,
-                                "fallback_error": None, "tensor_parallel_size": 1,
-                                "engine_niceness": 0}
+                                "fallback_error": None, "tensor_parallel_size": 1}
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     [card] = models["data"]

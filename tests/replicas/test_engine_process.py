@@ -310,28 +310,6 @@ def test_the_engine_process_exits_with_its_parent(tmp_path: object, wait_until: 
     wait_until(gone, what="the orphaned engine process exited")
 
 
-def test_the_engine_loop_runs_at_its_own_niceness(wait_until: Callable) -> None:
-    """`replica.engine_nice`: every thread of the engine process runs at it (the threads it starts
-    later inherit it), or on a thread, the loop thread alone; the replica's process keeps its
-    own. Raised here, which takes no right; lowering it is the same call where the process may."""
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    nice = min(own + 3, 19)
-    engine = ProcessEngine(spec(nice=nice))
-    try:
-        assert engine.niceness == nice
-        tasks = [int(t) for t in os.listdir(f"/proc/{engine._proc.pid}/task")]
-        assert len(tasks) > 1 and {os.getpriority(os.PRIO_PROCESS, t) for t in tasks} == {nice}
-    finally:
-        engine.shutdown()
-    thread = AsyncEngine(Engine.from_pretrained(MODEL, CONFIG), nice=nice)
-    try:
-        wait_until(lambda: thread.niceness == nice, what="the loop thread at its niceness")
-        assert os.getpriority(os.PRIO_PROCESS, thread._thread.native_id) == nice
-        assert os.getpriority(os.PRIO_PROCESS, 0) == own
-    finally:
-        thread.shutdown()
-
-
 def test_starting_fails_with_the_childs_reason() -> None:
     bad = ChildSpec(functools.partial(Engine.from_pretrained, "embedded:no-such-model", CONFIG), 60, 0.0)
     with pytest.raises(RuntimeError, match="failed to start: .*no-such-model"):
