@@ -40,7 +40,7 @@ def test_counts_follow_the_engine():
     assert value(reg, p + "tbt_slo_tokens_total", within_slo="true") == 15  # a 10 s SLO: all within
     assert value(reg, p + "num_requests_running") == 0 and value(reg, p + "kv_cache_usage_perc") == 0
     # Aborts are counted too.
-    req = eng.add_request([5, 6], SamplingParams(max_tokens=50))
+    req = eng.add_request([5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
     eng.abort(req.request_id)
     assert value(reg, p + "request_success_total", finished_reason="abort") == 1
