@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from replicas.execution.sampler import find_stop_string
 
 # Trailing prompt tokens decoded as context so the first output token gets its leading
 # space right (sentencepiece-style tokenizers drop it when a token is decoded alone).
@@ -253,3 +252,13 @@ def _decode_stream(context_ids: list[int]):  # noqa: ANN202 - tokenizers.decoder
         return DecodeStream(ids=context_ids, skip_special_tokens=True)
     except (ImportError, TypeError):  # tokenizers too old for a prefilled stream
         return None
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
+    """Earliest stop string in `text` that ends after `search_from`; (index, stop) or None."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, search_from - len(s) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

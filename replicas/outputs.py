@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
 from replicas.detokenizer import IncrementalDetokenizer, token_array
-from replicas.execution.guided import Grammars
 from replicas.protocol import RequestOutput, TokenLogprob
 from replicas.request import Request, RequestStatus
+
+if TYPE_CHECKING:  # torch's: a replica serving HTTP beside its engine process never loads it
+    from replicas.execution.guided import Grammars
 
 _STOPPED, _LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 

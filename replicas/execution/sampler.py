@@ -413,13 +413,3 @@ def _race(probs: torch.Tensor, e: torch.Tensor, index: torch.Tensor) -> torch.Te
     `index`: the token id of each column (candidates, sorted)."""
     choice = (probs / e.clamp_min_(1e-30)).argmax(dim=-1, keepdim=True)
     return index.gather(1, choice).squeeze(1)
-
-
-def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
-    """Earliest stop string in `text` that ends after `search_from`; (index, stop) or None."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, search_from - len(s) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    return best

@@ -17,15 +17,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replicas.config import DEFAULT_WEDGE_TIMEOUT_S
-from replicas.engine import Engine
 from replicas.outputs import Delta, StreamText
 from replicas.scheduling.prefix_hash import PrefixSketch
 from replicas.protocol import RequestOutput, SamplingParams
 from replicas.request import Request
 from replicas.scheduling.batch import QueueCounts
+
+if TYPE_CHECKING:  # torch's: the engine process's parent streams without loading it
+    from replicas.engine import Engine
 
 logger = logging.getLogger(__name__)
 

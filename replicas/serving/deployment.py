@@ -21,16 +21,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 
 from replicas.scheduling import admission
 from replicas.serving.async_engine import AsyncEngine, EngineDeadError
 from replicas.config import ReplicaConfig
-from replicas.engine import Engine
 from replicas.serving.metric_backends import Backend, RayBackend
 from replicas.serving.metrics import EngineMetrics
-from replicas.loading.models import load_model
 from replicas.serving.pass_trace import PassTrace
 from replicas.serving.engine_process import ChildSpec, ProcessEngine
 from replicas.protocol import (Acknowledged, QueueFullError, QueueTimeoutError,
@@ -40,9 +38,12 @@ from replicas.serving.priority import serve_at_full_priority
 from replicas.serving.startup_gc import freeze_startup_objects
 from replicas.serving.serve_logs import use_serve_log
 
+if TYPE_CHECKING:  # torch's: with replica.engine_process only the engine process loads it
+    from replicas.engine import Engine
+
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[], Engine]
+EngineFactory = Callable[[], "Engine"]
 MAX_TRANSIT_CREDIT_S = 60.0  # time before this replica counted toward TTFT, at most (no deadline)
 
 
@@ -70,6 +71,8 @@ def build_engine(config: ReplicaConfig, share: float | None = None) -> Engine:
     share = _gpu_share() if share is None else share
     if fraction is not None and share < 1:
         engine_config = engine_config.replace(kv_cache_memory_fraction=fraction * share)
+    from replicas.engine import Engine
+
     return Engine.from_pretrained(config.model, engine_config)
 
 
