@@ -1,4 +1,4 @@
-"""Token sampling (greedy / temperature / top-k / top-p / per-request seed) and stop checks.
+"""Token sampling (greedy / temperature / top-k / top-p / per-request seed).
 
 All rows that sample are handled together. Rows that keep the whole distribution (no top-k, no
 top-p) draw by its CDF: one cumulative sum and one uniform per row, no noise over the vocabulary.
