@@ -183,7 +183,8 @@ class NodeRelay:
         """(replica_id, load) or (replica_id, load, demands), as `LoadReporter` sends them."""
         replica_id, load, *rest = message
         demand = rest[0] if len(rest) == 1 else ()
-        if not all(isinstance(d, tuple) and len(d) == 3 and isinstance(d[2], DemandCounts) for d in demand):
+        if not (isinstance(demand, tuple)
+                and all(isinstance(d, tuple) and len(d) == 3 and isinstance(d[2], DemandCounts) for d in demand)):
             raise ValueError(f"not demand reports: {demand!r}")
         if isinstance(replica_id, str) and isinstance(load, ReplicaLoad):
             self._take(replica_id, load, demand)

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-
 # Trailing prompt tokens decoded as context so the first output token gets its leading
 # space right (sentencepiece-style tokenizers drop it when a token is decoded alone).
 _CONTEXT_TOKENS = 5

@@ -66,13 +66,13 @@ def build_engine(config: ReplicaConfig, share: float | None = None) -> Engine:
     """The default engine factory: load the model and build the engine. A replica given part of
     a GPU (num_gpus < 1) sizes its memory from that part (`share`; None: as Ray gave this
     process): replicas sharing a device split it."""
+    from replicas.engine import Engine  # here: a replica with an engine process never loads torch
+
     engine_config = config.engine
     fraction = engine_config.kv_cache_memory_fraction
     share = _gpu_share() if share is None else share
     if fraction is not None and share < 1:
         engine_config = engine_config.replace(kv_cache_memory_fraction=fraction * share)
-    from replicas.engine import Engine
-
     return Engine.from_pretrained(config.model, engine_config)
 
 
