@@ -1,9 +1,9 @@
-"""Tensor parallelism on CPU (gloo, two processes: this one is rank 0, rank 1 a worker forked from
-a server that has imported torch): every architecture the loader accepts that ships a plan gives TP=1's logits within 1e-5 and its
-greedy tokens; a whole continuous-batching run (chunked prefill, prefix hits, preemption, n > 1,
-seeded sampling, logprobs) gives identical tokens; a model the plan cannot shard is refused
-before any worker starts; a worker killed mid-run fails the pass at once and breaks the group
-for good (the replica turns unhealthy), and closing still returns."""
+"""Tensor parallelism on CPU (gloo, two processes: this one is rank 0, rank 1 a worker forked from a
+server that has imported torch): every architecture the loader accepts that ships a plan gives
+TP=1's logits within 1e-5 and its greedy tokens; a whole continuous-batching run (chunked prefill,
+prefix hits, preemption, n > 1, seeded sampling, logprobs) gives identical tokens; a model the plan
+cannot shard is refused before any worker starts; a worker killed mid-run fails the pass at once and
+breaks the group for good (the replica turns unhealthy), and closing still returns."""
 
 from __future__ import annotations
 
