@@ -165,7 +165,9 @@ def engine_decode(engine: Engine, batch: int, context: int, steps: int, peak_byt
 def hf_decode(model: PreTrainedModel, batch: int, context: int, steps: int, peak_bytes_s: float,
               compiled: bool) -> dict[str, Any]:
     """HF's own decode step over a StaticCache (sdpa, greedy token picked on the device), eager or
-    `torch.compile`d (reduce-overhead: CUDA graphs on a GPU); the context grows as it decodes."""
+    `torch.compile`d (reduce-overhead: CUDA graphs on a GPU; on CPU, a rehearsal, dynamo's eager
+    backend as the probe's: the same graphs and guards, no C++ to build); the context grows as it
+    decodes."""
     model.set_attn_implementation("sdpa")
     device = model.device
     cache = StaticCache(config=model.config, max_cache_len=context + WARM_STEPS + steps + 1)
@@ -176,8 +178,10 @@ def hf_decode(model: PreTrainedModel, batch: int, context: int, steps: int, peak
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     forward = model.forward
     if compiled:
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-        forward = torch.compile(model.forward, mode=mode, dynamic=False)
+        if device.type == "cuda":
+            forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+        else:
+            forward = torch.compile(model.forward, backend="eager", dynamic=False)
     times, first = [], None
     for i in range(WARM_STEPS + steps):
         positions = torch.full((batch, 1), context + i, device=device)
