@@ -34,14 +34,21 @@ REPO = Path(__file__).resolve().parents[2]
 STOP_S = 60.0  # serve run shuts Serve and Ray down in this time at most
 
 
+DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+
+
 def serve_run_config(app_args: dict[str, Any], port: int, ha_proxy: bool = True) -> dict[str, Any]:
-    """serve_config.yaml with `app_args` as its application's `args:`, HTTP on 127.0.0.1:`port`;
-    without `ha_proxy`, on Serve's Python proxy (its HAProxy switch taken out)."""
+    """serve_config.yaml with `app_args` as its application's `args:`, HTTP on 127.0.0.1:`port`,
+    its replicas stopping without the window they stay open for HAProxy to take them out (5 s
+    as shipped; these servers stop only at the end of their test); without `ha_proxy`, on
+    Serve's Python proxy (its HAProxy switch taken out)."""
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     config["applications"][0]["args"] = app_args
     config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}
+    env_vars = config["controller_options"]["runtime_env"]["env_vars"]
+    env_vars[DRAIN_ENV] = "0"
     if not ha_proxy:
-        del config["controller_options"]["runtime_env"]["env_vars"][HA_PROXY_ENV]
+        del env_vars[HA_PROXY_ENV]
     return config
 
 
