@@ -6,10 +6,8 @@ import argparse
 import sys
 import time
 
-from replicas.config import POLICIES, EngineConfig
-from replicas.engine import Engine
-from replicas.loading.models import DEFAULT_MODEL
-from replicas.request import SamplingParams
+from replicas.config import DEFAULT_MODEL, POLICIES, EngineConfig
+from replicas.protocol import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,14 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     engine = None
     try:
-        engine = Engine.from_pretrained(args.model, EngineConfig(policy=args.policy,
-                                                                 tensor_parallel_size=args.tensor_parallel_size))
+        # What the arguments alone decide is refused before torch and the model load (seconds).
+        if not args.prompt and not args.chat:
+            raise ValueError("prompt must not be empty")
+        config = EngineConfig(policy=args.policy, tensor_parallel_size=args.tensor_parallel_size)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+        from replicas.engine import Engine
+
+        engine = Engine.from_pretrained(args.model, config)
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
         req = engine.add_request(prompt, params)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -23,6 +23,21 @@ def test_cli_streams_the_engines_greedy_text():
     assert proc.stdout.rstrip("\n") == expected.rstrip("\n")
 
 
-def test_cli_rejects_an_empty_prompt():
-    proc = run("--model", "embedded:tiny", "--prompt", "", "--max-tokens", "5")
-    assert proc.returncode == 2 and "prompt must not be empty" in proc.stderr
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "prompt must not be empty"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be in [0, 2]"),
+    (["--prompt", "hi", "--tensor-parallel-size", "0"], "tensor_parallel_size must be a positive integer"),
+])
+def test_cli_refuses_bad_arguments_before_loading_torch(args: list[str], message: str):
+    """Refused at once (exit 2, the reason on stderr), before torch and the model load."""
+    code = ("import sys; from replicas.__main__ import main; rc = main(sys.argv[1:]); "
+            "print('torch' in sys.modules); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, "--model", "embedded:tiny", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_cli_refuses_what_only_the_model_can_tell():
+    proc = run("--model", "embedded:tiny", "--prompt", "hi", "--max-tokens", "100000")
+    assert proc.returncode == 2 and "maximum context length" in proc.stderr, proc.stderr
