@@ -251,11 +251,12 @@ class AsyncEngine:
                 self._publish()
                 self._deliver_all(outputs)
             self._refuse_inbox(EngineDeadError("engine loop stopped"))
-        except BaseException as exc:  # pragma: no cover - last resort, reported by health
+        except BaseException as exc:  # a fatal pass (a broken tensor-parallel group), or a bug
+            # The thread ends here. Kept for health (the replica turns unhealthy and Serve replaces
+            # it) and logged once: raised on, threading's hook would print it a second time.
             self.error = exc
             logger.exception("engine loop died")
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
-            raise
 
     def _tell_idle(self) -> None:
         """On becoming idle, and every IDLE_REFRESH_S after, let observers record the empty load."""

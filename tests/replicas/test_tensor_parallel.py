@@ -130,6 +130,7 @@ def test_a_killed_worker_fails_the_pass_and_breaks_the_group(tmp_path: Path) -> 
     assert engine.peers.stopped
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # the loop ends, logged once
 def test_a_replica_whose_worker_dies_mid_stream_ends_it_with_an_error_and_turns_unhealthy(tmp_path: Path) -> None:
     """The Serve replica class over a TP=2 engine: a stream in flight ends with an error (the
     ingress sends it as an error event), health fails (Serve replaces the replica), and a new
