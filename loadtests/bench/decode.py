@@ -7,7 +7,7 @@ Check 1 (equal contexts): B running decodes with the same short context (B = 8, 
 engine's pass (`Engine.step()`: schedule, metadata, forward with paged attention, sampling,
 postprocess) against the model's bare forward over the same B tokens (HF, sdpa, no KV cache,
 `use_cache=False`): the engine's price for paging, batching and bookkeeping. Beside it, HF's own
-decode step over the same B contexts (`past_key_values`: a StaticCache holding each sequence's
+decode step over the same B contexts (a StaticCache holding each sequence's
 context contiguously, cropped back after every step): the same work, attention over the context
 included, with no paging, scheduling or sampling. The bare forward reads no KV at all; at
 B = 64 x 128 tokens of fp32 context that KV is about as many bytes as the model's weights, so
@@ -29,6 +29,7 @@ Medians over the timed passes; this machine is shared and noisy: read ratios wit
 from __future__ import annotations
 
 import contextlib
+import inspect
 import statistics
 import time
 from collections.abc import Iterator
@@ -119,13 +120,14 @@ def hf_decode_step(engine: Engine, batch: int, context: int) -> Any:
     cache = StaticCache(config=engine.model.config, max_cache_len=context + 1)
     step_ids = torch.randint(10, engine.vocab_size, (batch, 1), generator=g)
     positions = torch.full((batch, 1), context)
+    # transformers renamed past_key_values to cache (the old name deprecated, then gone)
+    name = "cache" if "cache" in inspect.signature(engine.model.model.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        engine.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        engine.model(input_ids=ids, use_cache=True, **{name: cache})
 
     def step() -> Any:
         with torch.inference_mode():
-            out = engine.model(input_ids=step_ids, position_ids=positions, past_key_values=cache,
-                               use_cache=True)
+            out = engine.model(input_ids=step_ids, position_ids=positions, use_cache=True, **{name: cache})
         cache.crop(-1)
         return out
     return step

@@ -11,6 +11,7 @@ from loadtests.bench.decode import (FORWARD_PARTS, PHASES, equal_case, fill, hf_
 pytestmark = pytest.mark.engine
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")  # the cache argument by the name transformers uses now
 def test_hf_decode_steps_attend_over_the_same_context_every_time() -> None:
     engine = make_engine("embedded:tiny", [40] * 3, threads=1)
     step = hf_decode_step(engine, batch=3, context=40)
