@@ -178,9 +178,7 @@ class Engine:
                 "trust_remote_code": config.trust_remote_code, "tensor_parallel_size": config.tensor_parallel_size}
         if config.tensor_parallel_size == 1:
             return cls(*load_model(**load), config)
-        # Refused before any start. The workers get the directory it resolved to: they read no
-        # model cache of their own (a forked worker has the environment of its server's start).
-        load["model"], _, _ = load_config(model, config.trust_remote_code, config.tensor_parallel_size)
+        load_config(model, config.trust_remote_code, config.tensor_parallel_size)  # refused before any start
         peers = start_group(config.tensor_parallel_size, config.device, config.num_threads)
         try:
             peers.load(load)  # the workers load their shards as rank 0 loads its own

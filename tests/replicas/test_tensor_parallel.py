@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.execution.parallel import Peers, WorkerLost
+from replicas.execution.parallel import WorkerLost
 from replicas.loading.model_support import VERIFIED_MODEL_TYPES, tensor_parallel_plan
 from replicas.loading.models import resolve_model_path
 
@@ -84,21 +84,6 @@ def test_a_whole_continuous_batching_run_is_identical(tmp_path: Path) -> None:
     for a, b in zip(one, two, strict=True):
         if a.logprobs:
             assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
-
-
-def test_the_workers_load_the_directory_rank_0_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker forks from a server started with the first group, with that moment's environment:
-    it is sent the model's directory, never a name to resolve against a model cache of its own."""
-    sent = []
-    load = Peers.load
-    monkeypatch.setattr(Peers, "load", lambda self, kwargs: (sent.append(dict(kwargs)), load(self, kwargs))[1])
-    engine = Engine.from_pretrained("embedded:tiny", EngineConfig(tensor_parallel_size=2, num_threads=1))
-    try:
-        out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    finally:
-        engine.close()
-    assert [s["model"] for s in sent] == [resolve_model_path("embedded:tiny")] and Path(sent[0]["model"]).is_dir()
-    assert len(out[0].token_ids) == 3
 
 
 def test_a_model_the_plan_cannot_shard_is_refused_before_any_worker(tmp_path: Path) -> None:
