@@ -6,7 +6,8 @@ see `app.builder`), as Ray Serve LLM places vLLM's. Elsewhere (`python -m replic
 are processes on this host, forked from a server process that has imported this module and
 nothing else (multiprocessing's forkserver): a worker starts in ~0.1 s instead of ~5 s of torch
 and transformers imports, and never inherits a torch that has run (whose thread pools a fork may
-hang in) or touched CUDA. Either way they meet rank 0 at its node's address
+hang in) or touched CUDA; each takes this process's environment of the moment, as a spawned one
+would. Either way they meet rank 0 at its node's address
 on a port it found free, and then run `worker_loop`: load a shard, build a runner, replay passes.
 """
 
@@ -31,8 +32,13 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 10.0  # a worker's exit, after the stop message
 
 
-def worker_loop(rank: int, rendezvous: Rendezvous, threads: int | None, local_rank: int = 0) -> None:
-    """A worker's life: join the group, then obey rank 0's messages until it says stop."""
+def worker_loop(rank: int, rendezvous: Rendezvous, threads: int | None, local_rank: int = 0,
+                environ: dict[str, str] | None = None) -> None:
+    """A worker's life: join the group, then obey rank 0's messages until it says stop. `environ`:
+    the environment to take first (a forked worker's is its server's, from that one's start)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ["LOCAL_RANK"] = str(local_rank)  # transformers binds the rank's device by it
     if threads:
         torch.set_num_threads(threads)
@@ -79,7 +85,10 @@ class LocalWorkers:
 
     def __init__(self, rendezvous: Rendezvous, threads: int | None) -> None:
         ctx = worker_context()
-        self.procs = [ctx.Process(target=worker_loop, args=(rank, rendezvous, threads, rank), daemon=True,
+        # This process's environment now, as a spawned worker had it (the model cache, the devices
+        # it may see: CUDA is not touched before the worker's own first use).
+        environ = dict(os.environ)
+        self.procs = [ctx.Process(target=worker_loop, args=(rank, rendezvous, threads, rank, environ), daemon=True,
                                   name=f"tp-worker-{rank}") for rank in range(1, rendezvous.world_size)]
         for p in self.procs:
             p.start()

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.execution.parallel import WorkerLost
+from replicas.loading.model_files import planned_build
 from replicas.loading.model_support import VERIFIED_MODEL_TYPES, tensor_parallel_plan
 from replicas.loading.models import resolve_model_path
 
@@ -84,6 +85,24 @@ def test_a_whole_continuous_batching_run_is_identical(tmp_path: Path) -> None:
     for a, b in zip(one, two, strict=True):
         if a.logprobs:
             assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+
+
+def test_a_worker_takes_the_environment_of_its_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers fork from a server started with the process's first group. A later group's worker
+    still sees the environment of its own start: here a model cache set after the server began,
+    in which `embedded:tiny` is another model (with the server's cache, rank 1 would load the
+    real one, and the group could not agree)."""
+    run(tiny_model("llama", tmp_path), 2, SamplingParams(max_tokens=1))  # the server is up
+    other = tiny_model("qwen2", tmp_path)
+    monkeypatch.setenv("STALLFREE_CACHE", str(tmp_path / "cache"))
+    planted = planned_build("embedded:tiny").dir  # where the new cache keeps it: planted, not built
+    planted.parent.mkdir(parents=True)
+    Path(other).rename(planted)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    one, two = run("embedded:tiny", 1, params), run("embedded:tiny", 2, params)
+    assert one[0].logprobs[0][1][0][0] < 256  # the planted model's vocabulary, not the real tiny's
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    assert max(abs(x[0] - y[0]) for x, y in zip(one[0].logprobs, two[0].logprobs, strict=True)) <= 1e-5
 
 
 def test_a_model_the_plan_cannot_shard_is_refused_before_any_worker(tmp_path: Path) -> None:
