@@ -10,6 +10,15 @@ from replicas.config import DEFAULT_MODEL, POLICIES, EngineConfig
 from replicas.protocol import SamplingParams
 
 
+def reason(exc: ValueError) -> str:
+    """The refusal in a line: a settings error as its messages alone (pydantic's carry the input
+    echoed back and a link)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m replicas", description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory, .gguf file, hub id, or embedded:smollm2|tiny|mid")
@@ -42,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         req = engine.add_request(prompt, params)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {reason(exc)}", file=sys.stderr)
         if engine is not None:
             engine.close()
         return 2

@@ -25,8 +25,8 @@ def test_cli_streams_the_engines_greedy_text():
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "prompt must not be empty"),
-    (["--prompt", "hi", "--temperature", "-1"], "temperature must be in [0, 2]"),
-    (["--prompt", "hi", "--tensor-parallel-size", "0"], "tensor_parallel_size must be a positive integer"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be in [0, 2], got -1.0"),
+    (["--prompt", "hi", "--tensor-parallel-size", "0"], "tensor_parallel_size must be a positive integer, got 0"),
 ])
 def test_cli_refuses_bad_arguments_before_loading_torch(args: list[str], message: str):
     """Refused at once (exit 2, the reason on stderr), before torch and the model load."""
@@ -34,7 +34,7 @@ def test_cli_refuses_bad_arguments_before_loading_torch(args: list[str], message
             "print('torch' in sys.modules); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, "--model", "embedded:tiny", *args],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr  # one line: the reason
     assert proc.stdout.strip() == "False"
 
 
