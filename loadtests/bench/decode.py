@@ -111,6 +111,12 @@ def bare_forward(engine: Engine, tokens: int) -> Any:
     return lambda: engine.model(input_ids=ids, use_cache=False)  # no attn_meta: plain sdpa
 
 
+def cache_kwarg(model: Any) -> str:
+    """The name an HF causal LM's forward takes its KV cache by: transformers renamed
+    `past_key_values` to `cache` (the old name deprecated, then gone)."""
+    return "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+
+
 def hf_decode_step(engine: Engine, batch: int, context: int) -> Any:
     """HF's own decode step: B sequences of `context` cached tokens in a StaticCache (contiguous,
     written in place, no padding: equal lengths), one new token each; the cache is cropped back
@@ -120,8 +126,7 @@ def hf_decode_step(engine: Engine, batch: int, context: int) -> Any:
     cache = StaticCache(config=engine.model.config, max_cache_len=context + 1)
     step_ids = torch.randint(10, engine.vocab_size, (batch, 1), generator=g)
     positions = torch.full((batch, 1), context)
-    # transformers renamed past_key_values to cache (the old name deprecated, then gone)
-    name = "cache" if "cache" in inspect.signature(engine.model.model.forward).parameters else "past_key_values"
+    name = cache_kwarg(engine.model)
     with torch.inference_mode():
         engine.model(input_ids=ids, use_cache=True, **{name: cache})
 

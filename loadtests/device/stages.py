@@ -11,7 +11,6 @@ synchronize after every step.
 from __future__ import annotations
 
 import copy
-import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, StaticCache
 
-from loadtests.bench.decode import fill
+from loadtests.bench.decode import cache_kwarg, fill
 from replicas.engine import Engine
 from replicas.execution.kv_memory import weight_bytes
 from replicas.loading.model_support import kv_shape
@@ -171,8 +170,7 @@ def hf_decode(model: PreTrainedModel, batch: int, context: int, steps: int, peak
     model.set_attn_implementation("sdpa")
     device = model.device
     cache = StaticCache(config=model.config, max_cache_len=context + WARM_STEPS + steps + 1)
-    # transformers renamed past_key_values to cache (the old name deprecated, then gone)
-    cache_arg = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    cache_arg = cache_kwarg(model)
     ids = torch.tensor(prompts([context] * batch, model.config.vocab_size, seed=3), device=device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
     token = out.logits[:, -1].argmax(-1, keepdim=True)

@@ -7,8 +7,8 @@ are processes on this host, forked from a server process that has imported this 
 nothing else (multiprocessing's forkserver): a worker starts in ~0.1 s instead of ~5 s of torch
 and transformers imports, and never inherits a torch that has run (whose thread pools a fork may
 hang in) or touched CUDA; each takes this process's environment of the moment, as a spawned one
-would. Either way they meet rank 0 at its node's address
-on a port it found free, and then run `worker_loop`: load a shard, build a runner, replay passes.
+would. Either way they meet rank 0 at its node's address on a port it found free, and then run
+`worker_loop`: load a shard, build a runner, replay passes.
 """
 
 from __future__ import annotations

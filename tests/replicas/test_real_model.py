@@ -51,8 +51,8 @@ def prompts(smol) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(smol, prompts) -> list[Reference]:
     """HF greedy `generate` per prompt; prompts of one length go as one batch (no padding, so
-    each row is the prompt alone, up to its EOS: a 135M model's decode step on this CPU is memory-bound, ~75 ms
-    whether it carries one row or ten)."""
+    each row is the prompt alone, up to its EOS: a 135M model's decode step on this CPU is
+    memory-bound, ~75 ms whether it carries one row or ten)."""
     model = smol[0]
     refs: list[Reference | None] = [None] * len(prompts)
     by_length: dict[int, list[int]] = {}
